@@ -1,0 +1,67 @@
+"""tokenspeed-kernel: stable LLM-inference operators over a registry of kernels.
+
+A runtime calls the operators below; a selector picks the best registered kernel for each
+request on the tensors' own device. Pure-torch reference kernels make every op run anywhere.
+"""
+
+from . import plugins as _plugins  # noqa: F401  (installs the lazy plugin loader)
+from .errors import Candidate, UnsupportedError
+from .ops.attention import (
+    AttentionRequest,
+    KVStoreRequest,
+    kvcache_store,
+    mha_decode_with_kvcache,
+    mha_extend_with_kvcache,
+    mha_prefill,
+)
+from .ops.moe import (
+    MoEConfig,
+    MoEPlan,
+    MoERequest,
+    MoEWeights,
+    PreparedMoEWeights,
+    SwiGLU,
+    moe_apply,
+    moe_plan,
+    moe_prepare_weights,
+)
+from .platform import KNOWN_PLATFORMS, Platform, PlatformSpec, fake_platform, platform_of
+from .registry import ANY, OPS, KernelSpec, Support, get_kernel, kernels, register_kernel
+from .selector import Explanation, explain, use_kernel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ANY",
+    "KNOWN_PLATFORMS",
+    "OPS",
+    "AttentionRequest",
+    "Candidate",
+    "Explanation",
+    "KVStoreRequest",
+    "KernelSpec",
+    "MoEConfig",
+    "MoEPlan",
+    "MoERequest",
+    "MoEWeights",
+    "Platform",
+    "PlatformSpec",
+    "PreparedMoEWeights",
+    "Support",
+    "SwiGLU",
+    "UnsupportedError",
+    "explain",
+    "fake_platform",
+    "get_kernel",
+    "kernels",
+    "kvcache_store",
+    "mha_decode_with_kvcache",
+    "mha_extend_with_kvcache",
+    "mha_prefill",
+    "moe_apply",
+    "moe_plan",
+    "moe_prepare_weights",
+    "platform_of",
+    "register_kernel",
+    "use_kernel",
+]

@@ -1,0 +1,1 @@
+"""Public operators, one folder per op family (API, request types, reference kernels)."""

@@ -1,0 +1,89 @@
+"""Selection requests for the attention ops: the features of a call that decide which
+kernel may serve it. NamedTuples, so that building and hashing one is cheap on the hot path."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ...validation import dtype_name
+
+
+class AttentionRequest(NamedTuple):
+    """`page_size` 0 = no cache (prefill); `q_len` 0 = ragged (prefill, extend)."""
+
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    page_size: int = 0
+    q_len: int = 0
+    causal: bool = True
+    window_left: int = -1
+    sinks: bool = False
+    lse: bool = False
+
+    def features(self) -> tuple[tuple[str, object], ...]:
+        features: list[tuple[str, object]] = [
+            ("dtype", self.dtype),
+            ("kv_dtype", self.kv_dtype),
+            ("head_dim", self.head_dim),
+            ("gqa_ratio", self.num_q_heads // self.num_kv_heads),
+        ]
+        if self.page_size:
+            features.append(("page_size", self.page_size))
+        if self.q_len:
+            features.append(("q_len", self.q_len))
+        for flag, on in (
+            ("non_causal", not self.causal),
+            ("window", self.window_left >= 0),
+            ("sinks", self.sinks),
+            ("lse", self.lse),
+        ):
+            if on:
+                features.append((flag, True))
+        return tuple(features)
+
+    def __str__(self) -> str:
+        parts = [
+            f"q {dtype_name(self.dtype)}",
+            f"kv {dtype_name(self.kv_dtype)}",
+            f"head_dim {self.head_dim}",
+            f"heads {self.num_q_heads}/{self.num_kv_heads}",
+        ]
+        if self.page_size:
+            parts.append(f"page {self.page_size}")
+        if self.q_len:
+            parts.append(f"q_len {self.q_len}")
+        parts.append("causal" if self.causal else "non-causal")
+        if self.window_left >= 0:
+            parts.append(f"window_left {self.window_left}")
+        if self.sinks:
+            parts.append("sinks")
+        if self.lse:
+            parts.append("lse")
+        return ", ".join(parts)
+
+
+class KVStoreRequest(NamedTuple):
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    head_dim: int
+    num_kv_heads: int
+    page_size: int
+
+    def features(self) -> tuple[tuple[str, object], ...]:
+        return (
+            ("dtype", self.dtype),
+            ("kv_dtype", self.kv_dtype),
+            ("head_dim", self.head_dim),
+            ("page_size", self.page_size),
+        )
+
+    def __str__(self) -> str:
+        return (
+            f"k/v {dtype_name(self.dtype)} -> cache {dtype_name(self.kv_dtype)}, "
+            f"head_dim {self.head_dim}, kv heads {self.num_kv_heads}, page {self.page_size}"
+        )

@@ -1,0 +1,35 @@
+"""Selection request for the MoE op (built once per `moe_plan`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class MoERequest(NamedTuple):
+    weight_format: str
+    activation_format: str
+    has_bias: bool
+    routing: str
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    max_num_tokens: int
+
+    def features(self) -> tuple[tuple[str, object], ...]:
+        features: list[tuple[str, object]] = [
+            ("weight_format", self.weight_format),
+            ("activation_format", self.activation_format),
+            ("routing", self.routing),
+        ]
+        if self.has_bias:
+            features.append(("bias", True))
+        return tuple(features)
+
+    def __str__(self) -> str:
+        return (
+            f"E {self.num_experts} top-{self.top_k}, H {self.hidden_size}, "
+            f"I {self.intermediate_size}, {self.weight_format} weights, "
+            f"{self.activation_format} activations{', bias' if self.has_bias else ''}, "
+            f"up to {self.max_num_tokens} tokens"
+        )

@@ -1,0 +1,135 @@
+"""MoE configuration, weights and plan types.
+
+`MoEWeights` holds checkpoint-layout tensors (never mutated); a kernel's `prepare_weights`
+turns them into `PreparedMoEWeights` laid out for that kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+WEIGHT_FORMATS = ("mxfp4", "fp8", "bf16")
+ACTIVATION_FORMATS = ("bf16", "fp8")
+ROUTINGS = ("topk_softmax",)
+
+
+@dataclass(frozen=True)
+class SwiGLU:
+    """GPT-OSS clamped SwiGLU: g = min(gate, limit), u = clamp(up, -limit, limit),
+    a = g * sigmoid(alpha * g) * (u + 1)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Static description of one MoE layer.
+
+    num_experts E, top_k, hidden_size H, intermediate_size I (per expert, before gating).
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    weight_format: str = "mxfp4"
+    activation_format: str = "bf16"
+    activation: SwiGLU = field(default_factory=SwiGLU)
+    has_bias: bool = True
+    routing: str = "topk_softmax"
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"MoEConfig: {name} is {value!r}, expected a positive int")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEConfig: top_k is {self.top_k}, expected at most num_experts "
+                f"({self.num_experts})"
+            )
+        _check_choice("weight_format", self.weight_format, WEIGHT_FORMATS)
+        _check_choice("activation_format", self.activation_format, ACTIVATION_FORMATS)
+        _check_choice("routing", self.routing, ROUTINGS)
+        if not isinstance(self.activation, SwiGLU):
+            raise TypeError(
+                f"MoEConfig: activation is {type(self.activation).__name__}, expected SwiGLU"
+            )
+        if self.weight_format == "mxfp4":
+            for name in ("hidden_size", "intermediate_size"):
+                if getattr(self, name) % 32:
+                    raise ValueError(
+                        f"MoEConfig: {name} is {getattr(self, name)}, expected a multiple of "
+                        "32 for mxfp4 weights (one e8m0 scale per 32 elements)"
+                    )
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"MoEConfig: {name} is {value!r}, expected one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True, eq=False)
+class MoEWeights:
+    """Checkpoint-layout expert weights (see the contract for each format's layout).
+
+    mxfp4: w13 [E, 2I, H/2] uint8 (low nibble = even element), w13_scale [E, 2I, H/32] uint8
+    e8m0; w2 [E, H, I/2], w2_scale [E, H, I/32]. fp8: w13 [E, 2I, H] float8_e4m3fn with
+    w13_scale [E, 2I] float32; w2 [E, H, I], w2_scale [E, H]. bf16: w13 [E, 2I, H],
+    w2 [E, H, I]. Rows of w13 interleave gate (even) and up (odd).
+    Biases: w13_bias [E, 2I], w2_bias [E, H]. FP8 activations: optional static per-tensor
+    input scales w13_input_scale / w2_input_scale (absent = dynamic per-token).
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    w13_input_scale: float | None = None
+    w2_input_scale: float | None = None
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """The kernel chosen for one MoE layer, fixed before serving starts."""
+
+    config: MoEConfig
+    kernel: str
+    reason: str
+    weight_layout: str
+    padded_hidden_size: int
+    padded_intermediate_size: int
+    max_num_tokens: int
+    device: torch.device
+    # The selected kernel's implementation, resolved once so moe_apply skips the registry.
+    impl: Any = field(default=None, repr=False, compare=False)
+
+    def __str__(self) -> str:
+        pad = ""
+        if (self.padded_hidden_size, self.padded_intermediate_size) != (
+            self.config.hidden_size,
+            self.config.intermediate_size,
+        ):
+            pad = (
+                f", padded H {self.config.hidden_size}->{self.padded_hidden_size}"
+                f" I {self.config.intermediate_size}->{self.padded_intermediate_size}"
+            )
+        return (
+            f"MoEPlan({self.kernel}: {self.reason}; layout {self.weight_layout}{pad}; "
+            f"max_num_tokens {self.max_num_tokens}; device {self.device})"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedMoEWeights:
+    """Weights laid out for one kernel. `tensors` is kernel-private."""
+
+    kernel: str
+    config: MoEConfig
+    tensors: dict[str, Any]
