@@ -125,6 +125,10 @@ class Case:
     fp8: bool = False
     k_scale: float = 1.0
     v_scale: float = 1.0
+    # q multiplier. Large-sink cases raise logits to the sink's scale, so the sink competes with
+    # the keys and out stays O(1) (with logits ~ N(0, 1) and sink +30, out ~ 1e-13 would pass any
+    # atol); q_gain 100 drives logits past 88, where exp overflows float32 without a max shift.
+    q_gain: float = 1.0
 
     def __str__(self) -> str:
         return self.name
@@ -135,12 +139,14 @@ CASES = [
     Case("prefill-gqa1-odd", "prefill", (1, 7, 13), 2, 2, 64),
     Case("prefill-gqa8-empty-seq", "prefill", (5, 0, 11), 8, 1, 128, torch.float16, sinks="normal"),
     Case("prefill-noncausal", "prefill", (9, 1, 4), 4, 2, 16, causal=False, sinks="normal"),
-    Case("prefill-noncausal-sink+30", "prefill", (6, 3), 2, 1, 16, causal=False, sinks="large"),
+    Case("prefill-noncausal-sink+30", "prefill", (6, 3), 2, 1, 16, causal=False, sinks="large",
+         q_gain=20.0),
     Case("prefill-window0", "prefill", (6, 3), 4, 4, 16, window_left=0, sinks="normal"),
     Case("prefill-window1-sink+30", "prefill", (10, 1), 8, 1, 64, torch.float16, window_left=1,
-         sinks="large"),
+         sinks="large", q_gain=20.0),
     Case("prefill-window5-64q8kv-sink-30", "prefill", (17, 2), 64, 8, 16, window_left=5,
          sinks="negative", sinks_dtype=torch.bfloat16),
+    Case("prefill-huge-logits", "prefill", (12, 5), 4, 2, 64, q_gain=100.0, sinks="normal"),
     Case("prefill-all-empty-but-one", "prefill", (0, 3, 0), 4, 1, 16, sinks="normal"),
     # extend
     Case("extend-page3-gqa8", "extend", (7, 20, 1), 8, 1, 64, q_lens=(3, 20, 1), page_size=3,
@@ -148,7 +154,7 @@ CASES = [
     Case("extend-page16-window5-empty-q", "extend", (33, 5, 0), 2, 1, 128, torch.float16,
          q_lens=(9, 0, 0), window_left=5, sinks="normal", sinks_dtype=torch.bfloat16),
     Case("extend-page1-window1-sink+30", "extend", (9, 4), 4, 4, 16, q_lens=(4, 4), page_size=1,
-         window_left=1, sinks="large"),
+         window_left=1, sinks="large", q_gain=20.0),
     Case("extend-window0", "extend", (8, 5), 4, 2, 16, q_lens=(3, 5), page_size=3,
          window_left=0),
     Case("extend-fp8-page3", "extend", (12, 6), 8, 2, 64, q_lens=(5, 1), page_size=3,
@@ -160,13 +166,13 @@ CASES = [
     Case("decode-q3-page3-window1", "decode", (3, 10, 25), 4, 2, 16, torch.float16, q_lens=(3,),
          page_size=3, window_left=1),
     Case("decode-q1-page1-window0-sink+30", "decode", (5, 2), 4, 4, 16, q_lens=(1,), page_size=1,
-         window_left=0, sinks="large"),
+         window_left=0, sinks="large", q_gain=60.0),
     Case("decode-q3-fp8-64q8kv-window5", "decode", (11, 4, 30), 64, 8, 16, q_lens=(3,),
          window_left=5, sinks="normal", fp8=True, k_scale=1.5, v_scale=0.25),
     Case("decode-q1-empty-seq", "decode", (0, 6, 1), 4, 2, 16, q_lens=(1,)),
     Case("decode-q1-empty-seq-sink", "decode", (0, 6), 4, 2, 16, q_lens=(1,), sinks="normal"),
     Case("decode-q3-padded-slot", "decode", (0, 8), 2, 1, 16, torch.float16, q_lens=(3,),
-         page_size=3, sinks="large"),
+         page_size=3, sinks="large", q_gain=20.0),
 ]  # fmt: skip
 
 
@@ -225,7 +231,8 @@ def run_case(case: Case, device, *, with_lse=True, seed_extra=()):
         q_lens = case.q_lens
     else:
         q_lens = case.q_lens * len(case.seqlens)
-    q_per_seq = [torch.randn(n, heads, dim, generator=gen).to(case.dtype) for n in q_lens]
+    q_per_seq = [(case.q_gain * torch.randn(n, heads, dim, generator=gen)).to(case.dtype)
+                 for n in q_lens]  # fmt: skip
     total = sum(q_lens)
     q = torch.cat(q_per_seq).to(device)
     out = torch.full((total, heads, dim), float("nan"), dtype=case.dtype, device=device)
@@ -312,6 +319,7 @@ MUTATIONS = [
     ("prefill-window5-64q8kv-sink-30", "window-1"),
     ("prefill-window0", "window+1"),
     ("extend-window0", "window+1"),
+    ("extend-page1-window1-sink+30", "window+1"),
     ("extend-page16-window5-empty-q", "window-1"),
     ("decode-q3-page3-window1", "window-1"),
     ("prefill-noncausal", "sink-twice"),

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
 from tokenspeed_kernel.ops.moe.reference import (
     ReferenceMoE,
     dequantize_expert_weights,
@@ -154,7 +153,7 @@ def oracle(case: Case, x, weights: MoEWeights, ids, route_w, act: SwiGLU) -> Ora
         xt = x[t].to(torch.float64)
         if fp8:
             xt = fake_quant_fp8(xt.unsqueeze(0), weights.w13_input_scale)[0]
-        for e, r in zip(ids[t], route_w[t]):
+        for e, r in zip(ids[t], route_w[t], strict=True):
             h = w13[e] @ xt + (b13[e] if b13 is not None else 0.0)
             gate, up = h[0::2], h[1::2]
             clamped_gate += int((gate > act.limit).sum())
@@ -297,7 +296,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 # Tests
 
 
-def run_case(case: Case, device: torch.device = torch.device("cpu")):
+def run_case(case: Case, device: str = "cpu"):
     gen = torch.Generator().manual_seed(case.seed)
     config = make_config(case)
     weights = make_weights(case, gen)
@@ -317,12 +316,9 @@ def run_case(case: Case, device: torch.device = torch.device("cpu")):
     logits_before = None if logits is None else logits.clone()
 
     def to_dev(t):
-        return None if t is None else t.to(device)
+        return t.to(device) if isinstance(t, torch.Tensor) else t
 
-    dev_weights = MoEWeights(
-        **{f.name: to_dev(v) if isinstance(v := getattr(weights, f.name), torch.Tensor) else v
-           for f in dataclasses.fields(weights)}
-    )  # fmt: skip
+    dev_weights = dataclasses.replace(weights, **{k: to_dev(v) for k, v in before.items()})
     kernel = ReferenceMoE()
     plan = make_plan(config, case.m)
     prepared = kernel.prepare_weights(plan, dev_weights)
@@ -337,8 +333,7 @@ def run_case(case: Case, device: torch.device = torch.device("cpu")):
         out=out,
     )
     assert out.dtype == case.dtype and out.shape == (case.m, case.h)
-    assert_unchanged(dev_weights, {k: to_dev(v) if isinstance(v, torch.Tensor) else v
-                                   for k, v in before.items()})  # fmt: skip
+    assert_unchanged(dev_weights, {k: to_dev(v) for k, v in before.items()})
     assert_unchanged(weights, before)
     assert torch.equal(x, x_before)
     if logits is not None:
@@ -395,8 +390,8 @@ def test_topk_softmax_matches_python_sort(m: int, top_k: int):
     weights, ids = topk_softmax(logits, top_k)
     want_ids, want_w = route_f64(logits, top_k)
     assert ids.tolist() == want_ids
-    torch.testing.assert_close(weights.double(), torch.tensor(want_w, dtype=torch.float64),
-                               atol=1e-6, rtol=1e-6)  # fmt: skip
+    want_w = torch.tensor(want_w, dtype=torch.float64)
+    torch.testing.assert_close(weights.double(), want_w, atol=1e-6, rtol=1e-6)
 
 
 def test_dequantize_expert_weights_and_sizes():
@@ -406,8 +401,8 @@ def test_dequantize_expert_weights_and_sizes():
     w13, w2 = dequantize_expert_weights(config, weights)
     assert w13.dtype == w2.dtype == torch.float32
     assert w13.shape == (8, 2 * 96, 64) and w2.shape == (8, 64, 96)
-    torch.testing.assert_close(w13.double(), decode_mxfp4_f64(weights.w13, weights.w13_scale),
-                               atol=0, rtol=0)  # fmt: skip
+    assert torch.equal(w13.double(), decode_mxfp4_f64(weights.w13, weights.w13_scale))
+    assert torch.equal(w2.double(), decode_mxfp4_f64(weights.w2, weights.w2_scale))
     kernel = ReferenceMoE()
     assert kernel.weight_layout == "checkpoint"
     assert kernel.padded_sizes(config) == (64, 96)
@@ -423,8 +418,8 @@ def test_prepare_rejects_missing_or_misshapen_weights():
     with pytest.raises(ValueError, match="w2_scale is None"):
         kernel.prepare_weights(plan, no_scale)
     fp8_plan = make_plan(dataclasses.replace(config, weight_format="fp8"), 1)
-    fp8_weights = make_weights(dataclasses.replace(case, weight_format="fp8"),
-                               torch.Generator().manual_seed(3))  # fmt: skip
+    fp8_case = dataclasses.replace(case, weight_format="fp8")
+    fp8_weights = make_weights(fp8_case, torch.Generator().manual_seed(3))
     with pytest.raises(ValueError, match="w13_scale is None"):
         kernel.prepare_weights(fp8_plan, dataclasses.replace(fp8_weights, w13_scale=None))
     small = make_plan(dataclasses.replace(config, intermediate_size=64), 1)
@@ -450,4 +445,4 @@ def test_prepared_weights_do_not_alias_caller_tensors():
 def test_reference_on_cuda(case: Case):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    run_case(case, torch.device("cuda"))
+    run_case(case, "cuda")

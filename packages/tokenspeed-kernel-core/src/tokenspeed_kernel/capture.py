@@ -9,11 +9,12 @@ reads them back from the device, which is fine for a profiling run and never hap
 from __future__ import annotations
 
 import json
-import os
 import threading
 from typing import Any
 
 import torch
+
+from . import env
 
 CAPTURE_ENV = "TOKENSPEED_KERNEL_CAPTURE"
 # Small integer tensors whose values shape the work (lengths, offsets) are kept by value.
@@ -23,7 +24,7 @@ _lock = threading.Lock()
 
 
 def active() -> bool:
-    return bool(os.environ.get(CAPTURE_ENV))
+    return bool(env.get(CAPTURE_ENV))
 
 
 def describe(name: str, value: Any) -> Any:
@@ -42,7 +43,7 @@ def describe(name: str, value: Any) -> Any:
 
 def record(op: str, kernel: str, args: dict[str, Any]) -> None:
     """Append one call to the capture file."""
-    path = os.environ.get(CAPTURE_ENV)
+    path = env.get(CAPTURE_ENV)
     if not path:
         return
     line = json.dumps(

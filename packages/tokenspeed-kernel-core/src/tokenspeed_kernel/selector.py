@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import registry
+from . import env, registry
 from .errors import Candidate, UnsupportedError
 from .platform import Platform
 from .registry import KernelSpec
@@ -100,7 +99,7 @@ def forced_kernel(op: str) -> str | None:
     for scoped_op, name in reversed(_scoped.get()):
         if scoped_op == op:
             return name
-    raw = os.environ.get(FORCE_ENV)
+    raw = env.get(FORCE_ENV)
     if not raw:
         return None
     return _parse_force(raw).get(op)

@@ -39,9 +39,14 @@ def check_tensor(
         raise TypeError(f"{op}: {name} is {type(x).__name__}, expected a torch.Tensor")
     if shape is not None:
         actual = x.shape
-        if len(actual) != len(shape) or any(
-            want is not None and got != want for got, want in zip(actual, shape)
-        ):
+        # A plain loop: this runs several times per op call and any(<genexpr>) costs ~2x.
+        mismatch = len(actual) != len(shape)
+        if not mismatch:
+            for got, want in zip(actual, shape):
+                if want is not None and got != want:
+                    mismatch = True
+                    break
+        if mismatch:
             expected = ", ".join("*" if s is None else str(s) for s in shape)
             raise ValueError(f"{op}: {name} has shape {list(actual)}, expected [{expected}]")
     if dtypes is not None and x.dtype not in dtypes:

@@ -90,14 +90,17 @@ def quantize_fp8(
         raise ValueError(f"{fn}: x contains NaN or inf, expected finite values")
     # float32 holds float16/bfloat16 exactly and is the precision the scales are stored in.
     xf = x.to(torch.float32)
+    # CUDA divides by a python scalar as a multiply by its rounded reciprocal (1/448 is inexact),
+    # so dividing by a device tensor keeps the scale correctly rounded and equal to the CPU's.
+    fp8_max = torch.full((), FP8_E4M3_MAX, dtype=torch.float32, device=x.device)
     if scale is not None:
         scale = _static_scale(fn, scale, x.device)
         scaled = xf / scale
     elif granularity == "tensor":
-        scale = xf.abs().amax().clamp(min=_AMAX_FLOOR) / FP8_E4M3_MAX
+        scale = xf.abs().amax().clamp(min=_AMAX_FLOOR) / fp8_max
         scaled = xf / scale
     else:
-        scale = xf.abs().amax(dim=-1).clamp(min=_AMAX_FLOOR) / FP8_E4M3_MAX
+        scale = xf.abs().amax(dim=-1).clamp(min=_AMAX_FLOOR) / fp8_max
         scaled = xf / scale.unsqueeze(-1)
     # The clamp catches amax / (amax / 448) landing a rounding step above 448, and static-scale
     # overflow, which the cast would otherwise turn into NaN (e4m3fn has no inf).

@@ -25,6 +25,7 @@ from ...validation import (
     check_tensor,
     dtype_name,
 )
+from .fast_checks import decode_args_valid, store_args_valid
 from .request import AttentionRequest, KVStoreRequest
 
 _INT32 = (torch.int32,)
@@ -135,23 +136,28 @@ def mha_decode_with_kvcache(
     Returns q's shape (and lse [B, Hq] or [B, Q, Hq] float32 if `return_lse`).
     """
     op = "mha_decode_with_kvcache"
-    check_ndim(op, "q", q, (3, 4))
-    squeeze = q.dim() == 3
-    q4 = q.unsqueeze(1) if squeeze else q
-    num_seqs, q_len, num_q_heads, head_dim = q4.shape
+    if not decode_args_valid(q, k_cache, v_cache, page_table, cache_seqlens, window_left, sinks,
+                             softmax_scale, return_lse, out, k_scale, v_scale):
+        _diagnose_decode(op, q, k_cache, v_cache, page_table, cache_seqlens, window_left, sinks,
+                         softmax_scale, return_lse, out, k_scale, v_scale)
+    shape = q.shape
+    squeeze = len(shape) == 3
+    if squeeze:
+        num_seqs, num_q_heads, head_dim = shape
+        q_len = 1
+        q4 = q.view(num_seqs, 1, num_q_heads, head_dim)
+    else:
+        num_seqs, q_len, num_q_heads, head_dim = shape
+        q4 = q
+    _, page_size, num_kv_heads, _ = k_cache.shape
     device = q.device
-    check_tensor(op, "q", q, dtypes=FLOAT16_DTYPES)
-    check_contiguous_last_dim(op, "q", q)
-    if q_len < 1:
-        raise ValueError(f"{op}: q has shape {list(q.shape)}, expected Q >= 1 tokens per sequence")
-    page_size, num_kv_heads = _check_paged_cache(
-        op, q, head_dim, k_cache, v_cache, page_table, cache_seqlens, num_seqs)
-    _check_gqa(op, num_q_heads, num_kv_heads)
-    window_left = _check_window(op, window_left)
-    k_scale, v_scale = _check_kv_scales(op, k_cache.dtype, k_scale, v_scale)
-    scale, lse = _check_common(op, q, num_q_heads, head_dim, sinks, softmax_scale, return_lse,
-                               q.shape[:-1])
-    out = _check_out(op, out, q.shape, _out_dtypes(q, k_cache), device)
+    fp8 = k_cache.dtype is torch.float8_e4m3fn
+    scale = head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+    k_scale = 1.0 if k_scale is None else float(k_scale)
+    v_scale = 1.0 if v_scale is None else float(v_scale)
+    lse = torch.empty(shape[:-1], dtype=torch.float32, device=device) if return_lse else None
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16 if fp8 else q.dtype, device=device)
     request = AttentionRequest(q.dtype, k_cache.dtype, head_dim, num_q_heads, num_kv_heads,
                                page_size, q_len, True, window_left, sinks is not None, return_lse)
     kernel = select(op, request, platform_of(device))
@@ -161,12 +167,35 @@ def mha_decode_with_kvcache(
             cache_seqlens=cache_seqlens, window_left=window_left, sinks=sinks,
             softmax_scale=softmax_scale, return_lse=return_lse, k_scale=k_scale,
             v_scale=v_scale))
-    out4 = out.unsqueeze(1) if squeeze else out
-    lse4 = lse.unsqueeze(1) if squeeze and lse is not None else lse
+    if squeeze:
+        out4 = out.view(num_seqs, 1, num_q_heads, head_dim)
+        lse4 = None if lse is None else lse.view(num_seqs, 1, num_q_heads)
+    else:
+        out4, lse4 = out, lse
     kernel.fn(q4, k_cache, v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
               window_left=window_left, sinks=sinks, softmax_scale=scale, k_scale=k_scale,
               v_scale=v_scale, out=out4, lse=lse4)
     return (out, lse) if return_lse else out
+
+
+def _diagnose_decode(op, q, k_cache, v_cache, page_table, cache_seqlens, window_left, sinks,
+                     softmax_scale, return_lse, out, k_scale, v_scale) -> None:
+    """Raise the precise error for a call `decode_args_valid` refused."""
+    check_ndim(op, "q", q, (3, 4))
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    num_seqs, q_len, num_q_heads, head_dim = q4.shape
+    check_tensor(op, "q", q, dtypes=FLOAT16_DTYPES)
+    check_contiguous_last_dim(op, "q", q)
+    if q_len < 1:
+        raise ValueError(f"{op}: q has shape {list(q.shape)}, expected Q >= 1 tokens per sequence")
+    _, num_kv_heads = _check_paged_cache(
+        op, q, head_dim, k_cache, v_cache, page_table, cache_seqlens, num_seqs)
+    _check_gqa(op, num_q_heads, num_kv_heads)
+    _check_window(op, window_left)
+    _check_kv_scales(op, k_cache.dtype, k_scale, v_scale)
+    _check_common(op, q, num_q_heads, head_dim, sinks, softmax_scale, return_lse, q.shape[:-1])
+    _check_out(op, out, q.shape, _out_dtypes(q, k_cache), q.device)
+    raise AssertionError(f"{op}: decode_args_valid refused a call the checkers accept")
 
 
 def kvcache_store(k, v, k_cache, v_cache, *, slot_mapping, k_scale=None, v_scale=None):
@@ -174,6 +203,23 @@ def kvcache_store(k, v, k_cache, v_cache, *, slot_mapping, k_scale=None, v_scale
     slot_mapping [T] int64 (slot = page * P + offset; negative = skip). Quantizes to an FP8
     cache as fp8(k / k_scale)."""
     op = "kvcache_store"
+    if not store_args_valid(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+        _diagnose_store(op, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    _, num_kv_heads, head_dim = k.shape
+    k_scale = 1.0 if k_scale is None else float(k_scale)
+    v_scale = 1.0 if v_scale is None else float(v_scale)
+    request = KVStoreRequest(k.dtype, k_cache.dtype, head_dim, num_kv_heads, k_cache.shape[1])
+    kernel = select(op, request, platform_of(k.device))
+    if capture.active():
+        capture.record(op, kernel.name, dict(
+            k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
+            k_scale=k_scale, v_scale=v_scale))
+    kernel.fn(k, v, k_cache, v_cache, slot_mapping=slot_mapping, k_scale=k_scale,
+              v_scale=v_scale)
+
+
+def _diagnose_store(op, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+    """Raise the precise error for a call `store_args_valid` refused."""
     check_ndim(op, "k", k, (3,))
     num_tokens, num_kv_heads, head_dim = k.shape
     device = k.device
@@ -188,15 +234,8 @@ def kvcache_store(k, v, k_cache, v_cache, *, slot_mapping, k_scale=None, v_scale
         check_contiguous_last_dim(op, name, x)
     check_tensor(op, "slot_mapping", slot_mapping, shape=(num_tokens,), dtypes=_INT64,
                  device=device)
-    k_scale, v_scale = _check_kv_scales(op, k_cache.dtype, k_scale, v_scale)
-    request = KVStoreRequest(k.dtype, k_cache.dtype, head_dim, num_kv_heads, k_cache.shape[1])
-    kernel = select(op, request, platform_of(device))
-    if capture.active():
-        capture.record(op, kernel.name, dict(
-            k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
-            k_scale=k_scale, v_scale=v_scale))
-    kernel.fn(k, v, k_cache, v_cache, slot_mapping=slot_mapping, k_scale=k_scale,
-              v_scale=v_scale)
+    _check_kv_scales(op, k_cache.dtype, k_scale, v_scale)
+    raise AssertionError(f"{op}: store_args_valid refused a call the checkers accept")
 
 
 def _check_gqa(op: str, num_q_heads: int, num_kv_heads: int) -> None:

@@ -11,7 +11,16 @@ import torch
 
 from tokenspeed_kernel.formats.fp8 import dequantize_fp8, quantize_fp8
 from tokenspeed_kernel.formats.mxfp4 import dequantize_mxfp4
-from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEPlan, MoEWeights, PreparedMoEWeights
+from tokenspeed_kernel.ops.moe.types import (
+    ACTIVATION_FORMATS,
+    ROUTINGS,
+    WEIGHT_FORMATS,
+    MoEConfig,
+    MoEPlan,
+    MoEWeights,
+    PreparedMoEWeights,
+)
+from tokenspeed_kernel.registry import register_kernel
 
 KERNEL_NAME = "reference.moe"
 
@@ -51,8 +60,8 @@ def dequantize_expert_weights(
     fmt = config.weight_format
     w13 = _dequantize_one(fmt, weights.w13, weights.w13_scale, "w13")
     w2 = _dequantize_one(fmt, weights.w2, weights.w2_scale, "w2")
-    E, H, I = config.num_experts, config.hidden_size, config.intermediate_size
-    for name, got, want in (("w13", w13, (E, 2 * I, H)), ("w2", w2, (E, H, I))):
+    e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+    for name, got, want in (("w13", w13, (e, 2 * i, h)), ("w2", w2, (e, h, i))):
         if tuple(got.shape) != want:
             raise ValueError(
                 f"ReferenceMoE: {name} dequantizes to shape {tuple(got.shape)}, expected {want}"
@@ -154,5 +163,22 @@ class ReferenceMoE:
             y = a @ t["w2"][e].T
             if t["w2_bias"] is not None:
                 y = y + t["w2_bias"][e]
-            acc.index_add_(0, tokens, y * flat_weights[sel].unsqueeze(-1) + (t["w2_bias"][e] * (1 - flat_weights[sel].unsqueeze(-1)) if t["w2_bias"] is not None else 0))
+            acc.index_add_(0, tokens, y * flat_weights[sel].unsqueeze(-1))
         out.copy_(acc)
+
+
+# Lowest priority: the oracle and the fallback that makes MoE run on any device.
+register_kernel(
+    "moe",
+    name=KERNEL_NAME,
+    backend="reference",
+    platforms=["*"],
+    traits={
+        "weight_format": WEIGHT_FORMATS,
+        "activation_format": ACTIVATION_FORMATS,
+        "routing": ROUTINGS,
+        "bias": True,
+    },
+    priority=0,
+    description="pure torch, float32 accumulation",
+)(ReferenceMoE())

@@ -1,0 +1,327 @@
+"""Paged decode attention with a split-KV grid (`mha_decode_with_kvcache`).
+
+One program owns one (sequence, KV head, split) and processes every query head of that KV head
+for all Q new tokens at once: the GROUP = Hq / Hkv heads x Q tokens form the M dimension of
+`tl.dot` (padded to 16 rows), so each K/V tile is read from memory once for the whole group and
+the tensor cores (mma on sm_80/sm_90, mfma on CDNA) do the math. Decode is memory-bound: the
+floor is the bytes of the visible K and V over the copy bandwidth.
+
+Phase 1 (this module) splits each sequence's visible key range into NUM_SPLITS contiguous
+chunks of whole key blocks and writes per split the normalized partial output and its
+log-sum-exp. Phase 2 (`decode_reduce.py`) merges the splits and adds the sink exactly once. With
+a single split, phase 1 finalizes directly (sink, lse) and phase 2 is skipped.
+
+Scores live in the log2 domain (qk_scale = softmax_scale * k_scale * log2 e) so the
+exponentials are exp2; an FP8 cache's k_scale folds into that scale and v_scale into the output.
+The launch reads no device value on the host (CUDA-graph safe): the split count comes from the
+shapes (batch, KV heads, page-table width or window) and the SM count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_reduce import decode_reduce
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _load_kv_block(Cache, PageRow, cols, col_ok, offs_d, head_off, stride_page, stride_slot,
+                   PAGE_SIZE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr):
+    """Keys `cols` [BLOCK_N] of one sequence as a [BLOCK_N, D] tile (masked rows are 0)."""
+    if BLOCK_IN_PAGE:
+        # The whole block lies in one page: one page-table read for the block.
+        page = tl.load(PageRow + tl.min(cols, 0) // PAGE_SIZE).to(tl.int64)
+        slot = page * stride_page + (cols % PAGE_SIZE) * stride_slot
+    else:
+        page = tl.load(PageRow + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
+        slot = page * stride_page + (cols % PAGE_SIZE) * stride_slot
+    ptrs = Cache + head_off + slot[:, None] + offs_d[None, :]
+    return tl.load(ptrs, mask=col_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, PageTable, SeqLens, Sinks, Out, Lse, MidO, MidLse,
+    qk_scale, v_scale, window_left, num_kv_heads,
+    stride_qb, stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_ptb,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt, stride_lh,
+    Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_LSE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr,
+):
+    pid_bhm = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m_tiles: tl.constexpr = (Q_LEN * GROUP + BLOCK_M - 1) // BLOCK_M
+    m_tile = pid_bhm % num_m_tiles
+    bh = pid_bhm // num_m_tiles
+    kv_head = bh % num_kv_heads
+    b = bh // num_kv_heads
+
+    # Row r of the tile is token r // GROUP and query head kv_head * GROUP + r % GROUP.
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < Q_LEN * GROUP
+    tok = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q + b * stride_qb + tok[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    seqlen = tl.load(SeqLens + b)
+    pos = seqlen - Q_LEN + tok  # absolute position of each row (negative: sees nothing)
+    first_tok = (m_tile * BLOCK_M) // GROUP
+    last_tok = tl.minimum(m_tile * BLOCK_M + BLOCK_M, Q_LEN * GROUP) // GROUP - 1 + 0 * first_tok
+    last_tok = (tl.minimum(m_tile * BLOCK_M + BLOCK_M, Q_LEN * GROUP) - 1) // GROUP
+    hi = tl.maximum(seqlen - Q_LEN + last_tok + 1, 0)
+    lo = 0
+    if HAS_WINDOW:
+        # The window bounds the first visible key: blocks before it are never visited.
+        lo = tl.minimum(tl.maximum(seqlen - Q_LEN + first_tok - window_left, 0), hi)
+    lo = lo // BLOCK_N * BLOCK_N
+    blocks_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NUM_SPLITS)
+    start = lo + split * blocks_per_split * BLOCK_N
+    end = tl.minimum(start + blocks_per_split * BLOCK_N, hi)
+
+    PageRow = PageTable + b * stride_ptb
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < end
+        k = _load_kv_block(K, PageRow, cols, col_ok, offs_d, kv_head * stride_kh, stride_kp,
+                           stride_ks, PAGE_SIZE, BLOCK_IN_PAGE)
+        v = _load_kv_block(V, PageRow, cols, col_ok, offs_d, kv_head * stride_vh, stride_vp,
+                           stride_vs, PAGE_SIZE, BLOCK_IN_PAGE)
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+        # Causality (among the Q tokens and against the cache end) and the window, per row.
+        visible = (cols[None, :] <= pos[:, None]) & col_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (cols[None, :] >= pos[:, None] - window_left)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        m_fin = m_i
+        l_fin = l_i
+        if HAS_SINKS:
+            # The sink joins the denominator once, here (there is no other split).
+            sink = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            l_fin = l_i * tl.math.exp2(m_i - m_fin) + tl.math.exp2(sink - m_fin)
+            acc = acc * tl.math.exp2(m_i - m_fin)[:, None]
+        # l = 0 only for a query that sees nothing and has no sink: its output is zeros.
+        o = acc * (v_scale / tl.where(l_fin == 0.0, 1.0, l_fin))[:, None]
+        o_ptrs = Out + b * stride_ob + tok[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(o_ptrs + offs_d[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        if HAS_LSE:
+            lse = (m_fin + tl.math.log2(l_fin)) * 0.6931471805599453
+            tl.store(Lse + b * stride_lb + tok * stride_lt + head * stride_lh, lse, mask=row_ok)
+    else:
+        # Partial of this split: normalized output and its lse (log2), -inf when empty.
+        o = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+        row = (b * Q_LEN + tok) * (num_kv_heads * GROUP) + head
+        mid_ptrs = MidO + (row[:, None] * NUM_SPLITS + split) * HEAD_DIM + offs_d[None, :]
+        tl.store(mid_ptrs, o, mask=row_ok[:, None])
+        tl.store(MidLse + row * NUM_SPLITS + split, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernels. `num_splits=None`: chosen from the work."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    ctas_per_sm: int
+    num_splits: int | None = None
+
+
+MAX_SPLITS = 128  # the reduce holds every split's lse of a row in one tile
+# Fixed cost of a program (q load, page-table chain, partial store) in units of one key block:
+# a program is a DRAM round trip or two of latency before its first block streams.
+_PROGRAM_OVERHEAD_BLOCKS = 1
+
+_pinned: DecodeConfig | None = None
+
+
+@contextlib.contextmanager
+def pin_decode_config(config: DecodeConfig) -> Iterator[DecodeConfig]:
+    """Scoped override of the heuristic (tests and benchmarks)."""
+    global _pinned
+    previous, _pinned = _pinned, config
+    try:
+        yield config
+    finally:
+        _pinned = previous
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(device_type: str, index: int | None) -> tuple[str, int]:
+    """(arch, SM/CU count) read from the device once; ("interpreter", cores) off the GPU."""
+    if device_type != "cuda":
+        return "interpreter", os.cpu_count() or 1
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip:
+        return props.gcnArchName.split(":")[0], props.multi_processor_count
+    return f"sm_{props.major}{props.minor}", props.multi_processor_count
+
+
+def device_info(device: torch.device) -> tuple[str, int]:
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return _device_info(device.type, index)
+
+
+def heuristic_config(arch: str, head_dim: int) -> DecodeConfig:
+    """Per-platform tile and pipeline choice, each with its hardware reason."""
+    if arch == "interpreter":
+        # The interpreter's cost is per block op, not per byte: small tiles keep CPU tests fast.
+        return DecodeConfig(block_n=16, num_warps=1, num_stages=1, ctas_per_sm=1)
+    if arch.startswith("gfx"):
+        # CDNA: 64 KB LDS per CU; two LDS stages of K+V (16-32 KB) leave room for 2 workgroups,
+        # and 4 wavefronts of 64 lanes cover a 16x64 mfma tile set.
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=2, ctas_per_sm=2)
+    # NVIDIA sm_80+: 3 cp.async stages of a 64-key K+V tile (16 KB at d=64) keep ~48 KB in
+    # flight per CTA; 228 KB of shared memory fits 4 such CTAs (2 at d=128) per SM, which is
+    # what a memory-bound gather needs to cover DRAM latency.
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=4 if head_dim <= 64 else 2)
+
+
+def choose_num_splits(programs: int, blocks: int, sm_count: int, ctas_per_sm: int) -> int:
+    """Splits per sequence that minimize the modeled time of the phase-1 grid.
+
+    `programs` = sequences x KV heads x query tiles, `blocks` = key blocks of the longest
+    visible range (from shapes, never from device values). Time ~ waves x (blocks per split +
+    fixed overhead), where a wave is sm_count x ctas_per_sm resident programs: few programs
+    leave SMs idle (split more), many splits pay the overhead and the reduce (split less).
+    """
+    if blocks <= 1 or programs <= 0:
+        return 1
+    slots = max(1, sm_count * ctas_per_sm)
+    best, best_cost = 1, None
+    for splits in range(1, min(blocks, MAX_SPLITS) + 1):
+        per_split = -(-blocks // splits)
+        effective = -(-blocks // per_split)
+        if effective != splits:
+            continue  # the same chunking as a smaller split count
+        waves = -(-programs * splits // slots)
+        cost = waves * (per_split + _PROGRAM_OVERHEAD_BLOCKS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = splits, cost
+    return best
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(arch: str, sm_count: int, batch: int, q_len: int, num_q_heads: int,
+          num_kv_heads: int, head_dim: int, page_size: int, max_pages: int, window_left: int,
+          pinned: DecodeConfig | None) -> tuple[DecodeConfig, int, int]:
+    """(config, BLOCK_M, splits) for one call shape; cached: the hot path pays a dict lookup."""
+    config = pinned or heuristic_config(arch, head_dim)
+    group = num_q_heads // num_kv_heads
+    # 16 rows is the smallest tensor-core tile; 64 caps the score tile's registers.
+    block_m = min(max(16, triton.next_power_of_2(q_len * group)), 64)
+    m_tiles = -(-q_len * group // block_m)
+    max_keys = max_pages * page_size
+    if window_left >= 0:
+        # Visible keys of the Q tokens: W + Q, plus one block of misalignment.
+        max_keys = min(max_keys, window_left + q_len + config.block_n)
+    blocks = -(-max_keys // config.block_n)
+    splits = config.num_splits
+    if splits is None:
+        splits = choose_num_splits(batch * num_kv_heads * m_tiles, blocks, sm_count,
+                                   config.ctas_per_sm)
+    return config, block_m, max(1, min(splits, MAX_SPLITS))
+
+
+_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_scratch(device: torch.device, rows: int, splits: int, head_dim: int):
+    """Partial outputs [rows, splits, D] and lses [rows, splits] float32, kept per device, stream
+    and shape: no allocation on the hot path, and a captured CUDA graph keeps valid buffers."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, rows, splits, head_dim)
+    buffers = _scratch.get(key)
+    if buffers is None:
+        buffers = (torch.empty((rows, splits, head_dim), dtype=torch.float32, device=device),
+                   torch.empty((rows, splits), dtype=torch.float32, device=device))
+        _scratch[key] = buffers
+    return buffers
+
+
+def mha_decode(q, k_cache, v_cache, *, page_table, cache_seqlens, window_left, sinks,
+               softmax_scale, k_scale, v_scale, out, lse):
+    """Decode attention over a paged cache (normalized arguments of the public op).
+
+    q [B, Q, Hq, D]; k_cache/v_cache [num_pages, P, Hkv, D] (bf16/fp16, or float8_e4m3fn with
+    per-tensor k_scale/v_scale); page_table [B, max_pages] int32; cache_seqlens [B] int32;
+    sinks [Hq] or None; out [B, Q, Hq, D]; lse [B, Q, Hq] float32 or None.
+    """
+    batch, q_len, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    if batch == 0:
+        return
+    arch, sm_count = device_info(q.device)
+    config, block_m, splits = _plan(arch, sm_count, batch, q_len, num_q_heads, num_kv_heads,
+                                    head_dim, page_size, page_table.shape[1], window_left,
+                                    _pinned)
+    group = num_q_heads // num_kv_heads
+    m_tiles = -(-q_len * group // block_m)
+    if splits > 1:
+        mid_o, mid_lse = _split_scratch(q.device, batch * q_len * num_q_heads, splits, head_dim)
+    else:
+        mid_o = mid_lse = out  # unused: the kernel finalizes in place
+    lse_t = lse if lse is not None else out
+    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
+    grid = (batch * num_kv_heads * m_tiles, splits)
+    _decode_split_kernel[grid](
+        q, k_cache, v_cache, page_table, cache_seqlens, sinks if sinks is not None else q,
+        out, lse_t, mid_o, mid_lse,
+        softmax_scale * k_scale * LOG2E, v_scale, window_left, num_kv_heads,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        *lse_strides,
+        Q_LEN=q_len, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m,
+        BLOCK_N=config.block_n, NUM_SPLITS=splits, HAS_WINDOW=window_left >= 0,
+        HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
+        BLOCK_IN_PAGE=page_size % config.block_n == 0,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        decode_reduce(mid_o, mid_lse, sinks, out, lse, batch, q_len, num_q_heads, head_dim,
+                      splits)
+
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_Q_LEN = 64

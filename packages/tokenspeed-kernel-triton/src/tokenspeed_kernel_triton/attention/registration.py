@@ -1,0 +1,57 @@
+"""Registers the Triton attention kernels with core (imports core; the kernels do not)."""
+
+from __future__ import annotations
+
+
+def register_attention_kernels() -> None:
+    _register_prefill_and_extend()
+    _register_decode_and_store()
+
+
+def _register_prefill_and_extend() -> None:
+    """Owned by the prefill/extend kernels (prefill.py, extend.py)."""
+    import os
+
+    import torch
+    from tokenspeed_kernel.registry import ANY, Support, register_kernel
+
+    from . import extend, prefill
+
+    platforms = ["nvidia:sm_80+", "amd:gfx942,gfx950"]
+    # The CPU runs these kernels only through the Triton interpreter (tests, debugging).
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        platforms.append("cpu")
+    half = (torch.bfloat16, torch.float16)
+    common = dict(dtype=half, head_dim=prefill.HEAD_DIMS, gqa_ratio=ANY, window=True,
+                  sinks=True, lse=True)
+
+    def supports_prefill(request, platform) -> Support:
+        if platform.vendor == "cpu" and request.dtype == torch.bfloat16:
+            return Support.no("the Triton 3.6 interpreter multiplies raw bits in a bf16 tl.dot")
+        return Support.yes()
+
+    def supports_extend(request, platform) -> Support:
+        verdict = supports_prefill(request, platform)
+        if verdict and request.kv_dtype == torch.float8_e4m3fn and platform.vendor == "nvidia":
+            sm = int(platform.arch.removeprefix("sm_").rstrip("a") or 0)
+            if sm < 89:
+                return Support.no(f"FP8 e4m3 conversion needs sm_89+, this is {platform.arch}")
+        return verdict
+
+    register_kernel(
+        "mha_prefill", name="triton.mha_prefill", backend="triton", platforms=platforms,
+        traits=dict(common, kv_dtype=half, non_causal=True), priority=100,
+        supports=supports_prefill,
+        description="ragged flash attention; window-bounded key loop, unmasked interior blocks",
+    )(prefill.mha_prefill)
+    register_kernel(
+        "mha_extend_with_kvcache", name="triton.mha_extend_with_kvcache", backend="triton",
+        platforms=platforms, traits=dict(common, kv_dtype=(*half, torch.float8_e4m3fn),
+                                         page_size=ANY),
+        priority=100, supports=supports_extend,
+        description="paged chunked prefill; per-token page gather (any page size), FP8 KV",
+    )(extend.mha_extend_with_kvcache)
+
+
+def _register_decode_and_store() -> None:
+    """Owned by the decode and kvcache_store kernels (decode.py, kvcache_store.py)."""
