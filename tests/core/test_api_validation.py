@@ -13,8 +13,10 @@ I32, I64 = torch.int32, torch.int64
 
 def prefill_args(**over):
     args = dict(
-        q=torch.randn(6, 8, 64, dtype=BF16), k=torch.randn(6, 2, 64, dtype=BF16),
-        v=torch.randn(6, 2, 64, dtype=BF16), cu_seqlens=torch.tensor([0, 2, 6], dtype=I32),
+        q=torch.randn(6, 8, 64, dtype=BF16),
+        k=torch.randn(6, 2, 64, dtype=BF16),
+        v=torch.randn(6, 2, 64, dtype=BF16),
+        cu_seqlens=torch.tensor([0, 2, 6], dtype=I32),
         max_seqlen=4,
     )
     args.update(over)
@@ -25,7 +27,9 @@ def prefill_args(**over):
 def paged_args(q_shape=(3, 8, 64), cache_dtype=BF16, **over):
     cache = torch.randn(5, 16, 2, 64).to(cache_dtype)
     args = dict(
-        q=torch.randn(*q_shape, dtype=BF16), k_cache=cache, v_cache=cache.clone(),
+        q=torch.randn(*q_shape, dtype=BF16),
+        k_cache=cache,
+        v_cache=cache.clone(),
         page_table=torch.tensor([[0, 1], [2, 3], [4, 0]], dtype=I32),
         cache_seqlens=torch.tensor([5, 17, 1], dtype=I32),
     )
@@ -35,15 +39,47 @@ def paged_args(q_shape=(3, 8, 64), cache_dtype=BF16, **over):
 
 
 PREFILL_ERRORS = [
-    (dict(q=torch.randn(6, 8, 64)), ValueError, "mha_prefill: q has dtype float32, expected bfloat16 or float16"),
-    (dict(q=torch.randn(6, 64, dtype=BF16)), ValueError, r"mha_prefill: q has shape \[6, 64\], expected 3-D"),
+    (
+        dict(q=torch.randn(6, 8, 64)),
+        ValueError,
+        "mha_prefill: q has dtype float32, expected bfloat16 or float16",
+    ),
+    (
+        dict(q=torch.randn(6, 64, dtype=BF16)),
+        ValueError,
+        r"mha_prefill: q has shape \[6, 64\], expected 3-D",
+    ),
     (dict(q=[1, 2]), TypeError, "mha_prefill: q is list, expected a torch.Tensor"),
-    (dict(k=torch.randn(6, 2, 64, dtype=FP16)), ValueError, "k has dtype float16, expected bfloat16"),
-    (dict(k=torch.randn(5, 2, 64, dtype=BF16)), ValueError, r"k has shape \[5, 2, 64\], expected \[6, \*, 64\]"),
-    (dict(v=torch.randn(6, 2, 32, dtype=BF16)), ValueError, r"v has shape \[6, 2, 32\], expected \[6, 2, 64\]"),
-    (dict(k=torch.randn(6, 3, 64, dtype=BF16), v=torch.randn(6, 3, 64, dtype=BF16)), ValueError, "q has 8 heads and the keys 3"),
-    (dict(q=torch.randn(6, 64, 8, dtype=BF16).transpose(1, 2)), ValueError, "q has stride 8 in its last dim"),
-    (dict(cu_seqlens=torch.tensor([0, 2, 6])), ValueError, "cu_seqlens has dtype int64, expected int32"),
+    (
+        dict(k=torch.randn(6, 2, 64, dtype=FP16)),
+        ValueError,
+        "k has dtype float16, expected bfloat16",
+    ),
+    (
+        dict(k=torch.randn(5, 2, 64, dtype=BF16)),
+        ValueError,
+        r"k has shape \[5, 2, 64\], expected \[6, \*, 64\]",
+    ),
+    (
+        dict(v=torch.randn(6, 2, 32, dtype=BF16)),
+        ValueError,
+        r"v has shape \[6, 2, 32\], expected \[6, 2, 64\]",
+    ),
+    (
+        dict(k=torch.randn(6, 3, 64, dtype=BF16), v=torch.randn(6, 3, 64, dtype=BF16)),
+        ValueError,
+        "q has 8 heads and the keys 3",
+    ),
+    (
+        dict(q=torch.randn(6, 64, 8, dtype=BF16).transpose(1, 2)),
+        ValueError,
+        "q has stride 8 in its last dim",
+    ),
+    (
+        dict(cu_seqlens=torch.tensor([0, 2, 6])),
+        ValueError,
+        "cu_seqlens has dtype int64, expected int32",
+    ),
     (dict(cu_seqlens=torch.zeros(0, dtype=I32)), ValueError, "cu_seqlens has shape \\[0\\]"),
     (dict(max_seqlen=-1), ValueError, "max_seqlen is -1, expected an int >= 0"),
     (dict(max_seqlen=4.0), TypeError, "max_seqlen is float, expected int"),
@@ -52,13 +88,25 @@ PREFILL_ERRORS = [
     (dict(window_left=True), TypeError, "window_left is bool, expected int"),
     (dict(window_left=3, causal=False), ValueError, "window_left is 3 with causal=False"),
     (dict(sinks=torch.randn(4)), ValueError, r"sinks has shape \[4\], expected \[8\]"),
-    (dict(sinks=torch.randn(8, dtype=FP16)), ValueError, "sinks has dtype float16, expected bfloat16 or float32"),
+    (
+        dict(sinks=torch.randn(8, dtype=FP16)),
+        ValueError,
+        "sinks has dtype float16, expected bfloat16 or float32",
+    ),
     (dict(softmax_scale=0.0), ValueError, "softmax_scale is 0.0, expected a finite float > 0"),
     (dict(softmax_scale=float("nan")), ValueError, "softmax_scale is nan"),
     (dict(softmax_scale="0.1"), TypeError, "softmax_scale is str, expected a float"),
     (dict(return_lse=1), TypeError, "return_lse is int, expected bool"),
-    (dict(out=torch.empty(6, 8, 64, dtype=FP16)), ValueError, "out has dtype float16, expected bfloat16"),
-    (dict(out=torch.empty(6, 8, 32, dtype=BF16)), ValueError, r"out has shape \[6, 8, 32\], expected \[6, 8, 64\]"),
+    (
+        dict(out=torch.empty(6, 8, 64, dtype=FP16)),
+        ValueError,
+        "out has dtype float16, expected bfloat16",
+    ),
+    (
+        dict(out=torch.empty(6, 8, 32, dtype=BF16)),
+        ValueError,
+        r"out has shape \[6, 8, 32\], expected \[6, 8, 64\]",
+    ),
 ]
 
 
@@ -70,17 +118,53 @@ def test_prefill_errors(over, exc, match):
 
 
 PAGED_ERRORS = [
-    (dict(k_cache=torch.randn(5, 16, 2, 64)), ValueError, "k_cache has dtype float32, expected bfloat16 or float8_e4m3fn"),
-    (dict(k_cache=torch.randn(5, 16, 2, 32, dtype=BF16)), ValueError, r"k_cache has shape \[5, 16, 2, 32\], expected \[\*, \*, \*, 64\]"),
-    (dict(k_cache=torch.randn(5, 16, 128, dtype=BF16)), ValueError, "k_cache has shape .* expected 4-D"),
-    (dict(v_cache=torch.randn(5, 8, 2, 64, dtype=BF16)), ValueError, r"v_cache has shape \[5, 8, 2, 64\], expected \[5, 16, 2, 64\]"),
-    (dict(page_table=torch.zeros(3, 2, dtype=I64)), ValueError, "page_table has dtype int64, expected int32"),
-    (dict(page_table=torch.zeros(2, 2, dtype=I32)), ValueError, r"page_table has shape \[2, 2\], expected \[3, \*\]"),
-    (dict(cache_seqlens=torch.ones(3, dtype=I64)), ValueError, "cache_seqlens has dtype int64, expected int32"),
-    (dict(cache_seqlens=torch.ones(4, dtype=I32)), ValueError, r"cache_seqlens has shape \[4\], expected \[3\]"),
+    (
+        dict(k_cache=torch.randn(5, 16, 2, 64)),
+        ValueError,
+        "k_cache has dtype float32, expected bfloat16 or float8_e4m3fn",
+    ),
+    (
+        dict(k_cache=torch.randn(5, 16, 2, 32, dtype=BF16)),
+        ValueError,
+        r"k_cache has shape \[5, 16, 2, 32\], expected \[\*, \*, \*, 64\]",
+    ),
+    (
+        dict(k_cache=torch.randn(5, 16, 128, dtype=BF16)),
+        ValueError,
+        "k_cache has shape .* expected 4-D",
+    ),
+    (
+        dict(v_cache=torch.randn(5, 8, 2, 64, dtype=BF16)),
+        ValueError,
+        r"v_cache has shape \[5, 8, 2, 64\], expected \[5, 16, 2, 64\]",
+    ),
+    (
+        dict(page_table=torch.zeros(3, 2, dtype=I64)),
+        ValueError,
+        "page_table has dtype int64, expected int32",
+    ),
+    (
+        dict(page_table=torch.zeros(2, 2, dtype=I32)),
+        ValueError,
+        r"page_table has shape \[2, 2\], expected \[3, \*\]",
+    ),
+    (
+        dict(cache_seqlens=torch.ones(3, dtype=I64)),
+        ValueError,
+        "cache_seqlens has dtype int64, expected int32",
+    ),
+    (
+        dict(cache_seqlens=torch.ones(4, dtype=I32)),
+        ValueError,
+        r"cache_seqlens has shape \[4\], expected \[3\]",
+    ),
     (dict(k_scale=0.5), ValueError, "k_scale is 0.5, expected None for a bfloat16 cache"),
     (dict(window_left=-3), ValueError, "window_left is -3"),
-    (dict(out=torch.empty(3, 8, 64, dtype=FP16)), ValueError, "out has dtype float16, expected bfloat16"),
+    (
+        dict(out=torch.empty(3, 8, 64, dtype=FP16)),
+        ValueError,
+        "out has dtype float16, expected bfloat16",
+    ),
 ]
 
 
@@ -101,9 +185,11 @@ def test_decode_q_shape_errors():
 
 
 def test_fp8_cache_scale_errors():
-    for bad, exc, match in [(0.0, ValueError, "k_scale is 0.0, expected a finite float > 0"),
-                            (float("inf"), ValueError, "k_scale is inf"),
-                            ("1", TypeError, "k_scale is str, expected a float")]:
+    for bad, exc, match in [
+        (0.0, ValueError, "k_scale is 0.0, expected a finite float > 0"),
+        (float("inf"), ValueError, "k_scale is inf"),
+        ("1", TypeError, "k_scale is str, expected a float"),
+    ]:
         args, kwargs = paged_args(cache_dtype=FP8, k_scale=bad)
         with pytest.raises(exc, match=match):
             tk.mha_decode_with_kvcache(*args, **kwargs)
@@ -132,20 +218,48 @@ def test_extend_own_errors():
 
 def store_args(**over):
     cache = torch.zeros(4, 16, 2, 64, dtype=BF16)
-    args = dict(k=torch.randn(3, 2, 64, dtype=BF16), v=torch.randn(3, 2, 64, dtype=BF16),
-                k_cache=cache, v_cache=cache.clone(),
-                slot_mapping=torch.tensor([0, 17, -1], dtype=I64))
+    args = dict(
+        k=torch.randn(3, 2, 64, dtype=BF16),
+        v=torch.randn(3, 2, 64, dtype=BF16),
+        k_cache=cache,
+        v_cache=cache.clone(),
+        slot_mapping=torch.tensor([0, 17, -1], dtype=I64),
+    )
     args.update(over)
     return [args.pop(n) for n in ("k", "v", "k_cache", "v_cache")], args
 
 
 STORE_ERRORS = [
-    (dict(slot_mapping=torch.tensor([0, 1, 2], dtype=I32)), ValueError, "slot_mapping has dtype int32, expected int64"),
-    (dict(slot_mapping=torch.tensor([0, 1], dtype=I64)), ValueError, r"slot_mapping has shape \[2\], expected \[3\]"),
-    (dict(v=torch.randn(3, 2, 64, dtype=FP16)), ValueError, "v has dtype float16, expected bfloat16"),
-    (dict(k_cache=torch.zeros(4, 16, 2, 64, dtype=FP16)), ValueError, "k_cache has dtype float16, expected bfloat16 or float8_e4m3fn"),
-    (dict(k_cache=torch.zeros(4, 16, 1, 64, dtype=BF16)), ValueError, r"k_cache has shape \[4, 16, 1, 64\], expected \[\*, \*, 2, 64\]"),
-    (dict(v_cache=torch.zeros(4, 16, 2, 64, dtype=FP8)), ValueError, "v_cache has dtype float8_e4m3fn, expected bfloat16"),
+    (
+        dict(slot_mapping=torch.tensor([0, 1, 2], dtype=I32)),
+        ValueError,
+        "slot_mapping has dtype int32, expected int64",
+    ),
+    (
+        dict(slot_mapping=torch.tensor([0, 1], dtype=I64)),
+        ValueError,
+        r"slot_mapping has shape \[2\], expected \[3\]",
+    ),
+    (
+        dict(v=torch.randn(3, 2, 64, dtype=FP16)),
+        ValueError,
+        "v has dtype float16, expected bfloat16",
+    ),
+    (
+        dict(k_cache=torch.zeros(4, 16, 2, 64, dtype=FP16)),
+        ValueError,
+        "k_cache has dtype float16, expected bfloat16 or float8_e4m3fn",
+    ),
+    (
+        dict(k_cache=torch.zeros(4, 16, 1, 64, dtype=BF16)),
+        ValueError,
+        r"k_cache has shape \[4, 16, 1, 64\], expected \[\*, \*, 2, 64\]",
+    ),
+    (
+        dict(v_cache=torch.zeros(4, 16, 2, 64, dtype=FP8)),
+        ValueError,
+        "v_cache has dtype float8_e4m3fn, expected bfloat16",
+    ),
     (dict(k_scale=2.0), ValueError, "k_scale is 2.0, expected None for a bfloat16 cache"),
 ]
 
@@ -163,8 +277,16 @@ def test_moe_config_errors():
         (dict(top_k=9), ValueError, "top_k is 9, expected at most num_experts"),
         (dict(num_experts=0), ValueError, "num_experts is 0, expected a positive int"),
         (dict(hidden_size=70), ValueError, "hidden_size is 70, expected a multiple of 32"),
-        (dict(weight_format="nvfp4"), ValueError, "weight_format is 'nvfp4', expected one of mxfp4, fp8, bf16"),
-        (dict(activation_format="fp4"), ValueError, "activation_format is 'fp4', expected one of bf16, fp8"),
+        (
+            dict(weight_format="nvfp4"),
+            ValueError,
+            "weight_format is 'nvfp4', expected one of mxfp4, fp8, bf16",
+        ),
+        (
+            dict(activation_format="fp4"),
+            ValueError,
+            "activation_format is 'fp4', expected one of bf16, fp8",
+        ),
         (dict(routing="sigmoid"), ValueError, "routing is 'sigmoid', expected one of topk_softmax"),
         (dict(activation="gelu"), TypeError, "activation is str, expected SwiGLU"),
     ]
@@ -178,7 +300,8 @@ def _moe(weight_format="bf16", has_bias=True):
     plan = tk.moe_plan(config, device="cpu", max_num_tokens=16)
     E, H, I = 8, 64, 96  # noqa: E741
     weights = tk.MoEWeights(
-        w13=torch.randn(E, 2 * I, H, dtype=BF16) * 0.1, w2=torch.randn(E, H, I, dtype=BF16) * 0.1,
+        w13=torch.randn(E, 2 * I, H, dtype=BF16) * 0.1,
+        w2=torch.randn(E, H, I, dtype=BF16) * 0.1,
         w13_bias=torch.randn(E, 2 * I) if has_bias else None,
         w2_bias=torch.randn(E, H) if has_bias else None,
     )
@@ -188,18 +311,34 @@ def _moe(weight_format="bf16", has_bias=True):
 def test_moe_prepare_errors():
     config, plan, w = _moe()
     bad = [
-        (tk.MoEWeights(w13=w.w13.float(), w2=w.w2, w13_bias=w.w13_bias, w2_bias=w.w2_bias),
-         "weights.w13 has dtype float32, expected bfloat16"),
-        (tk.MoEWeights(w13=w.w13, w2=w.w2[:, :, :32], w13_bias=w.w13_bias, w2_bias=w.w2_bias),
-         r"weights.w2 has shape \[8, 64, 32\], expected \[8, 64, 96\]"),
-        (tk.MoEWeights(w13=w.w13, w2=w.w2, w2_bias=w.w2_bias),
-         r"weights.w13_bias is None, expected a tensor of shape \[8, 192\]"),
-        (tk.MoEWeights(w13=w.w13, w2=w.w2, w13_scale=torch.ones(8, 192), w13_bias=w.w13_bias,
-                       w2_bias=w.w2_bias),
-         "weights.w13_scale is a tensor, expected None with bf16 weights"),
-        (tk.MoEWeights(w13=w.w13, w2=w.w2, w13_bias=w.w13_bias, w2_bias=w.w2_bias,
-                       w13_input_scale=0.1),
-         "weights.w13_input_scale is 0.1, expected None with bf16 activations"),
+        (
+            tk.MoEWeights(w13=w.w13.float(), w2=w.w2, w13_bias=w.w13_bias, w2_bias=w.w2_bias),
+            "weights.w13 has dtype float32, expected bfloat16",
+        ),
+        (
+            tk.MoEWeights(w13=w.w13, w2=w.w2[:, :, :32], w13_bias=w.w13_bias, w2_bias=w.w2_bias),
+            r"weights.w2 has shape \[8, 64, 32\], expected \[8, 64, 96\]",
+        ),
+        (
+            tk.MoEWeights(w13=w.w13, w2=w.w2, w2_bias=w.w2_bias),
+            r"weights.w13_bias is None, expected a tensor of shape \[8, 192\]",
+        ),
+        (
+            tk.MoEWeights(
+                w13=w.w13,
+                w2=w.w2,
+                w13_scale=torch.ones(8, 192),
+                w13_bias=w.w13_bias,
+                w2_bias=w.w2_bias,
+            ),
+            "weights.w13_scale is a tensor, expected None with bf16 weights",
+        ),
+        (
+            tk.MoEWeights(
+                w13=w.w13, w2=w.w2, w13_bias=w.w13_bias, w2_bias=w.w2_bias, w13_input_scale=0.1
+            ),
+            "weights.w13_input_scale is 0.1, expected None with bf16 activations",
+        ),
     ]
     for weights, match in bad:
         with pytest.raises(ValueError, match="moe_prepare_weights: " + match):
@@ -207,7 +346,9 @@ def test_moe_prepare_errors():
     with pytest.raises(TypeError, match="weights is dict, expected MoEWeights"):
         tk.moe_prepare_weights(plan, {"w13": w.w13})
     _, no_bias_plan, _ = _moe(has_bias=False)
-    with pytest.raises(ValueError, match="weights.w13_bias is a tensor, expected None with has_bias=False"):
+    with pytest.raises(
+        ValueError, match="weights.w13_bias is a tensor, expected None with has_bias=False"
+    ):
         tk.moe_prepare_weights(no_bias_plan, w)
 
 
@@ -219,17 +360,42 @@ def test_moe_apply_errors():
     ids = torch.zeros(3, 2, dtype=torch.int32)
     cases = [
         (dict(x=x.half()), ValueError, "x has dtype float16, expected bfloat16"),
-        (dict(x=torch.randn(3, 32, dtype=BF16)), ValueError, r"x has shape \[3, 32\], expected \[\*, 64\]"),
-        (dict(x=torch.randn(17, 64, dtype=BF16), router_logits=torch.randn(17, 8)), ValueError,
-         r"x has 17 tokens, expected at most the plan's max_num_tokens \(16\)"),
-        (dict(router_logits=torch.randn(3, 7)), ValueError, r"router_logits has shape \[3, 7\], expected \[3, 8\]"),
-        (dict(router_logits=None), ValueError, "router_logits is None, expected router_logits or both"),
+        (
+            dict(x=torch.randn(3, 32, dtype=BF16)),
+            ValueError,
+            r"x has shape \[3, 32\], expected \[\*, 64\]",
+        ),
+        (
+            dict(x=torch.randn(17, 64, dtype=BF16), router_logits=torch.randn(17, 8)),
+            ValueError,
+            r"x has 17 tokens, expected at most the plan's max_num_tokens \(16\)",
+        ),
+        (
+            dict(router_logits=torch.randn(3, 7)),
+            ValueError,
+            r"router_logits has shape \[3, 7\], expected \[3, 8\]",
+        ),
+        (
+            dict(router_logits=None),
+            ValueError,
+            "router_logits is None, expected router_logits or both",
+        ),
         (dict(router_logits=None, topk_ids=ids), ValueError, "router_logits is None"),
-        (dict(topk_ids=ids, topk_weights=torch.ones(3, 2)), ValueError, "router_logits and topk_weights/topk_ids are both given"),
-        (dict(router_logits=None, topk_ids=ids.long(), topk_weights=torch.ones(3, 2)), ValueError,
-         "topk_ids has dtype int64, expected int32"),
-        (dict(router_logits=None, topk_ids=ids, topk_weights=torch.ones(3, 4)), ValueError,
-         r"topk_weights has shape \[3, 4\], expected \[3, 2\]"),
+        (
+            dict(topk_ids=ids, topk_weights=torch.ones(3, 2)),
+            ValueError,
+            "router_logits and topk_weights/topk_ids are both given",
+        ),
+        (
+            dict(router_logits=None, topk_ids=ids.long(), topk_weights=torch.ones(3, 2)),
+            ValueError,
+            "topk_ids has dtype int64, expected int32",
+        ),
+        (
+            dict(router_logits=None, topk_ids=ids, topk_weights=torch.ones(3, 4)),
+            ValueError,
+            r"topk_weights has shape \[3, 4\], expected \[3, 2\]",
+        ),
         (dict(out=torch.empty(3, 64)), ValueError, "out has dtype float32, expected bfloat16"),
         (dict(weights=w), TypeError, "weights is MoEWeights, expected the PreparedMoEWeights"),
         (dict(plan="reference.moe"), TypeError, "plan is str, expected MoEPlan"),

@@ -52,6 +52,7 @@ def plugin_dir(tmp_path, monkeypatch):
         "zz_broken = tk_broken_plugin:register\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(plugins.ALLOW_LIST_ENV, "zz_good,zz_broken")
     yield tmp_path
     monkeypatch.undo()
     for module in ("tk_good_plugin", "tk_broken_plugin"):
@@ -98,8 +99,11 @@ def test_plugins_command_shows_failure(plugin_dir, capsys):
 
 @pytest.mark.parametrize(
     "allow, good, broken",
-    [("", "skipped", "skipped"), ("zz_good", "loaded", "skipped"),
-     ("zz_good, zz_broken", "loaded", "failed")],
+    [
+        ("", "skipped", "skipped"),
+        ("zz_good", "loaded", "skipped"),
+        ("zz_good, zz_broken", "loaded", "failed"),
+    ],
 )
 def test_allow_list(plugin_dir, monkeypatch, allow, good, broken):
     monkeypatch.setenv("TOKENSPEED_KERNEL_PLUGINS", allow)

@@ -41,8 +41,15 @@ def _register(name, *, platforms=("*",), traits=TRAITS, priority=50, supports=No
     def kernel(*args, **kwargs):
         raise AssertionError("selection tests never run kernels")
 
-    tk.register_kernel(op, name=name, backend=backend, platforms=platforms, traits=traits,
-                       priority=priority, supports=supports)(kernel)
+    tk.register_kernel(
+        op,
+        name=name,
+        backend=backend,
+        platforms=platforms,
+        traits=traits,
+        priority=priority,
+        supports=supports,
+    )(kernel)
 
 
 @pytest.mark.parametrize(
@@ -92,8 +99,11 @@ def test_platform_detected_from_tensor_device_and_faked():
 def test_selection_filters_by_platform(scratch_kernels, platform):
     _register("nv.decode", platforms=["nvidia:sm_90+"], priority=90)
     _register("amd.decode", platforms=["amd:gfx942,gfx950"], priority=80)
-    _register("cdna4.decode", platforms=[PlatformSpec("amd", capabilities=frozenset({"mfma_scale"}))],
-              priority=95)
+    _register(
+        "cdna4.decode",
+        platforms=[PlatformSpec("amd", capabilities=frozenset({"mfma_scale"}))],
+        priority=95,
+    )
     expected = {
         "cpu": "reference.mha_decode_with_kvcache",
         "h100": "nv.decode",
@@ -106,8 +116,9 @@ def test_selection_filters_by_platform(scratch_kernels, platform):
 
 
 def test_undeclared_trait_is_refused(scratch_kernels):
-    _register("nosinks.decode", traits={k: v for k, v in TRAITS.items() if k != "sinks"},
-              priority=90)
+    _register(
+        "nosinks.decode", traits={k: v for k, v in TRAITS.items() if k != "sinks"}, priority=90
+    )
     h100 = KNOWN_PLATFORMS["h100"]
     verdict = registry.get_kernel(OP, "nosinks.decode").supports(DECODE, h100)
     assert not verdict.ok and verdict.reason == "does not declare sinks"
@@ -164,18 +175,24 @@ def test_register_errors(scratch_kernels):
     _register("dup.decode")
     with pytest.raises(ValueError, match="already registered"):
         _register("dup.decode")
-    tk.register_kernel(OP, name="dup.decode", backend="dup", platforms=["*"], traits=TRAITS,
-                       priority=3, replace=True)(lambda *a, **k: None)
+    tk.register_kernel(
+        OP,
+        name="dup.decode",
+        backend="dup",
+        platforms=["*"],
+        traits=TRAITS,
+        priority=3,
+        replace=True,
+    )(lambda *a, **k: None)
     assert registry.get_kernel(OP, "dup.decode").priority == 3
     with pytest.raises(ValueError, match="expected one of mha_prefill"):
-        tk.register_kernel("mha_magic", name="x.y", backend="x", platforms=["*"], traits={},
-                           priority=1)
+        tk.register_kernel(
+            "mha_magic", name="x.y", backend="x", platforms=["*"], traits={}, priority=1
+        )
     with pytest.raises(ValueError, match="starting with 'x.'"):
-        tk.register_kernel(OP, name="y.decode", backend="x", platforms=["*"], traits={},
-                           priority=1)
+        tk.register_kernel(OP, name="y.decode", backend="x", platforms=["*"], traits={}, priority=1)
     with pytest.raises(ValueError, match="declares no platforms"):
-        tk.register_kernel(OP, name="x.decode", backend="x", platforms=[], traits={},
-                           priority=1)
+        tk.register_kernel(OP, name="x.decode", backend="x", platforms=[], traits={}, priority=1)
     with pytest.raises(ValueError, match="no kernel named"):
         registry.unregister_kernel("never.registered")
 
@@ -195,7 +212,9 @@ def test_no_kernel_error_lists_candidates(scratch_kernels):
         selector.select(OP, fp32_request, KNOWN_PLATFORMS["h100"])
     message = str(info.value)
     assert "no kernel supports" in message
-    assert "reference.mha_decode_with_kvcache (priority 0): rejected: dtype float32 not in" in message
+    assert (
+        "reference.mha_decode_with_kvcache (priority 0): rejected: dtype float32 not in" in message
+    )
     assert isinstance(info.value, NotImplementedError)
     assert info.value.candidates[0].name == "reference.mha_decode_with_kvcache"
 
@@ -241,8 +260,12 @@ def test_public_op_refuses_forced_kernel_it_cannot_use(scratch_kernels):
     with tk.use_kernel(OP, "bf16only.decode"):
         with pytest.raises(tk.UnsupportedError, match="dtype float16 not in"):
             tk.mha_decode_with_kvcache(
-                q, cache, cache, page_table=torch.zeros(2, 1, dtype=torch.int32),
-                cache_seqlens=torch.ones(2, dtype=torch.int32))
+                q,
+                cache,
+                cache,
+                page_table=torch.zeros(2, 1, dtype=torch.int32),
+                cache_seqlens=torch.ones(2, dtype=torch.int32),
+            )
 
 
 def test_platform_hash_is_cached():

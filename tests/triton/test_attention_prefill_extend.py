@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
+
 from tokenspeed_kernel.ops.attention.reference import reference_extend, reference_prefill
 from tokenspeed_kernel.testing import (
     assert_close,
     assert_conformance,
     conformance_params,
 )
-
 from tokenspeed_kernel_triton.attention import extend, prefill
 from tokenspeed_kernel_triton.attention._common import AttentionConfig, DeviceKind
 
@@ -94,10 +94,13 @@ def test_extend_never_reads_keys_outside_the_window(page_size):
     assert_close(got, want, dtype=torch.float16, name="out")
 
 
-@pytest.mark.parametrize("config", [AttentionConfig(32, 16, 4, 1), AttentionConfig(16, 32, 4, 1)])
+@pytest.mark.parametrize("config", [AttentionConfig(32, 16, 4, 1), AttentionConfig(16, 32, 4, 1),
+                                    AttentionConfig(32, 16, 4, 1, heads_per_tile=4),
+                                    AttentionConfig(32, 16, 4, 1, split_mask=False)])
 @pytest.mark.parametrize("causal,window", [(True, -1), (True, 20), (False, -1)])
 def test_prefill_pinned_configs(config, causal, window):
-    """Tile shapes where BLOCK_M != BLOCK_N move the masked/unmasked split boundaries."""
+    """Tile shapes where BLOCK_M != BLOCK_N move the masked/unmasked split boundaries; GQA
+    packing (4 heads x 8 tokens) changes which rows share a tile."""
     gen = torch.Generator().manual_seed(3)
     lens = [45, 1, 70]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)

@@ -1,9 +1,9 @@
 """`tokenspeed-kernel`: what this machine can run and why.
 
-  tokenspeed-kernel                 platform, plugins, kernels, GPT-OSS-120B selections
-  tokenspeed-kernel list            every op with its kernels, platforms and traits
-  tokenspeed-kernel explain OP      every candidate for a preset's (or explicit) request
-  tokenspeed-kernel plugins         loaded, failed and skipped plugins
+tokenspeed-kernel                 platform, plugins, kernels, GPT-OSS-120B selections
+tokenspeed-kernel list            every op with its kernels, platforms and traits
+tokenspeed-kernel explain OP      every candidate for a preset's (or explicit) request
+tokenspeed-kernel plugins         loaded, failed and skipped plugins
 """
 
 from __future__ import annotations
@@ -39,10 +39,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenspeed-kernel", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--platform", choices=sorted(KNOWN_PLATFORMS),
-                        help="pretend to run on this platform (selection only, nothing runs)")
+    parser = argparse.ArgumentParser(
+        prog="tokenspeed-kernel",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--platform",
+        choices=sorted(KNOWN_PLATFORMS),
+        help="pretend to run on this platform (selection only, nothing runs)",
+    )
     parser.add_argument("--preset", default="gpt-oss-120b", choices=sorted(PRESETS))
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("list", help="every op with its registered kernels").set_defaults(run=_list)
@@ -87,8 +93,11 @@ def _report(args: argparse.Namespace) -> int:
     for label, op, request in report_calls(preset):
         explanation = explain(op, request, platform)
         chosen = explanation.selected or "none (UnsupportedError)"
-        declined = [f"{c.name}: {c.reason}" for c in explanation.candidates
-                    if not c.accepted and c.priority > _priority(explanation)]
+        declined = [
+            f"{c.name}: {c.reason}"
+            for c in explanation.candidates
+            if not c.accepted and c.priority > _priority(explanation)
+        ]
         why = "; ".join(declined) if declined else "highest-priority kernel that accepts"
         rows.append((label, chosen, why))
     width = max(len(r[0]) for r in rows)
@@ -129,8 +138,10 @@ def _list(args: argparse.Namespace, traits: bool = True) -> int:
             where = ", ".join(str(p) for p in spec.platforms)
             print(f"    {spec.name:<40} priority {spec.priority:<4} platforms {where}")
             if traits:
-                shown = "; ".join(f"{k}={registry._show(v) if v is not True else 'yes'}"
-                                  for k, v in sorted(spec.traits.items()))
+                shown = "; ".join(
+                    f"{k}={registry._show(v) if v is not True else 'yes'}"
+                    for k, v in sorted(spec.traits.items())
+                )
                 print(f"      traits: {shown}")
     return 0
 
@@ -148,13 +159,15 @@ def _request_from_args(op: str, preset: ModelPreset, args: argparse.Namespace):
     kv_dtype = _DTYPES[args.kv_dtype] if args.kv_dtype else None
     if op == "moe":
         tokens = args.num_tokens or preset.decode_batch
-        return preset.moe_request(tokens, weight_format=args.weight_format,
-                                  activation_format=args.activation_format)
+        return preset.moe_request(
+            tokens, weight_format=args.weight_format, activation_format=args.activation_format
+        )
     if op == "kvcache_store":
         request = preset.kvcache_store_request(kv_dtype)
     else:
-        request = preset.attention_request(op, window=args.window, q_len=args.q_len,
-                                           kv_dtype=kv_dtype)
+        request = preset.attention_request(
+            op, window=args.window, q_len=args.q_len, kv_dtype=kv_dtype
+        )
         request = request._replace(sinks=not args.no_sinks, lse=args.lse)
     overrides = {}
     if args.dtype:

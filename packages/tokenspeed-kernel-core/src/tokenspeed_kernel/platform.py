@@ -98,7 +98,9 @@ def fake_platform(platform: Platform | str) -> Iterator[Platform]:
     if isinstance(platform, str):
         if platform not in KNOWN_PLATFORMS:
             known = ", ".join(KNOWN_PLATFORMS)
-            raise ValueError(f"fake_platform: unknown platform {platform!r}, expected one of {known}")
+            raise ValueError(
+                f"fake_platform: unknown platform {platform!r}, expected one of {known}"
+            )
         platform = KNOWN_PLATFORMS[platform]
     previous, _fake = _fake, platform
     try:

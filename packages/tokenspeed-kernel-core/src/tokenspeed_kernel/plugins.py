@@ -68,8 +68,9 @@ def _load_all() -> list[PluginResult]:
     results = []
     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         if allowed is not None and ep.name not in allowed:
-            results.append(PluginResult(ep.name, ep.value, "skipped",
-                                        detail=f"not in {ALLOW_LIST_ENV}"))
+            results.append(
+                PluginResult(ep.name, ep.value, "skipped", detail=f"not in {ALLOW_LIST_ENV}")
+            )
             continue
         results.append(_load_one(ep))
     return results
@@ -86,8 +87,9 @@ def _load_one(ep) -> PluginResult:
         after = registry.registered_names() - before
         for name in after:  # a half-registered plugin would serve untested kernels
             registry.unregister_kernel(name)
-        return PluginResult(ep.name, ep.value, "failed", f"{type(exc).__name__}: {exc}",
-                            detail=detail)
+        return PluginResult(
+            ep.name, ep.value, "failed", f"{type(exc).__name__}: {exc}", detail=detail
+        )
     added = tuple(sorted(registry.registered_names() - before))
     logger.debug("plugin %s registered %d kernels", ep.name, len(added))
     return PluginResult(ep.name, ep.value, "loaded", kernels=added)

@@ -110,7 +110,13 @@ def _show(value: object) -> str:
 
 _kernels: dict[str, dict[str, KernelSpec]] = {op: {} for op in OPS}
 _listeners: list[Callable[[], None]] = []
-_ensure_plugins: Callable[[], None] = lambda: None
+
+
+def _no_plugins() -> None:
+    pass
+
+
+_ensure_plugins: Callable[[], None] = _no_plugins
 
 
 def register_kernel(
@@ -149,8 +155,9 @@ def register_kernel(
             )
         if existing is not None:
             del _kernels[existing.op][name]
-        spec = KernelSpec(op, name, backend, fn, specs, frozen_traits, priority, supports,
-                          description)
+        spec = KernelSpec(
+            op, name, backend, fn, specs, frozen_traits, priority, supports, description
+        )
         _kernels[op][name] = spec
         logger.debug("registered %s for %s (priority %d)", name, op, priority)
         _changed()

@@ -42,7 +42,7 @@ def check_tensor(
         # A plain loop: this runs several times per op call and any(<genexpr>) costs ~2x.
         mismatch = len(actual) != len(shape)
         if not mismatch:
-            for got, want in zip(actual, shape):
+            for got, want in zip(actual, shape, strict=True):
                 if want is not None and got != want:
                     mismatch = True
                     break

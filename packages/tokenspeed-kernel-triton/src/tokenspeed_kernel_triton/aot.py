@@ -22,6 +22,8 @@ from .attention._common import DeviceKind
 AOT_KERNELS: list[str] = [
     "attention.prefill",
     "attention.extend",
+    "attention.decode",
+    "attention.kvcache_store",
 ]
 
 TARGETS: dict[str, tuple[GPUTarget, DeviceKind]] = {

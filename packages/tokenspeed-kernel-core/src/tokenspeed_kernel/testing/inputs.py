@@ -1,14 +1,16 @@
 """Fresh random kernel arguments for conformance cases, in the normalized form the public ops
 pass to `kernel.fn` (defaults resolved, `out`/`lse` preallocated, decode q 4-D, float scales).
 
-Everything is drawn on the CPU from a generator seeded by (case name, seed), then moved to the
-device, so a case builds the same inputs on every machine. Outputs are preallocated full of NaN
+Everything is drawn from the generator passed in, on that generator's device: `Case.build` seeds
+a CPU generator from (case name, seed) and moves the result, so a case builds the same inputs on
+every machine; the benchmarks pass a GPU generator to build large inputs quickly. Outputs are preallocated full of NaN
 and every cache slot no sequence owns holds large garbage: a kernel that skips a row or reads
 outside its sequence shows up as an error instead of passing by luck.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
@@ -109,7 +111,15 @@ def generator(*parts: object) -> torch.Generator:
 
 
 def _randn(gen: torch.Generator, *shape: int, gain: float = 1.0) -> torch.Tensor:
-    return gain * torch.randn(*shape, generator=gen)
+    return gain * torch.randn(*shape, generator=gen, device=gen.device)
+
+
+def _randint(gen: torch.Generator, low: int, high: int, shape, dtype=torch.int64) -> torch.Tensor:
+    return torch.randint(low, high, tuple(shape), generator=gen, device=gen.device, dtype=dtype)
+
+
+def _randperm(gen: torch.Generator, n: int) -> torch.Tensor:
+    return torch.randperm(n, generator=gen, device=gen.device)
 
 
 def _nan(shape, dtype, device) -> torch.Tensor:
@@ -144,15 +154,15 @@ def _paged(ks, vs, page_size, gen):
     head_shape = tuple(ks[0].shape[1:])
     caches = [_randn(gen, num_pages, page_size, *head_shape, gain=_GARBAGE_GAIN).to(ks[0].dtype)
               for _ in range(2)]
-    page_table = torch.randint(0, num_pages, (len(ks), max_pages), generator=gen)
-    free = torch.randperm(num_pages, generator=gen).tolist()
+    page_table = _randint(gen, 0, num_pages, (len(ks), max_pages)).cpu()
+    free = _randperm(gen, num_pages).tolist()
     for b, (k, v) in enumerate(zip(ks, vs, strict=True)):
         for p in range(pages_per_seq[b]):
             page = page_table[b, p] = free.pop()
             for cache, x in zip(caches, (k, v), strict=True):
                 chunk = x[p * page_size:(p + 1) * page_size]
                 cache[page, :len(chunk)] = chunk
-    return caches[0], caches[1], page_table.to(torch.int32)
+    return caches[0], caches[1], page_table.to(torch.int32).to(gen.device)
 
 
 def _common(shape: AttentionShape, gen, device) -> dict[str, Any]:
@@ -219,8 +229,8 @@ def build_store(shape: StoreShape, gen, device):
     cache_shape = (shape.num_pages, shape.page_size, h, d)
     k_cache = _randn(gen, *cache_shape, gain=_GARBAGE_GAIN).to(shape.cache_dtype)
     v_cache = _randn(gen, *cache_shape, gain=_GARBAGE_GAIN).to(shape.cache_dtype)
-    slots = torch.randperm(shape.num_pages * shape.page_size, generator=gen)[:t]
-    skipped = torch.randperm(t, generator=gen)[:shape.skip]
+    slots = _randperm(gen, shape.num_pages * shape.page_size)[:t]
+    skipped = _randperm(gen, t)[:shape.skip]
     slots[skipped] = -1
     args = tuple(x.to(device) for x in (k, v, k_cache, v_cache))
     return args, dict(slot_mapping=slots.to(torch.int64).to(device),
@@ -231,25 +241,24 @@ def _weight(fmt: str, gen, experts: int, rows: int, cols: int, gain: float):
     """One checkpoint-layout weight [E, rows, cols] with entries of std ~gain/sqrt(cols), so
     activations stay O(1) through both GEMMs. Returns (weight, scale or None)."""
     if fmt == "mxfp4":
-        codes = torch.randint(0, 16, (experts, rows, cols), generator=gen, dtype=torch.uint8)
+        codes = _randint(gen, 0, 16, (experts, rows, cols), torch.uint8)
         packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
         # Random codes have RMS ~2.9; aim the e8m0 exponents at gain/sqrt(cols), +-1 octave.
         center = round(127 + math.log2(gain / (2.9 * math.sqrt(cols))))
-        scales = torch.randint(center - 1, center + 2, (experts, rows, cols // 32),
-                               generator=gen).to(torch.uint8)
+        scales = _randint(gen, center - 1, center + 2, (experts, rows, cols // 32), torch.uint8)
         return packed, scales
     w = _randn(gen, experts, rows, cols)
     if fmt == "fp8":
         # Codes ~N(0, 64) use most of e4m3's range; per-output-channel scales bring them back.
-        scale = (0.5 + torch.rand(experts, rows, generator=gen)) * gain / (64 * math.sqrt(cols))
+        scale = 0.5 + torch.rand(experts, rows, generator=gen, device=gen.device)
+        scale = scale * gain / (64 * math.sqrt(cols))
         return (64 * w).clamp(-448, 448).to(FP8_DTYPE), scale.to(torch.float32)
     return (w * gain / math.sqrt(cols)).to(torch.bfloat16), None
 
 
-def build_moe(shape: MoEShape, gen, device):
-    """args (config, weights: MoEWeights, x [M, H] bf16); kwargs the routing inputs."""
-    config = shape.config()
-    e, h, i, m = shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.num_tokens
+def moe_weights(shape: MoEShape, gen) -> MoEWeights:
+    """Checkpoint-layout weights of `shape` on the generator's device."""
+    e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
     w13, w13_scale = _weight(shape.weight_format, gen, e, 2 * i, h, shape.gain)
     # SwiGLU outputs grow with the first GEMM's gain; the second GEMM brings them back to O(1).
     w2, w2_scale = _weight(shape.weight_format, gen, e, h, i, 1.0 / shape.gain)
@@ -262,19 +271,34 @@ def build_moe(shape: MoEShape, gen, device):
         # x ~ N(0, 1) peaks near 4; SwiGLU outputs reach ~20: a slightly tight first scale
         # exercises the saturating clamp on a few elements.
         static = dict(w13_input_scale=3.5 / 448, w2_input_scale=24.0 / 448)
-    moved = {k: None if v is None else v.to(device) for k, v in
-             dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, **biases).items()}
-    weights = MoEWeights(**moved, **static)
-    x = _randn(gen, m, h).to(torch.bfloat16).to(device)
+    return MoEWeights(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, **biases,
+                      **static)
+
+
+def moe_inputs(shape: MoEShape, gen) -> tuple[torch.Tensor, dict[str, Any]]:
+    """x [M, H] bf16 and the routing keyword arguments (logits, or topk weights and ids)."""
+    m, e, k = shape.num_tokens, shape.num_experts, shape.top_k
+    x = _randn(gen, m, shape.hidden_size).to(torch.bfloat16)
     routing: dict[str, Any] = dict(router_logits=None, topk_weights=None, topk_ids=None)
     if shape.routing == "precomputed":
-        ids = torch.stack([torch.randperm(e, generator=gen)[:shape.top_k] for _ in range(m)])
-        weights_k = torch.softmax(_randn(gen, m, shape.top_k), dim=-1)
-        routing.update(topk_weights=weights_k.to(device),
-                       topk_ids=ids.reshape(m, shape.top_k).to(torch.int32).to(device))
+        ids = torch.stack([_randperm(gen, e)[:k] for _ in range(m)]).reshape(m, k)
+        routing.update(topk_weights=torch.softmax(_randn(gen, m, k), dim=-1),
+                       topk_ids=ids.to(torch.int32))
     elif shape.routing == "ties":
-        logits = torch.randint(0, 3, (m, e), generator=gen).to(shape.logits_dtype)
-        routing.update(router_logits=logits.to(device))
+        routing.update(router_logits=_randint(gen, 0, 3, (m, e)).to(shape.logits_dtype))
     else:
-        routing.update(router_logits=_randn(gen, m, e).to(shape.logits_dtype).to(device))
-    return (config, weights, x), routing
+        routing.update(router_logits=_randn(gen, m, e).to(shape.logits_dtype))
+    return x, routing
+
+
+def build_moe(shape: MoEShape, gen, device):
+    """args (config, weights: MoEWeights, x [M, H] bf16); kwargs the routing inputs."""
+    weights = moe_weights(shape, gen)
+    weights = MoEWeights(**{f.name: _to(getattr(weights, f.name), device)
+                            for f in dataclasses.fields(weights)})
+    x, routing = moe_inputs(shape, gen)
+    return (shape.config(), weights, x.to(device)), {k: _to(v, device) for k, v in routing.items()}
+
+
+def _to(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value

@@ -5,3 +5,8 @@ from __future__ import annotations
 
 def add_tool_commands(subparsers) -> None:
     """Register the tool subcommands on the CLI's subparsers."""
+    from . import bench, check, profile  # noqa: PLC0415  (only when the CLI builds its parser)
+
+    check.add_parser(subparsers)
+    bench.add_parser(subparsers)
+    profile.add_parser(subparsers)

@@ -58,11 +58,11 @@ def attn_block_update(
 
 
 @triton.jit
-def attn_finalize(acc, l_i, m_i, Sinks, head, HAS_SINKS: tl.constexpr):
-    """Divide by the softmax denominator (plus the head's sink term, added once, here, in the
+def attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS: tl.constexpr):
+    """Divide by the softmax denominator (plus each row's head's sink term, added once, here, in the
     log2 domain against the running max). Returns (out [BLOCK_M, D] fp32, lse natural log)."""
     if HAS_SINKS:
-        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(Sinks + heads).to(tl.float32) * 1.4426950408889634
         m_fin = tl.maximum(m_i, sink)
         alpha = tl.math.exp2(m_i - m_fin)
         l_fin = l_i * alpha + tl.math.exp2(sink - m_fin)
@@ -77,14 +77,24 @@ def attn_finalize(acc, l_i, m_i, Sinks, head, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
-def store_rows(Out, Lse, acc, lse, offs_m, offs_d, n_rows, stride_ot, stride_lt,
-               HAS_LSE: tl.constexpr):
-    """Write the valid rows of one query block (Out/Lse already point at the head's column)."""
-    row_ok = offs_m < n_rows
-    out_ptrs = Out + offs_m[:, None] * stride_ot + offs_d[None, :]
-    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+def store_rows(Out, Lse, acc, lse, out_rows, lse_rows, row_ok, offs_d, HAS_LSE: tl.constexpr):
+    """Write the valid rows of one tile; out_rows/lse_rows are each row's element offset."""
+    tl.store(Out + out_rows[:, None] + offs_d[None, :], acc.to(Out.dtype.element_ty),
+             mask=row_ok[:, None])
     if HAS_LSE:
-        tl.store(Lse + offs_m * stride_lt, lse, mask=row_ok)
+        tl.store(Lse + lse_rows, lse, mask=row_ok)
+
+
+@triton.jit
+def packed_rows(t0, head_base, BLOCK_M: tl.constexpr, HEADS_PER_TILE: tl.constexpr):
+    """Tile row r holds token t0 + r // HEADS_PER_TILE of query head head_base + r % H.
+
+    Packing the query heads that share a KV head into one tile (GQA packing) loads each K/V
+    block once for all of them and shrinks the token span of a tile, which is what a sliding
+    window or a causal diagonal wastes work on.
+    """
+    offs_r = tl.arange(0, BLOCK_M)
+    return t0 + offs_r // HEADS_PER_TILE, head_base + offs_r % HEADS_PER_TILE
 
 
 @triton.jit
@@ -126,6 +136,20 @@ class AttentionConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # Query heads of one KV head packed into a tile (GQA packing); capped by the GQA ratio.
+    heads_per_tile: int = 1
+    # Split the key range into masked edges and an unmasked middle (three pipelined loops).
+    # Off, one masked loop: better when a tile visits only a few key blocks (sliding window),
+    # where each extra loop would restart the load pipeline.
+    split_mask: bool = True
+
+    def packing(self, group: int) -> int:
+        """Heads per tile for GQA ratio `group`: a power of two dividing it, leaving at least
+        one token per tile."""
+        heads = 1
+        while heads * 2 <= min(self.heads_per_tile, self.block_m) and group % (heads * 2) == 0:
+            heads *= 2
+        return heads
 
 
 class ConfigPin:
@@ -161,7 +185,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_kind(device_type: str, index: int | None) -> DeviceKind:
     if device_type != "cuda":
         return DeviceKind("interpreter", "cpu", 0, os.cpu_count() or 1)

@@ -36,20 +36,28 @@ LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _load_kv_block(Cache, PageRow, cols, col_ok, offs_d, head_off, stride_page, stride_slot,
-                   PAGE_SIZE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr):
-    """Keys `cols` [BLOCK_N] of one sequence as a [BLOCK_N, D] tile (masked rows are 0)."""
+def _block_pages(
+    PageRow, start_n, cols, col_ok, PAGE_SIZE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr
+):
+    """Physical page of each key of a block (int64, so page * stride never overflows)."""
     if BLOCK_IN_PAGE:
         # The whole block lies in one page: one page-table read for the block.
-        page = tl.load(PageRow + tl.min(cols, 0) // PAGE_SIZE).to(tl.int64)
-        slot = page * stride_page + (cols % PAGE_SIZE) * stride_slot
+        page = tl.load(PageRow + start_n // PAGE_SIZE).to(tl.int64)
     else:
         page = tl.load(PageRow + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
-        slot = page * stride_page + (cols % PAGE_SIZE) * stride_slot
-    ptrs = Cache + head_off + slot[:, None] + offs_d[None, :]
-    return tl.load(ptrs, mask=col_ok[:, None], other=0.0)
+    return page
 
 
+@triton.jit
+def _load_block(
+    Cache, page, cols, col_ok, offs_d, stride_page, stride_slot, PAGE_SIZE: tl.constexpr
+):
+    """[BLOCK_N, D] tile of one KV head (Cache already points at the head); masked rows are 0."""
+    slot = page * stride_page + (cols % PAGE_SIZE) * stride_slot
+    return tl.load(Cache + slot[:, None] + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+
+
+# fmt: off
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, PageTable, SeqLens, Sinks, Out, Lse, MidO, MidLse,
@@ -85,29 +93,31 @@ def _decode_split_kernel(
     seqlen = tl.load(SeqLens + b)
     pos = seqlen - Q_LEN + tok  # absolute position of each row (negative: sees nothing)
     first_tok = (m_tile * BLOCK_M) // GROUP
-    last_tok = tl.minimum(m_tile * BLOCK_M + BLOCK_M, Q_LEN * GROUP) // GROUP - 1 + 0 * first_tok
     last_tok = (tl.minimum(m_tile * BLOCK_M + BLOCK_M, Q_LEN * GROUP) - 1) // GROUP
     hi = tl.maximum(seqlen - Q_LEN + last_tok + 1, 0)
     lo = 0
     if HAS_WINDOW:
         # The window bounds the first visible key: blocks before it are never visited.
         lo = tl.minimum(tl.maximum(seqlen - Q_LEN + first_tok - window_left, 0), hi)
-    lo = lo // BLOCK_N * BLOCK_N
-    blocks_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NUM_SPLITS)
-    start = lo + split * blocks_per_split * BLOCK_N
+    lo_block = lo // BLOCK_N * BLOCK_N
+    blocks_per_split = tl.cdiv(tl.cdiv(hi - lo_block, BLOCK_N), NUM_SPLITS)
+    start = lo_block + split * blocks_per_split * BLOCK_N
     end = tl.minimum(start + blocks_per_split * BLOCK_N, hi)
 
     PageRow = PageTable + b * stride_ptb
+    KHead = K + kv_head * stride_kh
+    VHead = V + kv_head * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        col_ok = cols < end
-        k = _load_kv_block(K, PageRow, cols, col_ok, offs_d, kv_head * stride_kh, stride_kp,
-                           stride_ks, PAGE_SIZE, BLOCK_IN_PAGE)
-        v = _load_kv_block(V, PageRow, cols, col_ok, offs_d, kv_head * stride_vh, stride_vp,
-                           stride_vs, PAGE_SIZE, BLOCK_IN_PAGE)
+        # Keys left of the window are not loaded: engines may have freed (and reused) their
+        # pages, so neither their page ids nor their contents can be trusted.
+        col_ok = (cols >= lo) & (cols < end)
+        page = _block_pages(PageRow, start_n, cols, col_ok, PAGE_SIZE, BLOCK_IN_PAGE)
+        k = _load_block(KHead, page, cols, col_ok, offs_d, stride_kp, stride_ks, PAGE_SIZE)
+        v = _load_block(VHead, page, cols, col_ok, offs_d, stride_vp, stride_vs, PAGE_SIZE)
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
         # Causality (among the Q tokens and against the cache end) and the window, per row.
         visible = (cols[None, :] <= pos[:, None]) & col_ok[None, :]
@@ -181,7 +191,7 @@ def pin_decode_config(config: DecodeConfig) -> Iterator[DecodeConfig]:
         _pinned = previous
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_info(device_type: str, index: int | None) -> tuple[str, int]:
     """(arch, SM/CU count) read from the device once; ("interpreter", cores) off the GPU."""
     if device_type != "cuda":
@@ -211,7 +221,8 @@ def heuristic_config(arch: str, head_dim: int) -> DecodeConfig:
     # NVIDIA sm_80+: 3 cp.async stages of a 64-key K+V tile (16 KB at d=64) keep ~48 KB in
     # flight per CTA; 228 KB of shared memory fits 4 such CTAs (2 at d=128) per SM, which is
     # what a memory-bound gather needs to cover DRAM latency.
-    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=4 if head_dim <= 64 else 2)
+    ctas = 4 if head_dim <= 64 else 2
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=ctas)
 
 
 def choose_num_splits(programs: int, blocks: int, sm_count: int, ctas_per_sm: int) -> int:
@@ -301,6 +312,7 @@ def mha_decode(q, k_cache, v_cache, *, page_table, cache_seqlens, window_left, s
     lse_t = lse if lse is not None else out
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     grid = (batch * num_kv_heads * m_tiles, splits)
+    # fmt: off
     _decode_split_kernel[grid](
         q, k_cache, v_cache, page_table, cache_seqlens, sinks if sinks is not None else q,
         out, lse_t, mid_o, mid_lse,
@@ -317,6 +329,7 @@ def mha_decode(q, k_cache, v_cache, *, page_table, cache_seqlens, window_left, s
         BLOCK_IN_PAGE=page_size % config.block_n == 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    # fmt: on
     if splits > 1:
         decode_reduce(mid_o, mid_lse, sinks, out, lse, batch, q_len, num_q_heads, head_dim,
                       splits)
@@ -325,3 +338,43 @@ def mha_decode(q, k_cache, v_cache, *, page_table, cache_seqlens, window_left, s
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_Q_LEN = 64
+
+
+def aot_specs(kind) -> list:
+    """Specializations GPT-OSS-like models launch on `kind` (a `_common.DeviceKind`), with the
+    launcher's config, for the ahead-of-time compile check (tokenspeed_kernel_triton.aot)."""
+    from ..aot import AotSpec
+    from .decode_reduce import _decode_reduce_kernel
+
+    strides = ("stride_qb", "stride_qt", "stride_qh", "stride_kp", "stride_ks", "stride_kh",
+               "stride_vp", "stride_vs", "stride_vh", "stride_ptb", "stride_ob", "stride_ot",
+               "stride_oh", "stride_lb", "stride_lt", "stride_lh")
+    specs = []
+    for kv, head_dim, page_size, window, splits in (
+        ("bf16", 64, 64, False, 1), ("bf16", 64, 64, False, 16), ("bf16", 64, 16, True, 1),
+        ("fp8e4nv", 64, 64, False, 4), ("bf16", 128, 1, False, 8),
+    ):
+        config = heuristic_config(kind.arch, head_dim)
+        signature = {
+            "Q": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "PageTable": "*i32", "SeqLens": "*i32",
+            "Sinks": "*fp32", "Out": "*bf16", "Lse": "*fp32", "MidO": "*fp32",
+            "MidLse": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", "window_left": "i32",
+            "num_kv_heads": "i32", **dict.fromkeys(strides, "i32"),
+        }
+        constexprs = dict(Q_LEN=1, GROUP=8, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=16,
+                          BLOCK_N=config.block_n, NUM_SPLITS=splits, HAS_WINDOW=window,
+                          HAS_SINKS=True, HAS_LSE=True,
+                          BLOCK_IN_PAGE=page_size % config.block_n == 0)
+        name = (f"decode_{kv}_hd{head_dim}_page{page_size}_splits{splits}"
+                f"{'_window' if window else ''}")
+        specs.append(AotSpec(name, _decode_split_kernel, signature, constexprs,
+                             config.num_warps, config.num_stages))
+    reduce_signature = {
+        "MidO": "*fp32", "MidLse": "*fp32", "Sinks": "*fp32", "Out": "*bf16", "Lse": "*fp32",
+        "num_q_heads": "i32", **dict.fromkeys(("stride_ob", "stride_ot", "stride_oh",
+                                               "stride_lb", "stride_lt", "stride_lh"), "i32"),
+    }
+    specs.append(AotSpec("decode_reduce_hd64_splits16", _decode_reduce_kernel, reduce_signature,
+                         dict(Q_LEN=1, HEAD_DIM=64, NUM_SPLITS=16, BLOCK_S=16, HAS_SINKS=True,
+                              HAS_LSE=True), 1, 1))
+    return specs

@@ -9,7 +9,6 @@ k_scale folds into the logit scale and v_scale into the final normalization.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -22,6 +21,7 @@ from ._common import (
     attn_finalize,
     device_kind,
     key_block_bounds,
+    packed_rows,
     store_rows,
 )
 
@@ -66,61 +66,71 @@ def _extend_kernel(
     qk_scale, v_scale, window_left, num_m_blocks,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt, stride_pt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
+    GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
+    SPLIT_MASK: tl.constexpr,
 ):
+    TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     pid_m = tl.program_id(0)
-    head = tl.program_id(1)
+    head_base = tl.program_id(1) * HEADS_PER_TILE
     seq = tl.program_id(2)
     if not HAS_WINDOW:
         # Later query blocks see more keys: launch them first for load balance.
         pid_m = num_m_blocks - 1 - pid_m
     q_start = tl.load(CuSeqlensQ + seq)
     n_q = tl.load(CuSeqlensQ + seq + 1) - q_start
-    m0 = pid_m * BLOCK_M
-    if m0 >= n_q:
+    t0 = pid_m * TOKENS
+    if t0 >= n_q:
         return
     seq_k = tl.load(CacheSeqlens + seq)
     pos0 = seq_k - n_q  # absolute position of query row 0
-    kv_head = head // GROUP
+    kv_head = head_base // GROUP
     tok0 = q_start.to(tl.int64)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    toks, heads = packed_rows(t0, head_base, BLOCK_M, HEADS_PER_TILE)
+    row_ok = toks < n_q
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + tok0 * stride_qt + head * stride_qh + offs_m[:, None] * stride_qt
-                + offs_d[None, :], mask=(offs_m < n_q)[:, None], other=0.0)
+    q = tl.load(Q + tok0 * stride_qt + (toks * stride_qt + heads * stride_qh)[:, None]
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     page_row = PageTable + seq.to(tl.int64) * stride_pt
 
-    last_row = pos0 + tl.minimum(m0 + BLOCK_M, n_q) - 1
+    last_row = pos0 + tl.minimum(t0 + TOKENS, n_q) - 1
     lo, full_lo, full_hi, hi = key_block_bounds(
-        pos0 + m0, last_row, seq_k, window_left, BLOCK_N, True, HAS_WINDOW)
+        pos0 + t0, last_row, seq_k, window_left, BLOCK_N, True, HAS_WINDOW)
 
-    rows = pos0 + offs_m
+    rows = pos0 + toks
     kh_k = kv_head * stride_kh
     kh_v = kv_head * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if HAS_WINDOW:
+    if not SPLIT_MASK:
         acc, l_i, m_i = _extend_key_loop(
-            acc, l_i, m_i, q, K, V, page_row, rows, lo, full_lo, seq_k, window_left, qk_scale,
+            acc, l_i, m_i, q, K, V, page_row, rows, lo, hi, seq_k, window_left, qk_scale,
             kh_k, kh_v, stride_kp, stride_kt, stride_vp, stride_vt, offs_n, offs_d,
             PAGE_SIZE, BLOCK_N, True, True, HAS_WINDOW)
-    acc, l_i, m_i = _extend_key_loop(
-        acc, l_i, m_i, q, K, V, page_row, rows, full_lo, full_hi, seq_k, window_left, qk_scale,
-        kh_k, kh_v, stride_kp, stride_kt, stride_vp, stride_vt, offs_n, offs_d,
-        PAGE_SIZE, BLOCK_N, False, True, HAS_WINDOW)
-    acc, l_i, m_i = _extend_key_loop(
-        acc, l_i, m_i, q, K, V, page_row, rows, full_hi, hi, seq_k, window_left, qk_scale,
-        kh_k, kh_v, stride_kp, stride_kt, stride_vp, stride_vt, offs_n, offs_d,
-        PAGE_SIZE, BLOCK_N, True, True, HAS_WINDOW)
+    else:
+        if HAS_WINDOW:
+            acc, l_i, m_i = _extend_key_loop(
+                acc, l_i, m_i, q, K, V, page_row, rows, lo, full_lo, seq_k, window_left,
+                qk_scale, kh_k, kh_v, stride_kp, stride_kt, stride_vp, stride_vt, offs_n,
+                offs_d, PAGE_SIZE, BLOCK_N, True, True, HAS_WINDOW)
+        acc, l_i, m_i = _extend_key_loop(
+            acc, l_i, m_i, q, K, V, page_row, rows, full_lo, full_hi, seq_k, window_left,
+            qk_scale, kh_k, kh_v, stride_kp, stride_kt, stride_vp, stride_vt, offs_n, offs_d,
+            PAGE_SIZE, BLOCK_N, False, True, HAS_WINDOW)
+        acc, l_i, m_i = _extend_key_loop(
+            acc, l_i, m_i, q, K, V, page_row, rows, full_hi, hi, seq_k, window_left,
+            qk_scale, kh_k, kh_v, stride_kp, stride_kt, stride_vp, stride_vt, offs_n, offs_d,
+            PAGE_SIZE, BLOCK_N, True, True, HAS_WINDOW)
 
-    acc, lse = attn_finalize(acc, l_i, m_i, Sinks, head, HAS_SINKS)
+    acc, lse = attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS)
     # FP8 caches: p @ v_fp8 used unscaled values; v_scale is linear in the output.
     acc = acc * v_scale
-    store_rows(Out + tok0 * stride_ot + head * stride_oh, Lse + tok0 * stride_lt + head,
-               acc, lse, offs_m, offs_d, n_q, stride_ot, stride_lt, HAS_LSE)
+    store_rows(Out + tok0 * stride_ot, Lse + tok0 * stride_lt, acc, lse,
+               toks * stride_ot + heads * stride_oh, toks * stride_lt + heads, row_ok, offs_d,
+               HAS_LSE)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -137,19 +147,19 @@ def choose_config(kind: DeviceKind, head_dim: int, window: bool) -> AttentionCon
     """Tile config for a device kind; each branch names the hardware reason."""
     if kind.vendor == "interpreter":
         # numpy-executed blocks: small tiles keep CPU tests fast yet cross page boundaries.
-        return AttentionConfig(16, 16, 1, 1)
+        return AttentionConfig(32, 16, 1, 1, heads_per_tile=2)
     if kind.vendor == "amd":
         # CDNA: 4 wavefronts per CU; gathered K/V rows go through LDS, 64 KB on gfx942.
         stages = 1 if head_dim > 64 and kind.arch == "gfx942" else 2
-        return AttentionConfig(64, 64, 4, stages)
+        return AttentionConfig(128, 64, 4, stages, heads_per_tile=8)
     if kind.sm == 90:
         # Hopper: gathered rows cannot use TMA, so cp.async pipelining (3 stages) hides the
         # page-table indirection; 8 warps give each warpgroup a 64-row wgmma tile.
         if window:
-            return AttentionConfig(64, 64, 4, 3)
-        return AttentionConfig(128, 64, 8, 3)
+            return AttentionConfig(64, 32, 4, 3, heads_per_tile=8, split_mask=False)
+        return AttentionConfig(128, 64, 8, 3, heads_per_tile=8)
     # Ampere/Ada mma.sync: 4 warps, 2-3 cp.async stages within 100-164 KB of shared memory.
-    return AttentionConfig(128, 64, 4, 3 if head_dim <= 64 else 2)
+    return AttentionConfig(128, 64, 4, 3 if head_dim <= 64 else 2, heads_per_tile=8)
 
 
 def mha_extend_with_kvcache(
@@ -168,17 +178,19 @@ def mha_extend_with_kvcache(
         return
     has_window = window_left >= 0
     config = _PIN.pinned or choose_config(device_kind(q.device), head_dim, has_window)
-    num_m_blocks = triton.cdiv(max_seqlen_q, config.block_m)
-    grid = (num_m_blocks, num_q_heads, num_seqs)
+    group = num_q_heads // k_cache.shape[2]
+    heads_per_tile = config.packing(group)
+    num_m_blocks = triton.cdiv(max_seqlen_q, config.block_m // heads_per_tile)
+    grid = (num_m_blocks, num_q_heads // heads_per_tile, num_seqs)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, out if lse is None else lse, q if sinks is None else sinks,
         cu_seqlens_q, page_table, cache_seqlens,
         softmax_scale * k_scale * LOG2E, v_scale, window_left, num_m_blocks,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0), page_table.stride(0),
-        GROUP=num_q_heads // k_cache.shape[2], HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
+        GROUP=group, HEADS_PER_TILE=heads_per_tile, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_WINDOW=has_window,
-        HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
+        HAS_SINKS=sinks is not None, HAS_LSE=lse is not None, SPLIT_MASK=config.split_mask,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -203,9 +215,10 @@ def aot_specs(kind: DeviceKind) -> list:
             "CacheSeqlens": "*i32", "qk_scale": "fp32", "v_scale": "fp32",
             "window_left": "i32", "num_m_blocks": "i32", **dict.fromkeys(strides, "i32"),
         }
-        constexprs = dict(GROUP=8, HEAD_DIM=64, PAGE_SIZE=page_size, BLOCK_M=config.block_m,
-                          BLOCK_N=config.block_n, HAS_WINDOW=window, HAS_SINKS=True,
-                          HAS_LSE=True)
+        constexprs = dict(GROUP=8, HEADS_PER_TILE=config.packing(8), HEAD_DIM=64,
+                          PAGE_SIZE=page_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                          HAS_WINDOW=window, HAS_SINKS=True, HAS_LSE=True,
+                          SPLIT_MASK=config.split_mask)
         name = f"extend_{kv_dtype}_page{page_size}{'_window' if window else ''}"
         specs.append(AotSpec(name, _extend_kernel, signature, constexprs, config.num_warps,
                              config.num_stages))

@@ -55,3 +55,46 @@ def _register_prefill_and_extend() -> None:
 
 def _register_decode_and_store() -> None:
     """Owned by the decode and kvcache_store kernels (decode.py, kvcache_store.py)."""
+    import os
+
+    import torch
+
+    from tokenspeed_kernel.registry import ANY, Support, register_kernel
+
+    from . import decode, kvcache_store
+
+    platforms = ["nvidia:sm_80+", "amd:gfx942,gfx950"]
+    # The CPU runs these kernels only through the Triton interpreter (tests, debugging).
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        platforms.append("cpu")
+    half = (torch.bfloat16, torch.float16)
+    fp8 = torch.float8_e4m3fn
+
+    def fp8_verdict(request, platform) -> Support:
+        if request.kv_dtype == fp8 and platform.vendor == "nvidia":
+            sm = int(platform.arch.removeprefix("sm_").rstrip("a") or 0)
+            if sm < 89:
+                return Support.no(f"FP8 e4m3 conversion needs sm_89+, this is {platform.arch}")
+        return Support.yes()
+
+    def supports_decode(request, platform) -> Support:
+        if platform.vendor == "cpu" and request.dtype == torch.bfloat16:
+            return Support.no("the Triton 3.6 interpreter multiplies raw bits in a bf16 tl.dot")
+        return fp8_verdict(request, platform)
+
+    register_kernel(
+        "mha_decode_with_kvcache", name="triton.mha_decode_with_kvcache", backend="triton",
+        platforms=platforms,
+        traits=dict(dtype=half, kv_dtype=(*half, fp8), head_dim=decode.SUPPORTED_HEAD_DIMS,
+                    gqa_ratio=ANY, page_size=decode.SUPPORTED_PAGE_SIZES,
+                    q_len=range(1, decode.MAX_Q_LEN + 1), window=True, sinks=True, lse=True),
+        priority=100, supports=supports_decode,
+        description="split-KV paged decode; GQA heads x Q tokens share each K/V tile (tl.dot), "
+                    "window-bounded splits, sink added once in the reduce, FP8 KV",
+    )(decode.mha_decode)
+    register_kernel(
+        "kvcache_store", name="triton.kvcache_store", backend="triton", platforms=platforms,
+        traits=dict(dtype=half, kv_dtype=(*half, fp8), head_dim=ANY, page_size=ANY),
+        priority=100, supports=fp8_verdict,
+        description="paged K/V store; negative slots skipped; FP8 saturating RNE quantization",
+    )(kvcache_store.kvcache_store)

@@ -33,8 +33,18 @@ _INT64 = (torch.int64,)
 
 
 def mha_prefill(
-    q, k, v, *, cu_seqlens, max_seqlen, causal=True, window_left=-1, sinks=None,
-    softmax_scale=None, return_lse=False, out=None,
+    q,
+    k,
+    v,
+    *,
+    cu_seqlens,
+    max_seqlen,
+    causal=True,
+    window_left=-1,
+    sinks=None,
+    softmax_scale=None,
+    return_lse=False,
+    out=None,
 ):
     """Ragged self-attention without a cache.
 
@@ -61,28 +71,77 @@ def mha_prefill(
         raise TypeError(f"{op}: causal is {type(causal).__name__}, expected bool")
     window_left = _check_window(op, window_left)
     if window_left >= 0 and not causal:
-        raise ValueError(f"{op}: window_left is {window_left} with causal=False, expected "
-                         "causal=True (a window counts keys to the left of each query)")
-    scale, lse = _check_common(op, q, num_q_heads, head_dim, sinks, softmax_scale, return_lse,
-                               (num_tokens, num_q_heads))
+        raise ValueError(
+            f"{op}: window_left is {window_left} with causal=False, expected "
+            "causal=True (a window counts keys to the left of each query)"
+        )
+    scale, lse = _check_common(
+        op, q, num_q_heads, head_dim, sinks, softmax_scale, return_lse, (num_tokens, num_q_heads)
+    )
     out = _check_out(op, out, q.shape, (q.dtype,), device)
-    request = AttentionRequest(q.dtype, k.dtype, head_dim, num_q_heads, num_kv_heads,
-                               0, 0, causal, window_left, sinks is not None, return_lse)
+    request = AttentionRequest(
+        q.dtype,
+        k.dtype,
+        head_dim,
+        num_q_heads,
+        num_kv_heads,
+        0,
+        0,
+        causal,
+        window_left,
+        sinks is not None,
+        return_lse,
+    )
     kernel = select(op, request, platform_of(device))
     if capture.active():
-        capture.record(op, kernel.name, dict(
-            q=q, k=k, v=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=causal,
-            window_left=window_left, sinks=sinks, softmax_scale=softmax_scale,
-            return_lse=return_lse))
-    kernel.fn(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=causal,
-              window_left=window_left, sinks=sinks, softmax_scale=scale, out=out, lse=lse)
+        capture.record(
+            op,
+            kernel.name,
+            dict(
+                q=q,
+                k=k,
+                v=v,
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
+                causal=causal,
+                window_left=window_left,
+                sinks=sinks,
+                softmax_scale=softmax_scale,
+                return_lse=return_lse,
+            ),
+        )
+    kernel.fn(
+        q,
+        k,
+        v,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        causal=causal,
+        window_left=window_left,
+        sinks=sinks,
+        softmax_scale=scale,
+        out=out,
+        lse=lse,
+    )
     return (out, lse) if return_lse else out
 
 
 def mha_extend_with_kvcache(
-    q, k_cache, v_cache, *, cu_seqlens_q, page_table, cache_seqlens, max_seqlen_q,
-    window_left=-1, sinks=None, softmax_scale=None, return_lse=False, out=None,
-    k_scale=None, v_scale=None,
+    q,
+    k_cache,
+    v_cache,
+    *,
+    cu_seqlens_q,
+    page_table,
+    cache_seqlens,
+    max_seqlen_q,
+    window_left=-1,
+    sinks=None,
+    softmax_scale=None,
+    return_lse=False,
+    out=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Chunked prefill over the paged cache (the new tokens are already stored).
 
@@ -101,33 +160,83 @@ def mha_extend_with_kvcache(
     if num_seqs < 0:
         raise ValueError(f"{op}: cu_seqlens_q has shape [0], expected [B+1] with B >= 0")
     page_size, num_kv_heads = _check_paged_cache(
-        op, q, head_dim, k_cache, v_cache, page_table, cache_seqlens, num_seqs)
+        op, q, head_dim, k_cache, v_cache, page_table, cache_seqlens, num_seqs
+    )
     _check_gqa(op, num_q_heads, num_kv_heads)
     check_int(op, "max_seqlen_q", max_seqlen_q, minimum=0)
     window_left = _check_window(op, window_left)
     k_scale, v_scale = _check_kv_scales(op, k_cache.dtype, k_scale, v_scale)
-    scale, lse = _check_common(op, q, num_q_heads, head_dim, sinks, softmax_scale, return_lse,
-                               (num_tokens, num_q_heads))
+    scale, lse = _check_common(
+        op, q, num_q_heads, head_dim, sinks, softmax_scale, return_lse, (num_tokens, num_q_heads)
+    )
     out = _check_out(op, out, q.shape, _out_dtypes(q, k_cache), device)
-    request = AttentionRequest(q.dtype, k_cache.dtype, head_dim, num_q_heads, num_kv_heads,
-                               page_size, 0, True, window_left, sinks is not None, return_lse)
+    request = AttentionRequest(
+        q.dtype,
+        k_cache.dtype,
+        head_dim,
+        num_q_heads,
+        num_kv_heads,
+        page_size,
+        0,
+        True,
+        window_left,
+        sinks is not None,
+        return_lse,
+    )
     kernel = select(op, request, platform_of(device))
     if capture.active():
-        capture.record(op, kernel.name, dict(
-            q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
-            page_table=page_table, cache_seqlens=cache_seqlens, max_seqlen_q=max_seqlen_q,
-            window_left=window_left, sinks=sinks, softmax_scale=softmax_scale,
-            return_lse=return_lse, k_scale=k_scale, v_scale=v_scale))
-    kernel.fn(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, page_table=page_table,
-              cache_seqlens=cache_seqlens, max_seqlen_q=max_seqlen_q, window_left=window_left,
-              sinks=sinks, softmax_scale=scale, k_scale=k_scale, v_scale=v_scale, out=out,
-              lse=lse)
+        capture.record(
+            op,
+            kernel.name,
+            dict(
+                q=q,
+                k_cache=k_cache,
+                v_cache=v_cache,
+                cu_seqlens_q=cu_seqlens_q,
+                page_table=page_table,
+                cache_seqlens=cache_seqlens,
+                max_seqlen_q=max_seqlen_q,
+                window_left=window_left,
+                sinks=sinks,
+                softmax_scale=softmax_scale,
+                return_lse=return_lse,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            ),
+        )
+    kernel.fn(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q=cu_seqlens_q,
+        page_table=page_table,
+        cache_seqlens=cache_seqlens,
+        max_seqlen_q=max_seqlen_q,
+        window_left=window_left,
+        sinks=sinks,
+        softmax_scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        out=out,
+        lse=lse,
+    )
     return (out, lse) if return_lse else out
 
 
 def mha_decode_with_kvcache(
-    q, k_cache, v_cache, *, page_table, cache_seqlens, window_left=-1, sinks=None,
-    softmax_scale=None, return_lse=False, out=None, k_scale=None, v_scale=None,
+    q,
+    k_cache,
+    v_cache,
+    *,
+    page_table,
+    cache_seqlens,
+    window_left=-1,
+    sinks=None,
+    softmax_scale=None,
+    return_lse=False,
+    out=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Decode Q new tokens per sequence over the paged cache.
 
@@ -136,10 +245,35 @@ def mha_decode_with_kvcache(
     Returns q's shape (and lse [B, Hq] or [B, Q, Hq] float32 if `return_lse`).
     """
     op = "mha_decode_with_kvcache"
-    if not decode_args_valid(q, k_cache, v_cache, page_table, cache_seqlens, window_left, sinks,
-                             softmax_scale, return_lse, out, k_scale, v_scale):
-        _diagnose_decode(op, q, k_cache, v_cache, page_table, cache_seqlens, window_left, sinks,
-                         softmax_scale, return_lse, out, k_scale, v_scale)
+    if not decode_args_valid(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        cache_seqlens,
+        window_left,
+        sinks,
+        softmax_scale,
+        return_lse,
+        out,
+        k_scale,
+        v_scale,
+    ):
+        _diagnose_decode(
+            op,
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            cache_seqlens,
+            window_left,
+            sinks,
+            softmax_scale,
+            return_lse,
+            out,
+            k_scale,
+            v_scale,
+        )
     shape = q.shape
     squeeze = len(shape) == 3
     if squeeze:
@@ -158,28 +292,75 @@ def mha_decode_with_kvcache(
     lse = torch.empty(shape[:-1], dtype=torch.float32, device=device) if return_lse else None
     if out is None:
         out = torch.empty(shape, dtype=torch.bfloat16 if fp8 else q.dtype, device=device)
-    request = AttentionRequest(q.dtype, k_cache.dtype, head_dim, num_q_heads, num_kv_heads,
-                               page_size, q_len, True, window_left, sinks is not None, return_lse)
+    request = AttentionRequest(
+        q.dtype,
+        k_cache.dtype,
+        head_dim,
+        num_q_heads,
+        num_kv_heads,
+        page_size,
+        q_len,
+        True,
+        window_left,
+        sinks is not None,
+        return_lse,
+    )
     kernel = select(op, request, platform_of(device))
     if capture.active():
-        capture.record(op, kernel.name, dict(
-            q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table,
-            cache_seqlens=cache_seqlens, window_left=window_left, sinks=sinks,
-            softmax_scale=softmax_scale, return_lse=return_lse, k_scale=k_scale,
-            v_scale=v_scale))
+        capture.record(
+            op,
+            kernel.name,
+            dict(
+                q=q,
+                k_cache=k_cache,
+                v_cache=v_cache,
+                page_table=page_table,
+                cache_seqlens=cache_seqlens,
+                window_left=window_left,
+                sinks=sinks,
+                softmax_scale=softmax_scale,
+                return_lse=return_lse,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            ),
+        )
     if squeeze:
         out4 = out.view(num_seqs, 1, num_q_heads, head_dim)
         lse4 = None if lse is None else lse.view(num_seqs, 1, num_q_heads)
     else:
         out4, lse4 = out, lse
-    kernel.fn(q4, k_cache, v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
-              window_left=window_left, sinks=sinks, softmax_scale=scale, k_scale=k_scale,
-              v_scale=v_scale, out=out4, lse=lse4)
+    kernel.fn(
+        q4,
+        k_cache,
+        v_cache,
+        page_table=page_table,
+        cache_seqlens=cache_seqlens,
+        window_left=window_left,
+        sinks=sinks,
+        softmax_scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        out=out4,
+        lse=lse4,
+    )
     return (out, lse) if return_lse else out
 
 
-def _diagnose_decode(op, q, k_cache, v_cache, page_table, cache_seqlens, window_left, sinks,
-                     softmax_scale, return_lse, out, k_scale, v_scale) -> None:
+def _diagnose_decode(
+    op,
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    window_left,
+    sinks,
+    softmax_scale,
+    return_lse,
+    out,
+    k_scale,
+    v_scale,
+) -> None:
     """Raise the precise error for a call `decode_args_valid` refused."""
     check_ndim(op, "q", q, (3, 4))
     q4 = q.unsqueeze(1) if q.dim() == 3 else q
@@ -189,7 +370,8 @@ def _diagnose_decode(op, q, k_cache, v_cache, page_table, cache_seqlens, window_
     if q_len < 1:
         raise ValueError(f"{op}: q has shape {list(q.shape)}, expected Q >= 1 tokens per sequence")
     _, num_kv_heads = _check_paged_cache(
-        op, q, head_dim, k_cache, v_cache, page_table, cache_seqlens, num_seqs)
+        op, q, head_dim, k_cache, v_cache, page_table, cache_seqlens, num_seqs
+    )
     _check_gqa(op, num_q_heads, num_kv_heads)
     _check_window(op, window_left)
     _check_kv_scales(op, k_cache.dtype, k_scale, v_scale)
@@ -211,11 +393,20 @@ def kvcache_store(k, v, k_cache, v_cache, *, slot_mapping, k_scale=None, v_scale
     request = KVStoreRequest(k.dtype, k_cache.dtype, head_dim, num_kv_heads, k_cache.shape[1])
     kernel = select(op, request, platform_of(k.device))
     if capture.active():
-        capture.record(op, kernel.name, dict(
-            k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
-            k_scale=k_scale, v_scale=v_scale))
-    kernel.fn(k, v, k_cache, v_cache, slot_mapping=slot_mapping, k_scale=k_scale,
-              v_scale=v_scale)
+        capture.record(
+            op,
+            kernel.name,
+            dict(
+                k=k,
+                v=v,
+                k_cache=k_cache,
+                v_cache=v_cache,
+                slot_mapping=slot_mapping,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            ),
+        )
+    kernel.fn(k, v, k_cache, v_cache, slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def _diagnose_store(op, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
@@ -226,22 +417,32 @@ def _diagnose_store(op, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) 
     check_tensor(op, "k", k, dtypes=FLOAT16_DTYPES)
     check_tensor(op, "v", v, shape=k.shape, dtypes=(k.dtype,), device=device)
     check_ndim(op, "k_cache", k_cache, (4,))
-    check_tensor(op, "k_cache", k_cache, shape=(None, None, num_kv_heads, head_dim),
-                 dtypes=(k.dtype, *FP8_DTYPES), device=device)
-    check_tensor(op, "v_cache", v_cache, shape=k_cache.shape, dtypes=(k_cache.dtype,),
-                 device=device)
+    check_tensor(
+        op,
+        "k_cache",
+        k_cache,
+        shape=(None, None, num_kv_heads, head_dim),
+        dtypes=(k.dtype, *FP8_DTYPES),
+        device=device,
+    )
+    check_tensor(
+        op, "v_cache", v_cache, shape=k_cache.shape, dtypes=(k_cache.dtype,), device=device
+    )
     for name, x in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_contiguous_last_dim(op, name, x)
-    check_tensor(op, "slot_mapping", slot_mapping, shape=(num_tokens,), dtypes=_INT64,
-                 device=device)
+    check_tensor(
+        op, "slot_mapping", slot_mapping, shape=(num_tokens,), dtypes=_INT64, device=device
+    )
     _check_kv_scales(op, k_cache.dtype, k_scale, v_scale)
     raise AssertionError(f"{op}: store_args_valid refused a call the checkers accept")
 
 
 def _check_gqa(op: str, num_q_heads: int, num_kv_heads: int) -> None:
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(f"{op}: q has {num_q_heads} heads and the keys {num_kv_heads}, "
-                         "expected the query heads to be a multiple of the KV heads")
+        raise ValueError(
+            f"{op}: q has {num_q_heads} heads and the keys {num_kv_heads}, "
+            "expected the query heads to be a multiple of the KV heads"
+        )
 
 
 def _check_window(op: str, window_left: object) -> int:
@@ -257,14 +458,14 @@ def _check_common(op, q, num_q_heads, head_dim, sinks, softmax_scale, return_lse
     if head_dim < 1:
         raise ValueError(f"{op}: q has head dim {head_dim}, expected >= 1")
     if sinks is not None:
-        check_tensor(op, "sinks", sinks, shape=(num_q_heads,), dtypes=SINK_DTYPES,
-                     device=q.device)
+        check_tensor(op, "sinks", sinks, shape=(num_q_heads,), dtypes=SINK_DTYPES, device=q.device)
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     else:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"{op}: softmax_scale is {type(softmax_scale).__name__}, "
-                            "expected a float")
+            raise TypeError(
+                f"{op}: softmax_scale is {type(softmax_scale).__name__}, expected a float"
+            )
         scale = float(softmax_scale)
         if not math.isfinite(scale) or scale <= 0.0:
             raise ValueError(f"{op}: softmax_scale is {softmax_scale}, expected a finite float > 0")
@@ -277,16 +478,23 @@ def _check_common(op, q, num_q_heads, head_dim, sinks, softmax_scale, return_lse
 def _check_paged_cache(op, q, head_dim, k_cache, v_cache, page_table, cache_seqlens, num_seqs):
     device = q.device
     check_ndim(op, "k_cache", k_cache, (4,))
-    check_tensor(op, "k_cache", k_cache, shape=(None, None, None, head_dim),
-                 dtypes=(q.dtype, *FP8_DTYPES), device=device)
-    check_tensor(op, "v_cache", v_cache, shape=k_cache.shape, dtypes=(k_cache.dtype,),
-                 device=device)
+    check_tensor(
+        op,
+        "k_cache",
+        k_cache,
+        shape=(None, None, None, head_dim),
+        dtypes=(q.dtype, *FP8_DTYPES),
+        device=device,
+    )
+    check_tensor(
+        op, "v_cache", v_cache, shape=k_cache.shape, dtypes=(k_cache.dtype,), device=device
+    )
     check_contiguous_last_dim(op, "k_cache", k_cache)
     check_contiguous_last_dim(op, "v_cache", v_cache)
-    check_tensor(op, "page_table", page_table, shape=(num_seqs, None), dtypes=_INT32,
-                 device=device)
-    check_tensor(op, "cache_seqlens", cache_seqlens, shape=(num_seqs,), dtypes=_INT32,
-                 device=device)
+    check_tensor(op, "page_table", page_table, shape=(num_seqs, None), dtypes=_INT32, device=device)
+    check_tensor(
+        op, "cache_seqlens", cache_seqlens, shape=(num_seqs,), dtypes=_INT32, device=device
+    )
     page_size = k_cache.shape[1]
     if page_size < 1:
         raise ValueError(f"{op}: k_cache has shape {list(k_cache.shape)}, expected page size >= 1")
@@ -297,8 +505,10 @@ def _check_kv_scales(op, cache_dtype, k_scale, v_scale):
     if cache_dtype not in FP8_DTYPES:
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             if value is not None:
-                raise ValueError(f"{op}: {name} is {value}, expected None for a "
-                                 f"{dtype_name(cache_dtype)} cache (scales apply to FP8 only)")
+                raise ValueError(
+                    f"{op}: {name} is {value}, expected None for a "
+                    f"{dtype_name(cache_dtype)} cache (scales apply to FP8 only)"
+                )
         return 1.0, 1.0
     return check_scale(op, "k_scale", k_scale), check_scale(op, "v_scale", v_scale)
 

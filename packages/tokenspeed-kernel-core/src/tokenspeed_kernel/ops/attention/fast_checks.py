@@ -28,8 +28,20 @@ def _last_dim_dense(x) -> bool:
     return x.is_contiguous() or x.stride(-1) == 1
 
 
-def decode_args_valid(q, k_cache, v_cache, page_table, cache_seqlens, window_left, sinks,
-                      softmax_scale, return_lse, out, k_scale, v_scale) -> bool:
+def decode_args_valid(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    window_left,
+    sinks,
+    softmax_scale,
+    return_lse,
+    out,
+    k_scale,
+    v_scale,
+) -> bool:
     try:
         qs = q.shape
         if len(qs) == 3:
@@ -44,26 +56,54 @@ def decode_args_valid(q, k_cache, v_cache, page_table, cache_seqlens, window_lef
         device, kv_dtype, ks = q.get_device(), k_cache.dtype, k_cache.shape
         fp8 = kv_dtype is _FP8
         return (
-            q.dtype in _F16 and _last_dim_dense(q) and head_dim >= 1
-            and len(ks) == 4 and ks[3] == head_dim and ks[1] >= 1 and ks[2] >= 1
-            and q_heads % ks[2] == 0 and (fp8 or kv_dtype is q.dtype)
-            and v_cache.shape == ks and v_cache.dtype is kv_dtype
-            and k_cache.get_device() == device and v_cache.get_device() == device
-            and _last_dim_dense(k_cache) and _last_dim_dense(v_cache)
-            and page_table.dtype is _I32 and page_table.ndim == 2
-            and page_table.shape[0] == batch and page_table.get_device() == device
-            and cache_seqlens.dtype is _I32 and cache_seqlens.shape == (batch,)
+            q.dtype in _F16
+            and _last_dim_dense(q)
+            and head_dim >= 1
+            and len(ks) == 4
+            and ks[3] == head_dim
+            and ks[1] >= 1
+            and ks[2] >= 1
+            and q_heads % ks[2] == 0
+            and (fp8 or kv_dtype is q.dtype)
+            and v_cache.shape == ks
+            and v_cache.dtype is kv_dtype
+            and k_cache.get_device() == device
+            and v_cache.get_device() == device
+            and _last_dim_dense(k_cache)
+            and _last_dim_dense(v_cache)
+            and page_table.dtype is _I32
+            and page_table.ndim == 2
+            and page_table.shape[0] == batch
+            and page_table.get_device() == device
+            and cache_seqlens.dtype is _I32
+            and cache_seqlens.shape == (batch,)
             and cache_seqlens.get_device() == device
-            and type(window_left) is int and window_left >= -1
-            and (sinks is None or (sinks.shape == (q_heads,) and sinks.dtype in _SINK
-                                   and sinks.get_device() == device))
-            and (softmax_scale is None or (type(softmax_scale) in (float, int)
-                                           and 0 < softmax_scale < math.inf))
+            and type(window_left) is int
+            and window_left >= -1
+            and (
+                sinks is None
+                or (
+                    sinks.shape == (q_heads,)
+                    and sinks.dtype in _SINK
+                    and sinks.get_device() == device
+                )
+            )
+            and (
+                softmax_scale is None
+                or (type(softmax_scale) in (float, int) and 0 < softmax_scale < math.inf)
+            )
             and type(return_lse) is bool
-            and _scale_ok(k_scale, fp8) and _scale_ok(v_scale, fp8)
-            and (out is None or (out.shape == qs and out.get_device() == device
-                                 and _last_dim_dense(out)
-                                 and (out.dtype in _F16 if fp8 else out.dtype is q.dtype)))
+            and _scale_ok(k_scale, fp8)
+            and _scale_ok(v_scale, fp8)
+            and (
+                out is None
+                or (
+                    out.shape == qs
+                    and out.get_device() == device
+                    and _last_dim_dense(out)
+                    and (out.dtype in _F16 if fp8 else out.dtype is q.dtype)
+                )
+            )
         )
     except (AttributeError, TypeError, ValueError):
         return False
@@ -74,16 +114,28 @@ def store_args_valid(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> 
         shape, device, cs = k.shape, k.get_device(), k_cache.shape
         fp8 = k_cache.dtype is _FP8
         return (
-            len(shape) == 3 and k.dtype in _F16 and v.shape == shape and v.dtype is k.dtype
-            and v.get_device() == device and len(cs) == 4 and cs[2] == shape[1]
-            and cs[3] == shape[2] and (fp8 or k_cache.dtype is k.dtype)
-            and v_cache.shape == cs and v_cache.dtype is k_cache.dtype
-            and k_cache.get_device() == device and v_cache.get_device() == device
-            and _last_dim_dense(k) and _last_dim_dense(v)
-            and _last_dim_dense(k_cache) and _last_dim_dense(v_cache)
-            and slot_mapping.dtype is _I64 and slot_mapping.shape == (shape[0],)
+            len(shape) == 3
+            and k.dtype in _F16
+            and v.shape == shape
+            and v.dtype is k.dtype
+            and v.get_device() == device
+            and len(cs) == 4
+            and cs[2] == shape[1]
+            and cs[3] == shape[2]
+            and (fp8 or k_cache.dtype is k.dtype)
+            and v_cache.shape == cs
+            and v_cache.dtype is k_cache.dtype
+            and k_cache.get_device() == device
+            and v_cache.get_device() == device
+            and _last_dim_dense(k)
+            and _last_dim_dense(v)
+            and _last_dim_dense(k_cache)
+            and _last_dim_dense(v_cache)
+            and slot_mapping.dtype is _I64
+            and slot_mapping.shape == (shape[0],)
             and slot_mapping.get_device() == device
-            and _scale_ok(k_scale, fp8) and _scale_ok(v_scale, fp8)
+            and _scale_ok(k_scale, fp8)
+            and _scale_ok(v_scale, fp8)
         )
     except (AttributeError, TypeError, ValueError):
         return False

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from ...registry import ANY, register_kernel
+from ...validation import FLOAT16_DTYPES, KV_CACHE_DTYPES
+
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0
 
@@ -241,3 +244,46 @@ def reference_kvcache_store(k, v, k_cache, v_cache, *, slot_mapping, k_scale, v_
     pages, offsets = slots // page_size, slots % page_size
     k_cache[pages, offsets] = _quantize(k[keep], k_cache.dtype, k_scale)
     v_cache[pages, offsets] = _quantize(v[keep], v_cache.dtype, v_scale)
+
+
+# Lowest priority: the numerics oracle, and the fallback that makes every op run anywhere.
+_ATTENTION_TRAITS = {
+    "dtype": FLOAT16_DTYPES,
+    "kv_dtype": KV_CACHE_DTYPES,
+    "head_dim": ANY,
+    "gqa_ratio": ANY,
+    "page_size": ANY,
+    "q_len": ANY,
+    "non_causal": True,
+    "window": True,
+    "sinks": True,
+    "lse": True,
+}
+for _op, _fn in (
+    ("mha_prefill", reference_prefill),
+    ("mha_extend_with_kvcache", reference_extend),
+    ("mha_decode_with_kvcache", reference_decode),
+):
+    register_kernel(
+        _op,
+        name=f"reference.{_op}",
+        backend="reference",
+        platforms=["*"],
+        traits=_ATTENTION_TRAITS,
+        priority=0,
+        description="pure torch, float32 accumulation",
+    )(_fn)
+register_kernel(
+    "kvcache_store",
+    name="reference.kvcache_store",
+    backend="reference",
+    platforms=["*"],
+    traits={
+        "dtype": FLOAT16_DTYPES,
+        "kv_dtype": KV_CACHE_DTYPES,
+        "head_dim": ANY,
+        "page_size": ANY,
+    },
+    priority=0,
+    description="pure torch",
+)(reference_kvcache_store)

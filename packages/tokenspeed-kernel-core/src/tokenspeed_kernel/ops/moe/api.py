@@ -29,14 +29,31 @@ def moe_plan(config: MoEConfig, *, device=None, max_num_tokens: int = 8192) -> M
     platform = platform_of(device)
     spec = select("moe", request, platform)
     padded_h, padded_i = spec.fn.padded_sizes(config)
-    return MoEPlan(config, spec.name, _reason(request, platform, spec.name),
-                   spec.fn.weight_layout, padded_h, padded_i, max_num_tokens, device, spec.fn)
+    return MoEPlan(
+        config,
+        spec.name,
+        _reason(request, platform, spec.name),
+        spec.fn.weight_layout,
+        padded_h,
+        padded_i,
+        max_num_tokens,
+        device,
+        spec.fn,
+    )
 
 
 def request_for(config: MoEConfig, max_num_tokens: int) -> MoERequest:
-    return MoERequest(config.weight_format, config.activation_format, config.has_bias,
-                      config.routing, config.num_experts, config.top_k, config.hidden_size,
-                      config.intermediate_size, max_num_tokens)
+    return MoERequest(
+        config.weight_format,
+        config.activation_format,
+        config.has_bias,
+        config.routing,
+        config.num_experts,
+        config.top_k,
+        config.hidden_size,
+        config.intermediate_size,
+        max_num_tokens,
+    )
 
 
 def _reason(request, platform, selected: str) -> str:
@@ -44,8 +61,9 @@ def _reason(request, platform, selected: str) -> str:
     if explanation.forced:
         return f"forced ({explanation.forced})"
     chosen = next(c for c in explanation.candidates if c.name == selected)
-    passed = [c.name for c in explanation.candidates
-              if not c.accepted and c.priority >= chosen.priority]
+    passed = [
+        c.name for c in explanation.candidates if not c.accepted and c.priority >= chosen.priority
+    ]
     reason = f"highest priority ({chosen.priority}) that accepts on {platform.arch}"
     return reason + (f"; declined: {', '.join(passed)}" if passed else "")
 
@@ -68,13 +86,19 @@ def check_weights(op: str, config: MoEConfig, w: MoEWeights, device: torch.devic
     E, H, I = config.num_experts, config.hidden_size, config.intermediate_size  # noqa: E741
     fmt = config.weight_format
     if fmt == "mxfp4":
-        layout = {"w13": ((E, 2 * I, H // 2), (torch.uint8,)),
-                  "w13_scale": ((E, 2 * I, H // 32), (torch.uint8,)),
-                  "w2": ((E, H, I // 2), (torch.uint8,)),
-                  "w2_scale": ((E, H, I // 32), (torch.uint8,))}
+        layout = {
+            "w13": ((E, 2 * I, H // 2), (torch.uint8,)),
+            "w13_scale": ((E, 2 * I, H // 32), (torch.uint8,)),
+            "w2": ((E, H, I // 2), (torch.uint8,)),
+            "w2_scale": ((E, H, I // 32), (torch.uint8,)),
+        }
     elif fmt == "fp8":
-        layout = {"w13": ((E, 2 * I, H), FP8_DTYPES), "w13_scale": ((E, 2 * I), (torch.float32,)),
-                  "w2": ((E, H, I), FP8_DTYPES), "w2_scale": ((E, H), (torch.float32,))}
+        layout = {
+            "w13": ((E, 2 * I, H), FP8_DTYPES),
+            "w13_scale": ((E, 2 * I), (torch.float32,)),
+            "w2": ((E, H, I), FP8_DTYPES),
+            "w2_scale": ((E, H), (torch.float32,)),
+        }
     else:
         layout = {"w13": ((E, 2 * I, H), (torch.bfloat16,)), "w2": ((E, H, I), (torch.bfloat16,))}
     if config.has_bias:
@@ -85,8 +109,10 @@ def check_weights(op: str, config: MoEConfig, w: MoEWeights, device: torch.devic
         if name in layout:
             shape, dtypes = layout[name]
             if value is None:
-                raise ValueError(f"{op}: weights.{name} is None, expected a tensor of shape "
-                                 f"{list(shape)} for {fmt} weights")
+                raise ValueError(
+                    f"{op}: weights.{name} is None, expected a tensor of shape "
+                    f"{list(shape)} for {fmt} weights"
+                )
             check_tensor(op, f"weights.{name}", value, shape=shape, dtypes=dtypes, device=device)
         elif value is not None:
             why = "has_bias=False" if "bias" in name else f"{fmt} weights"
@@ -94,14 +120,15 @@ def check_weights(op: str, config: MoEConfig, w: MoEWeights, device: torch.devic
     for name in ("w13_input_scale", "w2_input_scale"):
         value = getattr(w, name)
         if value is not None and config.activation_format != "fp8":
-            raise ValueError(f"{op}: weights.{name} is {value}, expected None with "
-                             f"{config.activation_format} activations")
+            raise ValueError(
+                f"{op}: weights.{name} is {value}, expected None with "
+                f"{config.activation_format} activations"
+            )
         if value is not None:
             check_scale(op, f"weights.{name}", value)
 
 
-def moe_apply(plan, x, weights, router_logits=None, *, topk_weights=None, topk_ids=None,
-              out=None):
+def moe_apply(plan, x, weights, router_logits=None, *, topk_weights=None, topk_ids=None, out=None):
     """out [M, H] = Σ_e r_e (W2[e] swiglu(W13[e] x + b13[e]) + b2[e]) for x [M, H] bf16.
 
     Route with router_logits [M, E] (top-k, ties to the lower index, softmax over the k), or
@@ -111,46 +138,85 @@ def moe_apply(plan, x, weights, router_logits=None, *, topk_weights=None, topk_i
     if not isinstance(plan, MoEPlan):
         raise TypeError(f"{op}: plan is {type(plan).__name__}, expected MoEPlan")
     if not isinstance(weights, PreparedMoEWeights):
-        raise TypeError(f"{op}: weights is {type(weights).__name__}, expected the "
-                        "PreparedMoEWeights returned by moe_prepare_weights")
+        raise TypeError(
+            f"{op}: weights is {type(weights).__name__}, expected the "
+            "PreparedMoEWeights returned by moe_prepare_weights"
+        )
     if weights.kernel != plan.kernel or weights.config != plan.config:
-        raise ValueError(f"{op}: weights were prepared for {weights.kernel}, expected weights "
-                         f"prepared with this plan ({plan.kernel})")
+        raise ValueError(
+            f"{op}: weights were prepared for {weights.kernel}, expected weights "
+            f"prepared with this plan ({plan.kernel})"
+        )
     config = plan.config
     device = plan.device
     check_tensor(op, "x", x, shape=(None, config.hidden_size), dtypes=_X_DTYPES, device=device)
     num_tokens = x.shape[0]
     if num_tokens > plan.max_num_tokens:
-        raise ValueError(f"{op}: x has {num_tokens} tokens, expected at most the plan's "
-                         f"max_num_tokens ({plan.max_num_tokens})")
+        raise ValueError(
+            f"{op}: x has {num_tokens} tokens, expected at most the plan's "
+            f"max_num_tokens ({plan.max_num_tokens})"
+        )
     routed = (topk_weights is not None, topk_ids is not None)
     if router_logits is not None:
         if any(routed):
-            raise ValueError(f"{op}: router_logits and topk_weights/topk_ids are both given, "
-                             "expected exactly one routing input")
-        check_tensor(op, "router_logits", router_logits,
-                     shape=(num_tokens, config.num_experts), dtypes=_ROUTER_DTYPES,
-                     device=device)
+            raise ValueError(
+                f"{op}: router_logits and topk_weights/topk_ids are both given, "
+                "expected exactly one routing input"
+            )
+        check_tensor(
+            op,
+            "router_logits",
+            router_logits,
+            shape=(num_tokens, config.num_experts),
+            dtypes=_ROUTER_DTYPES,
+            device=device,
+        )
     elif not all(routed):
-        raise ValueError(f"{op}: router_logits is None, expected router_logits or both "
-                         "topk_weights and topk_ids")
+        raise ValueError(
+            f"{op}: router_logits is None, expected router_logits or both topk_weights and topk_ids"
+        )
     else:
         k = config.top_k
-        check_tensor(op, "topk_weights", topk_weights, shape=(num_tokens, k),
-                     dtypes=(torch.float32,), device=device)
-        check_tensor(op, "topk_ids", topk_ids, shape=(num_tokens, k), dtypes=(torch.int32,),
-                     device=device)
+        check_tensor(
+            op,
+            "topk_weights",
+            topk_weights,
+            shape=(num_tokens, k),
+            dtypes=(torch.float32,),
+            device=device,
+        )
+        check_tensor(
+            op, "topk_ids", topk_ids, shape=(num_tokens, k), dtypes=(torch.int32,), device=device
+        )
     if out is None:
         out = torch.empty_like(x)
     else:
         check_tensor(op, "out", out, shape=x.shape, dtypes=_X_DTYPES, device=device)
     if capture.active():
-        capture.record("moe_apply", plan.kernel, dict(
-            x=x, router_logits=router_logits, topk_weights=topk_weights, topk_ids=topk_ids,
-            num_experts=config.num_experts, top_k=config.top_k,
-            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-            weight_format=config.weight_format, activation_format=config.activation_format,
-            has_bias=config.has_bias))
-    plan.impl.apply(plan, x, weights, router_logits=router_logits, topk_weights=topk_weights,
-                    topk_ids=topk_ids, out=out)
+        capture.record(
+            "moe_apply",
+            plan.kernel,
+            dict(
+                x=x,
+                router_logits=router_logits,
+                topk_weights=topk_weights,
+                topk_ids=topk_ids,
+                num_experts=config.num_experts,
+                top_k=config.top_k,
+                hidden_size=config.hidden_size,
+                intermediate_size=config.intermediate_size,
+                weight_format=config.weight_format,
+                activation_format=config.activation_format,
+                has_bias=config.has_bias,
+            ),
+        )
+    plan.impl.apply(
+        plan,
+        x,
+        weights,
+        router_logits=router_logits,
+        topk_weights=topk_weights,
+        topk_ids=topk_ids,
+        out=out,
+    )
     return out

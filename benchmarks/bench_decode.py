@@ -1,0 +1,284 @@
+"""Decode attention and kvcache_store on the GPU: numerics at GPT-OSS-120B shapes, then time
+against FlashAttention-3 (`flash_attn_with_kvcache` with sinks) in the same run.
+
+    python3 benchmarks/bench_decode.py [--sweep] [--out results.json]
+
+Shapes: hd 64, 64 query / 8 KV heads, page 64, bf16, per-head sinks. Each case is timed as
+CUDA-graph replays of back-to-back calls that rotate over several input sets (distinct physical
+pages) whose visible K/V together exceed 4x the L2, so no call finds its keys in cache. Bytes =
+K and V of the visible keys; floor = bytes / measured device-to-device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import torch
+
+from tokenspeed_kernel.ops.attention.reference import reference_decode, reference_kvcache_store
+from tokenspeed_kernel.testing import compare
+from tokenspeed_kernel_triton.attention.decode import (
+    DecodeConfig,
+    _plan,
+    device_info,
+    heuristic_config,
+    mha_decode,
+    pin_decode_config,
+)
+from tokenspeed_kernel_triton.attention.kvcache_store import kvcache_store
+
+HQ, HKV, D, P = 64, 8, 64, 64
+CASES = [  # (batch, context, window_left)
+    (1, 8192, -1),
+    (16, 8192, -1),
+    (64, 8192, -1),
+    (128, 4096, -1),
+    (1, 8192, 127),
+    (16, 8192, 127),
+    (64, 8192, 127),
+]
+SWEEP = {  # label -> pinned config (None = heuristic), for the cases marked in SWEEP_CASES
+    "bn64-s3": DecodeConfig(64, 4, 3, 4),
+    "bn64-s5": DecodeConfig(64, 4, 5, 4),
+    "bn128-s3": DecodeConfig(128, 4, 3, 2),
+    "bn128-w8-s3": DecodeConfig(128, 8, 3, 2),
+    "bn32-s6": DecodeConfig(32, 4, 6, 4),
+}
+SWEEP_CASES = {(1, 8192, -1), (64, 8192, -1), (64, 8192, 127)}
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (time_calls(lambda i: dst.copy_(src), 1) * 1e-6) / 1e12
+
+
+def time_calls(fn, num_sets: int, replays: int = 20, trials: int = 5) -> float:
+    """Median microseconds of one fn(i) call, from CUDA-graph replays of fn(0..num_sets-1)."""
+    for i in range(num_sets):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(num_sets):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * num_sets))
+    return statistics.median(times)
+
+
+def build(batch, ctx, window, l2_bytes, gen):
+    """Input sets over disjoint physical pages. Only pages a query can see are materialized;
+    the other page-table entries point at page 0, which no correct kernel reads."""
+    span = ctx if window < 0 else min(ctx, window + 1 + P)
+    first_page = (ctx - span) // P
+    pages_per_seq = -(-ctx // P) - first_page
+    set_pages = batch * pages_per_seq
+    visible = batch * min(ctx, ctx if window < 0 else window + 1) * HKV * D * 2 * 2
+    set_bytes = set_pages * P * HKV * D * 2 * 2
+    num_sets = max(1, min(64, math.ceil(4 * l2_bytes / set_bytes)))
+    shape = (1 + num_sets * set_pages, P, HKV, D)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    sets = []
+    for s in range(num_sets):
+        table = torch.zeros(batch, -(-ctx // P), dtype=torch.int32)
+        phys = 1 + s * set_pages + torch.randperm(set_pages, generator=gen)
+        table[:, first_page:] = phys.reshape(batch, pages_per_seq).to(torch.int32)
+        q = torch.randn(batch, 1, HQ, D, generator=gen).to(torch.bfloat16)
+        sets.append(dict(q=q.cuda(), page_table=table.cuda()))
+    seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    sinks = torch.randn(HQ, generator=gen).cuda()
+    return k_cache, v_cache, sets, seqlens, sinks, visible
+
+
+def check(k_cache, v_cache, s, seqlens, sinks, window, fa3) -> dict:
+    """Triton (out and lse) and FA3 against the reference on one input set."""
+    kw = dict(
+        page_table=s["page_table"],
+        cache_seqlens=seqlens,
+        window_left=window,
+        sinks=sinks,
+        softmax_scale=D**-0.5,
+        k_scale=1.0,
+        v_scale=1.0,
+    )
+    q = s["q"]
+    want = torch.empty_like(q)
+    want_lse = torch.empty(q.shape[:-1], device="cuda")
+    reference_decode(q, k_cache, v_cache, out=want, lse=want_lse, **kw)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full_like(want_lse, float("nan"))
+    mha_decode(q, k_cache, v_cache, out=out, lse=lse, **kw)
+    result = {
+        "triton_out": compare(out, want, dtype=torch.bfloat16, name="out"),
+        "triton_lse": compare(lse, want_lse, dtype=torch.float32, name="lse"),
+    }
+    if fa3 is not None:
+        result["fa3_out"] = compare(fa3(0), want, dtype=torch.bfloat16, name="fa3")
+    return {k: (v.ok, f"{v.max_abs:.2e}") for k, v in result.items()}
+
+
+def fa3_caller(k_cache, v_cache, sets, seqlens, sinks, window):
+    try:
+        from flash_attn_interface import flash_attn_with_kvcache
+    except ImportError:
+        return None
+
+    def call(i):
+        s = sets[i]
+        return flash_attn_with_kvcache(
+            s["q"],
+            k_cache,
+            v_cache,
+            cache_seqlens=seqlens,
+            page_table=s["page_table"],
+            causal=True,
+            window_size=(window, 0) if window >= 0 else (-1, -1),
+            softmax_scale=D**-0.5,
+            sinks=sinks,
+        )
+
+    return call
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8) if x.element_size() == 1 else x
+
+
+def bench_store_case(tokens: int, cache_dtype: torch.dtype, bw: float) -> dict:
+    """One store: bit-exact against the reference, then timed (bytes: read k/v, write caches)."""
+    num_pages = 2 * tokens // P + 1
+    k = torch.randn(tokens, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    caches = [torch.zeros(num_pages, P, HKV, D, device="cuda").to(cache_dtype) for _ in "kv"]
+    want = [c.clone() for c in caches]
+    slots = torch.randperm(num_pages * P, device="cuda")[:tokens].to(torch.int64)
+    scale = 0.5 if cache_dtype == torch.float8_e4m3fn else 1.0
+    kw = dict(slot_mapping=slots, k_scale=scale, v_scale=scale)
+    kvcache_store(k, v, *caches, **kw)
+    reference_kvcache_store(k, v, *want, **kw)
+    exact = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(caches, want, strict=True))
+    us = time_calls(lambda i: kvcache_store(k, v, *caches, **kw), 1)
+    nbytes = 2 * tokens * HKV * D * (2 + caches[0].element_size())
+    return dict(
+        tokens=tokens,
+        cache=str(cache_dtype).split(".")[-1],
+        exact=exact,
+        us=round(us, 2),
+        tbps=round(nbytes / us / 1e6, 3),
+        floor_us=round(nbytes / (bw * 1e6), 2),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    l2 = props.L2_cache_size
+    bw = copy_bandwidth()
+    arch, sms = device_info(torch.device("cuda", 0))
+    print(
+        f"{props.name}: {sms} SMs, L2 {l2 >> 20} MiB, copy {bw:.2f} TB/s, "
+        f"heuristic {heuristic_config(arch, D)}"
+    )
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch, ctx, window in CASES:
+        k_cache, v_cache, sets, seqlens, sinks, visible = build(batch, ctx, window, l2, gen)
+        fa3 = fa3_caller(k_cache, v_cache, sets, seqlens, sinks, window)
+        outs = [torch.empty_like(s["q"]) for s in sets]
+        kw = dict(
+            cache_seqlens=seqlens,
+            window_left=window,
+            sinks=sinks,
+            softmax_scale=D**-0.5,
+            k_scale=1.0,
+            v_scale=1.0,
+            lse=None,
+        )
+
+        def ours(i, kw=kw, sets=sets, outs=outs, k_cache=k_cache, v_cache=v_cache):
+            mha_decode(
+                sets[i]["q"], k_cache, v_cache, page_table=sets[i]["page_table"], out=outs[i], **kw
+            )
+
+        numerics = check(k_cache, v_cache, sets[0], seqlens, sinks, window, fa3)
+        configs = {"heuristic": None}
+        if args.sweep and (batch, ctx, window) in SWEEP_CASES:
+            configs.update(SWEEP)
+        fa3_us = time_calls(fa3, len(sets)) if fa3 is not None else float("nan")
+        for label, config in configs.items():
+            if config is None:
+                us = time_calls(ours, len(sets))
+            else:
+                with pin_decode_config(config):
+                    us = time_calls(ours, len(sets))
+            plan = _plan(arch, sms, batch, 1, HQ, HKV, D, P, -(-ctx // P), window, config)
+            floor = visible / (bw * 1e12) * 1e6
+            rows.append(
+                dict(
+                    batch=batch,
+                    ctx=ctx,
+                    window=window,
+                    config=label,
+                    splits=plan[2],
+                    sets=len(sets),
+                    us=round(us, 2),
+                    tbps=round(visible / us / 1e6, 3),
+                    fa3_us=round(fa3_us, 2),
+                    fa3_over_ours=round(fa3_us / us, 2),
+                    floor_us=round(floor, 2),
+                    numerics=numerics,
+                )
+            )
+            print(json.dumps(rows[-1]))
+        del k_cache, v_cache, sets
+        torch.cuda.empty_cache()
+    store_rows = [
+        bench_store_case(t, dt, bw)
+        for t in (64, 8192)
+        for dt in (torch.bfloat16, torch.float8_e4m3fn)
+    ]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                dict(device=props.name, copy_tbps=bw, decode=rows, store=store_rows), f, indent=1
+            )
+    print(f"\n{props.name}, copy {bw:.2f} TB/s; bytes = visible K+V; ratio = FA3 time / ours")
+    print(
+        f"{'B':>4} {'ctx':>5} {'win':>4} {'config':>12} {'spl':>4} {'ours us':>8} "
+        f"{'TB/s':>6} {'FA3 us':>8} {'FA3/ours':>8} {'floor':>7}  numerics"
+    )
+    for r in rows:
+        ok = all(v[0] for v in r["numerics"].values())
+        print(
+            f"{r['batch']:>4} {r['ctx']:>5} {r['window']:>4} {r['config']:>12} "
+            f"{r['splits']:>4} {r['us']:>8} {r['tbps']:>6} {r['fa3_us']:>8} "
+            f"{r['fa3_over_ours']:>8} {r['floor_us']:>7}  {'ok' if ok else r['numerics']}"
+        )
+    print("kvcache_store:")
+    for r in store_rows:
+        print(
+            f"  T={r['tokens']:>5} cache {r['cache']:>13}: {r['us']:>7} us "
+            f"({r['tbps']} TB/s, floor {r['floor_us']} us) exact={r['exact']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Triton mha_prefill (and mha_extend_with_kvcache) vs FlashAttention-3 at GPT-OSS shapes.
+
+hd 64, 64 query / 8 KV heads, sinks, bf16. Per case: numerics against the core fp32 reference
+and against FA3, then the median time of FA3, of the heuristic config, and of a small sweep of
+pinned configs, all in one process so the ratios compare like with like. FLOPs count useful
+work only: 4 * Hq * D * (visible keys summed over queries).
+
+    PYTHONPATH=packages/tokenspeed-kernel-core/src:packages/tokenspeed-kernel-triton/src \\
+        python3 benchmarks/bench_prefill.py [--sweep] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton
+
+from tokenspeed_kernel.ops.attention.reference import reference_extend, reference_prefill
+from tokenspeed_kernel_triton.attention import extend, prefill
+from tokenspeed_kernel_triton.attention._common import AttentionConfig, device_kind
+
+HQ, HKV, D = 64, 8, 64
+SCALE = 1.0 / math.sqrt(D)
+PREFILL_CASES = [(seqlen, batch, window) for window in (-1, 127)
+                 for seqlen, batch in ((1024, 16), (4096, 4), (8192, 2))]
+C = AttentionConfig
+SWEEP = {
+    False: [C(128, 64, 8, 4, 8), C(128, 64, 8, 2, 8), C(128, 32, 8, 3, 8), C(128, 64, 8, 3, 4)],
+    True: [C(64, 32, 4, 3, 8, True), C(64, 32, 4, 2, 8, False), C(64, 32, 4, 4, 8, False),
+           C(128, 32, 8, 3, 8, False), C(128, 32, 4, 3, 8, False), C(64, 64, 4, 3, 8, False),
+           C(64, 16, 4, 3, 8, False), C(32, 32, 2, 3, 8, False), C(32, 16, 2, 3, 8, False)],
+}
+
+
+def visible_keys(seqlen: int, window: int) -> int:
+    if window < 0:
+        return seqlen * (seqlen + 1) // 2
+    return sum(min(i + 1, window + 1) for i in range(seqlen))
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def prefill_inputs(seqlen, batch, gen):
+    total = seqlen * batch
+    q = torch.randn(total, HQ, D, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(total, HKV, D, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(total, HKV, D, device="cuda", generator=gen).bfloat16()
+    sinks = torch.randn(HQ, device="cuda", generator=gen).bfloat16()  # FA3 takes bf16 sinks
+    cu = torch.arange(0, total + 1, seqlen, device="cuda", dtype=torch.int32)
+    return q, k, v, sinks, cu
+
+
+def run_prefill_case(seqlen, batch, window, fa3, sweep, rows):
+    gen = torch.Generator(device="cuda").manual_seed(seqlen + window)
+    q, k, v, sinks, cu = prefill_inputs(seqlen, batch, gen)
+    kwargs = dict(cu_seqlens=cu, max_seqlen=seqlen, causal=True, window_left=window,
+                  sinks=sinks, softmax_scale=SCALE)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], HQ), float("nan"), device="cuda")
+    prefill.mha_prefill(q, k, v, out=out, lse=lse, **kwargs)
+    ref, ref_lse = torch.empty_like(q, dtype=torch.float32), torch.empty_like(lse)
+    reference_prefill(q, k, v, out=ref, lse=ref_lse, **kwargs)
+    check = dict(err_vs_ref=rel_err(out, ref), lse_max_err=(lse - ref_lse).abs().max().item(),
+                 nan=bool(out.isnan().any() or lse.isnan().any()))
+    flops = 4 * HQ * D * batch * visible_keys(seqlen, window)
+    label = f"prefill {'causal' if window < 0 else f'window{window}'} S={seqlen}x{batch}"
+    fa3_ms = None
+    if fa3 is not None:
+        def run_fa3():
+            return fa3.flash_attn_varlen_func(
+                q, k, v, cu, cu, seqlen, seqlen, softmax_scale=SCALE, causal=True,
+                window_size=(window, 0) if window >= 0 else (-1, -1), sinks=sinks)
+        fa3_out = run_fa3()
+        fa3_out = fa3_out[0] if isinstance(fa3_out, tuple) else fa3_out
+        check["fa3_err_vs_ref"] = rel_err(fa3_out, ref)
+        fa3_ms = bench(run_fa3)
+    ours_ms = bench(lambda: prefill.mha_prefill(q, k, v, out=out, lse=None, **kwargs))
+    rows.append(dict(case=label, config="heuristic", ms=ours_ms, tflops=flops / ours_ms / 1e9,
+                     fa3_ms=fa3_ms, fa3_tflops=fa3_ms and flops / fa3_ms / 1e9, **check))
+    for config in sweep[window >= 0] if sweep else ():
+        try:
+            with prefill.pin_config(config):
+                prefill.mha_prefill(q, k, v, out=out, lse=lse, **kwargs)
+                err = rel_err(out, ref)
+                ms = bench(lambda: prefill.mha_prefill(q, k, v, out=out, lse=None, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported
+            rows.append(dict(case=label, config=str(config), error=str(exc)[:200]))
+            continue
+        rows.append(dict(case=label, config=str(config), ms=ms, tflops=flops / ms / 1e9,
+                         err_vs_ref=err))
+
+
+def run_extend_case(ctx, new, batch, window, page, fa3, rows):
+    """Chunked prefill: `new` query tokens at the end of `ctx` cached tokens, page `page`."""
+    gen = torch.Generator(device="cuda").manual_seed(ctx + new + window)
+    pages_per_seq = ctx // page
+    num_pages = batch * pages_per_seq
+    k_cache = torch.randn(num_pages, page, HKV, D, device="cuda", generator=gen).bfloat16()
+    v_cache = torch.randn(num_pages, page, HKV, D, device="cuda", generator=gen).bfloat16()
+    page_table = torch.randperm(num_pages, device="cuda", generator=gen).int()
+    page_table = page_table.view(batch, pages_per_seq)
+    q = torch.randn(batch * new, HQ, D, device="cuda", generator=gen).bfloat16()
+    sinks = torch.randn(HQ, device="cuda", generator=gen).bfloat16()  # FA3 takes bf16 sinks
+    cu_q = torch.arange(0, batch * new + 1, new, device="cuda", dtype=torch.int32)
+    seqlens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    kwargs = dict(cu_seqlens_q=cu_q, page_table=page_table, cache_seqlens=seqlens,
+                  max_seqlen_q=new, window_left=window, sinks=sinks, softmax_scale=SCALE,
+                  k_scale=1.0, v_scale=1.0)
+    out = torch.full_like(q, float("nan"))
+    extend.mha_extend_with_kvcache(q, k_cache, v_cache, out=out, lse=None, **kwargs)
+    ref = torch.empty_like(q, dtype=torch.float32)
+    reference_extend(q, k_cache, v_cache, out=ref, lse=None, **kwargs)
+    check = dict(err_vs_ref=rel_err(out, ref), nan=bool(out.isnan().any()))
+    vis = visible_keys(ctx, window) - visible_keys(ctx - new, window)
+    flops = 4 * HQ * D * batch * vis
+    label = (f"extend {'causal' if window < 0 else f'window{window}'} ctx={ctx} new={new}"
+             f"x{batch} page{page}")
+    fa3_ms = None
+    if fa3 is not None:
+        def run_fa3():
+            return fa3.flash_attn_with_kvcache(
+                q, k_cache, v_cache, cache_seqlens=seqlens, page_table=page_table,
+                cu_seqlens_q=cu_q, max_seqlen_q=new, softmax_scale=SCALE, causal=True,
+                window_size=(window, 0) if window >= 0 else (-1, -1), sinks=sinks)
+        fa3_out = run_fa3()
+        fa3_out = fa3_out[0] if isinstance(fa3_out, tuple) else fa3_out
+        check["fa3_err_vs_ref"] = rel_err(fa3_out, ref)
+        fa3_ms = bench(run_fa3)
+    ms = bench(lambda: extend.mha_extend_with_kvcache(q, k_cache, v_cache, out=out, lse=None,
+                                                      **kwargs))
+    rows.append(dict(case=label, config="heuristic", ms=ms, tflops=flops / ms / 1e9,
+                     fa3_ms=fa3_ms, fa3_tflops=fa3_ms and flops / fa3_ms / 1e9, **check))
+
+
+def table(rows) -> str:
+    lines = ["| case | config | ms | TFLOP/s | FA3 TFLOP/s | ratio | rel err vs ref |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['config']} | error: {r['error'][:80]} | | | | |")
+            continue
+        fa3 = r.get("fa3_tflops")
+        ratio = f"{r['tflops'] / fa3:.2f}" if fa3 else ""
+        lines.append(f"| {r['case']} | {r['config']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                     f"{'' if not fa3 else f'{fa3:.0f}'} | {ratio} | {r['err_vs_ref']:.1e} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time pinned configs")
+    parser.add_argument("--no-extend", action="store_true")
+    parser.add_argument("--json", help="write all rows here")
+    args = parser.parse_args()
+    try:
+        import flash_attn_interface as fa3
+    except ImportError:
+        fa3 = None
+        print("FA3 (flash_attn_interface) not importable: peer columns stay empty")
+    kind = device_kind(torch.device("cuda"))
+    print(f"device: {torch.cuda.get_device_name()} {kind}")
+    rows: list[dict] = []
+    for seqlen, batch, window in PREFILL_CASES:
+        run_prefill_case(seqlen, batch, window, fa3, SWEEP if args.sweep else None, rows)
+        print(json.dumps(rows[-1]), flush=True)
+    if not args.no_extend:
+        for window in (-1, 127):
+            run_extend_case(8192, 2048, 2, window, 64, fa3, rows)
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

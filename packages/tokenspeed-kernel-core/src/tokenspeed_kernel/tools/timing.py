@@ -1,0 +1,112 @@
+"""Timing one call: warm-up, then the median of many timed runs.
+
+On a GPU every run is timed with its own pair of device events, and the L2 cache is flushed (a
+buffer twice its size is overwritten) between runs, outside the events, so a run never measures
+inputs left in the cache by the previous one. A call can instead be captured once in a CUDA graph
+and each replay timed (decode: what a serving engine does). On the CPU there are no device
+events: runs are timed with the wall clock, which the results say.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..platform import platform_of
+
+_DEFAULT_L2 = 256 << 20  # when the device does not report its L2 size
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_s: float
+    runs: int
+    method: str  # "cuda events" | "cuda graph replay" | "wall clock"
+    note: str = ""
+
+
+class Timer:
+    """warmup calls, then up to `iters` timed runs, fewer when one run is slow: the runs stop
+    once `budget_s` is spent (at least `min_iters`)."""
+
+    def __init__(self, device: torch.device, *, warmup: int, iters: int, budget_s: float,
+                 min_iters: int = 3, flush_l2: bool = True):
+        self.device = device
+        self.warmup, self.iters, self.budget_s, self.min_iters = warmup, iters, budget_s, min_iters
+        self._flush = None
+        if device.type == "cuda" and flush_l2:
+            l2 = platform_of(device).l2_bytes or _DEFAULT_L2
+            self._flush = torch.empty(2 * l2, dtype=torch.int8, device=device)
+
+    @property
+    def method(self) -> str:
+        return "cuda events" if self.device.type == "cuda" else "wall clock"
+
+    def measure(self, fn: Callable[[], object], *, graph: bool = False) -> Timing:
+        if self.device.type != "cuda":
+            return self._wall(fn)
+        note = ""
+        if graph:
+            try:
+                fn = _capture(fn, self.device)
+            except Exception as exc:  # e.g. a kernel that synchronizes cannot be captured
+                torch.cuda.synchronize(self.device)
+                note = f"graph capture failed ({type(exc).__name__}), timed eagerly"
+                graph = False
+        timing = self._events(fn)
+        method = "cuda graph replay" if graph else "cuda events"
+        return Timing(timing.median_s, timing.runs, method, note)
+
+    def _count(self, fn, clock) -> int:
+        """Warm up; return how many runs fit the budget."""
+        start = clock()
+        fn()
+        first = max(clock() - start, 1e-9)
+        for _ in range(max(self.warmup - 1, 0)):
+            fn()
+        return max(self.min_iters, min(self.iters, int(self.budget_s / first)))
+
+    def _wall(self, fn) -> Timing:
+        runs = self._count(fn, time.perf_counter)
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return Timing(statistics.median(times), runs, "wall clock")
+
+    def _events(self, fn) -> Timing:
+        def clock():
+            torch.cuda.synchronize(self.device)
+            return time.perf_counter()
+
+        runs = self._count(fn, clock)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+        for start, end in zip(starts, ends, strict=True):
+            if self._flush is not None:
+                self._flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(self.device)
+        times = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True)]
+        return Timing(statistics.median(times), runs, "cuda events")
+
+
+def _capture(fn, device) -> Callable[[], None]:
+    # Warm up on a side stream first (lazy initialisation and autotuning must not be captured).
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
