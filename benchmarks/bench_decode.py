@@ -22,11 +22,11 @@ from tokenspeed_kernel.ops.attention.reference import reference_decode, referenc
 from tokenspeed_kernel.testing import compare
 from tokenspeed_kernel_triton.attention.decode import (
     DecodeConfig,
-    _plan,
     device_info,
     heuristic_config,
     mha_decode,
     pin_decode_config,
+    plan_decode,
 )
 from tokenspeed_kernel_triton.attention.kvcache_store import kvcache_store
 
@@ -39,6 +39,7 @@ CASES = [  # (batch, context, window_left)
     (1, 8192, 127),
     (16, 8192, 127),
     (64, 8192, 127),
+    (64, 8192, -1, torch.float8_e4m3fn),
 ]
 SWEEP = {  # label -> pinned config (None = heuristic), for the cases marked in SWEEP_CASES
     "bn64-s3": DecodeConfig(64, 4, 3, 4),
@@ -51,10 +52,12 @@ SWEEP_CASES = {(1, 8192, -1), (64, 8192, -1), (64, 8192, 127)}
 
 
 def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    """Device-to-device copy through an elementwise kernel (cudaMemcpy's copy path measured
+    only 2.8 TB/s on H200), bytes read + written per second, in TB/s."""
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    return 2 * src.numel() / (time_calls(lambda i: dst.copy_(src), 1) * 1e-6) / 1e12
+    us = time_calls(lambda i: torch.neg(src, out=dst), 1)
+    return 2 * src.numel() * src.element_size() / (us * 1e-6) / 1e12
 
 
 def time_calls(fn, num_sets: int, replays: int = 20, trials: int = 5) -> float:
@@ -80,19 +83,20 @@ def time_calls(fn, num_sets: int, replays: int = 20, trials: int = 5) -> float:
     return statistics.median(times)
 
 
-def build(batch, ctx, window, l2_bytes, gen):
+def build(batch, ctx, window, l2_bytes, gen, kv_dtype=torch.bfloat16):
     """Input sets over disjoint physical pages. Only pages a query can see are materialized;
     the other page-table entries point at page 0, which no correct kernel reads."""
     span = ctx if window < 0 else min(ctx, window + 1 + P)
     first_page = (ctx - span) // P
     pages_per_seq = -(-ctx // P) - first_page
     set_pages = batch * pages_per_seq
-    visible = batch * min(ctx, ctx if window < 0 else window + 1) * HKV * D * 2 * 2
-    set_bytes = set_pages * P * HKV * D * 2 * 2
+    elem = torch.tensor([], dtype=kv_dtype).element_size()
+    visible = batch * min(ctx, ctx if window < 0 else window + 1) * HKV * D * 2 * elem
+    set_bytes = set_pages * P * HKV * D * 2 * elem
     num_sets = max(1, min(64, math.ceil(4 * l2_bytes / set_bytes)))
     shape = (1 + num_sets * set_pages, P, HKV, D)
-    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
+    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
     sets = []
     for s in range(num_sets):
         table = torch.zeros(batch, -(-ctx // P), dtype=torch.int32)
@@ -101,7 +105,8 @@ def build(batch, ctx, window, l2_bytes, gen):
         q = torch.randn(batch, 1, HQ, D, generator=gen).to(torch.bfloat16)
         sets.append(dict(q=q.cuda(), page_table=table.cuda()))
     seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    sinks = torch.randn(HQ, generator=gen).cuda()
+    # FA3 takes bf16 sinks; ours get the same values (bf16-exact) in float32.
+    sinks = torch.randn(HQ, generator=gen).to(torch.bfloat16).float().cuda()
     return k_cache, v_cache, sets, seqlens, sinks, visible
 
 
@@ -138,6 +143,8 @@ def fa3_caller(k_cache, v_cache, sets, seqlens, sinks, window):
     except ImportError:
         return None
 
+    sinks_bf16 = sinks.to(torch.bfloat16)
+
     def call(i):
         s = sets[i]
         return flash_attn_with_kvcache(
@@ -149,7 +156,7 @@ def fa3_caller(k_cache, v_cache, sets, seqlens, sinks, window):
             causal=True,
             window_size=(window, 0) if window >= 0 else (-1, -1),
             softmax_scale=D**-0.5,
-            sinks=sinks,
+            sinks=sinks_bf16,
         )
 
     return call
@@ -192,16 +199,22 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
     bw = copy_bandwidth()
-    arch, sms = device_info(torch.device("cuda", 0))
+    arch, sms, smem = device_info(torch.device("cuda", 0))
     print(
         f"{props.name}: {sms} SMs, L2 {l2 >> 20} MiB, copy {bw:.2f} TB/s, "
         f"heuristic {heuristic_config(arch, D)}"
     )
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for batch, ctx, window in CASES:
-        k_cache, v_cache, sets, seqlens, sinks, visible = build(batch, ctx, window, l2, gen)
-        fa3 = fa3_caller(k_cache, v_cache, sets, seqlens, sinks, window)
+    for batch, ctx, window, *kv in CASES:
+        kv_dtype = kv[0] if kv else torch.bfloat16
+        k_cache, v_cache, sets, seqlens, sinks, visible = build(
+            batch, ctx, window, l2, gen, kv_dtype
+        )
+        # FA3's FP8 path wants FP8 queries too: only bf16 caches are compared with it.
+        fa3 = None
+        if kv_dtype == torch.bfloat16:
+            fa3 = fa3_caller(k_cache, v_cache, sets, seqlens, sinks, window)
         outs = [torch.empty_like(s["q"]) for s in sets]
         kw = dict(
             cache_seqlens=seqlens,
@@ -229,14 +242,28 @@ def main() -> None:
             else:
                 with pin_decode_config(config):
                     us = time_calls(ours, len(sets))
-            plan = _plan(arch, sms, batch, 1, HQ, HKV, D, P, -(-ctx // P), window, config)
+            plan = plan_decode(
+                arch,
+                sms,
+                smem,
+                k_cache.element_size(),
+                batch,
+                1,
+                HQ,
+                HKV,
+                D,
+                P,
+                -(-ctx // P),
+                window,
+                config,
+            )
             floor = visible / (bw * 1e12) * 1e6
             rows.append(
                 dict(
                     batch=batch,
                     ctx=ctx,
                     window=window,
-                    config=label,
+                    config=label if kv_dtype == torch.bfloat16 else label + "-fp8kv",
                     splits=plan[2],
                     sets=len(sets),
                     us=round(us, 2),

@@ -24,14 +24,28 @@ from tokenspeed_kernel_triton.attention._common import AttentionConfig, device_k
 
 HQ, HKV, D = 64, 8, 64
 SCALE = 1.0 / math.sqrt(D)
-PREFILL_CASES = [(seqlen, batch, window) for window in (-1, 127)
-                 for seqlen, batch in ((1024, 16), (4096, 4), (8192, 2))]
+PREFILL_CASES = [
+    (seqlen, batch, window)
+    for window in (-1, 127)
+    for seqlen, batch in ((1024, 16), (4096, 4), (8192, 2))
+]
 C = AttentionConfig
 SWEEP = {
     False: [C(128, 64, 8, 4, 8), C(128, 64, 8, 2, 8), C(128, 32, 8, 3, 8), C(128, 64, 8, 3, 4)],
-    True: [C(64, 32, 4, 3, 8, True), C(64, 32, 4, 2, 8, False), C(64, 32, 4, 4, 8, False),
-           C(128, 32, 8, 3, 8, False), C(128, 32, 4, 3, 8, False), C(64, 64, 4, 3, 8, False),
-           C(64, 16, 4, 3, 8, False), C(32, 32, 2, 3, 8, False), C(32, 16, 2, 3, 8, False)],
+    True: [
+        C(128, 32, 4, 3, 8, False),
+        C(128, 32, 4, 4, 8, False),
+        C(128, 16, 4, 3, 8, False),
+        C(128, 64, 4, 3, 8, False),
+        C(256, 32, 8, 3, 8, False),
+        C(256, 64, 8, 3, 8, False),
+        C(256, 32, 4, 3, 8, False),
+        C(128, 32, 4, 3, 8, True),
+    ],
+}
+EXTEND_SWEEP = {
+    False: [C(128, 64, 8, 4, 8), C(128, 64, 4, 3, 8), C(128, 32, 8, 3, 8), C(128, 64, 8, 2, 8)],
+    True: [C(128, 32, 4, 3, 8, False), C(64, 64, 4, 3, 8, False), C(64, 32, 4, 2, 8, False)],
 }
 
 
@@ -63,30 +77,60 @@ def prefill_inputs(seqlen, batch, gen):
 def run_prefill_case(seqlen, batch, window, fa3, sweep, rows):
     gen = torch.Generator(device="cuda").manual_seed(seqlen + window)
     q, k, v, sinks, cu = prefill_inputs(seqlen, batch, gen)
-    kwargs = dict(cu_seqlens=cu, max_seqlen=seqlen, causal=True, window_left=window,
-                  sinks=sinks, softmax_scale=SCALE)
+    kwargs = dict(
+        cu_seqlens=cu,
+        max_seqlen=seqlen,
+        causal=True,
+        window_left=window,
+        sinks=sinks,
+        softmax_scale=SCALE,
+    )
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], HQ), float("nan"), device="cuda")
     prefill.mha_prefill(q, k, v, out=out, lse=lse, **kwargs)
     ref, ref_lse = torch.empty_like(q, dtype=torch.float32), torch.empty_like(lse)
     reference_prefill(q, k, v, out=ref, lse=ref_lse, **kwargs)
-    check = dict(err_vs_ref=rel_err(out, ref), lse_max_err=(lse - ref_lse).abs().max().item(),
-                 nan=bool(out.isnan().any() or lse.isnan().any()))
+    check = dict(
+        err_vs_ref=rel_err(out, ref),
+        lse_max_err=(lse - ref_lse).abs().max().item(),
+        nan=bool(out.isnan().any() or lse.isnan().any()),
+    )
     flops = 4 * HQ * D * batch * visible_keys(seqlen, window)
     label = f"prefill {'causal' if window < 0 else f'window{window}'} S={seqlen}x{batch}"
     fa3_ms = None
     if fa3 is not None:
+
         def run_fa3():
             return fa3.flash_attn_varlen_func(
-                q, k, v, cu, cu, seqlen, seqlen, softmax_scale=SCALE, causal=True,
-                window_size=(window, 0) if window >= 0 else (-1, -1), sinks=sinks)
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                seqlen,
+                seqlen,
+                softmax_scale=SCALE,
+                causal=True,
+                window_size=(window, 0) if window >= 0 else (-1, -1),
+                sinks=sinks,
+            )
+
         fa3_out = run_fa3()
         fa3_out = fa3_out[0] if isinstance(fa3_out, tuple) else fa3_out
         check["fa3_err_vs_ref"] = rel_err(fa3_out, ref)
         fa3_ms = bench(run_fa3)
     ours_ms = bench(lambda: prefill.mha_prefill(q, k, v, out=out, lse=None, **kwargs))
-    rows.append(dict(case=label, config="heuristic", ms=ours_ms, tflops=flops / ours_ms / 1e9,
-                     fa3_ms=fa3_ms, fa3_tflops=fa3_ms and flops / fa3_ms / 1e9, **check))
+    rows.append(
+        dict(
+            case=label,
+            config="heuristic",
+            ms=ours_ms,
+            tflops=flops / ours_ms / 1e9,
+            fa3_ms=fa3_ms,
+            fa3_tflops=fa3_ms and flops / fa3_ms / 1e9,
+            **check,
+        )
+    )
     for config in sweep[window >= 0] if sweep else ():
         try:
             with prefill.pin_config(config):
@@ -96,11 +140,12 @@ def run_prefill_case(seqlen, batch, window, fa3, sweep, rows):
         except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported
             rows.append(dict(case=label, config=str(config), error=str(exc)[:200]))
             continue
-        rows.append(dict(case=label, config=str(config), ms=ms, tflops=flops / ms / 1e9,
-                         err_vs_ref=err))
+        rows.append(
+            dict(case=label, config=str(config), ms=ms, tflops=flops / ms / 1e9, err_vs_ref=err)
+        )
 
 
-def run_extend_case(ctx, new, batch, window, page, fa3, rows):
+def run_extend_case(ctx, new, batch, window, page, fa3, sweep, rows):
     """Chunked prefill: `new` query tokens at the end of `ctx` cached tokens, page `page`."""
     gen = torch.Generator(device="cuda").manual_seed(ctx + new + window)
     pages_per_seq = ctx // page
@@ -113,9 +158,17 @@ def run_extend_case(ctx, new, batch, window, page, fa3, rows):
     sinks = torch.randn(HQ, device="cuda", generator=gen).bfloat16()  # FA3 takes bf16 sinks
     cu_q = torch.arange(0, batch * new + 1, new, device="cuda", dtype=torch.int32)
     seqlens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-    kwargs = dict(cu_seqlens_q=cu_q, page_table=page_table, cache_seqlens=seqlens,
-                  max_seqlen_q=new, window_left=window, sinks=sinks, softmax_scale=SCALE,
-                  k_scale=1.0, v_scale=1.0)
+    kwargs = dict(
+        cu_seqlens_q=cu_q,
+        page_table=page_table,
+        cache_seqlens=seqlens,
+        max_seqlen_q=new,
+        window_left=window,
+        sinks=sinks,
+        softmax_scale=SCALE,
+        k_scale=1.0,
+        v_scale=1.0,
+    )
     out = torch.full_like(q, float("nan"))
     extend.mha_extend_with_kvcache(q, k_cache, v_cache, out=out, lse=None, **kwargs)
     ref = torch.empty_like(q, dtype=torch.float32)
@@ -123,36 +176,77 @@ def run_extend_case(ctx, new, batch, window, page, fa3, rows):
     check = dict(err_vs_ref=rel_err(out, ref), nan=bool(out.isnan().any()))
     vis = visible_keys(ctx, window) - visible_keys(ctx - new, window)
     flops = 4 * HQ * D * batch * vis
-    label = (f"extend {'causal' if window < 0 else f'window{window}'} ctx={ctx} new={new}"
-             f"x{batch} page{page}")
+    label = (
+        f"extend {'causal' if window < 0 else f'window{window}'} ctx={ctx} new={new}"
+        f"x{batch} page{page}"
+    )
     fa3_ms = None
     if fa3 is not None:
+
         def run_fa3():
             return fa3.flash_attn_with_kvcache(
-                q, k_cache, v_cache, cache_seqlens=seqlens, page_table=page_table,
-                cu_seqlens_q=cu_q, max_seqlen_q=new, softmax_scale=SCALE, causal=True,
-                window_size=(window, 0) if window >= 0 else (-1, -1), sinks=sinks)
+                q,
+                k_cache,
+                v_cache,
+                cache_seqlens=seqlens,
+                page_table=page_table,
+                cu_seqlens_q=cu_q,
+                max_seqlen_q=new,
+                softmax_scale=SCALE,
+                causal=True,
+                window_size=(window, 0) if window >= 0 else (-1, -1),
+                sinks=sinks,
+            )
+
         fa3_out = run_fa3()
         fa3_out = fa3_out[0] if isinstance(fa3_out, tuple) else fa3_out
         check["fa3_err_vs_ref"] = rel_err(fa3_out, ref)
         fa3_ms = bench(run_fa3)
-    ms = bench(lambda: extend.mha_extend_with_kvcache(q, k_cache, v_cache, out=out, lse=None,
-                                                      **kwargs))
-    rows.append(dict(case=label, config="heuristic", ms=ms, tflops=flops / ms / 1e9,
-                     fa3_ms=fa3_ms, fa3_tflops=fa3_ms and flops / fa3_ms / 1e9, **check))
+
+    def run():
+        extend.mha_extend_with_kvcache(q, k_cache, v_cache, out=out, lse=None, **kwargs)
+
+    ms = bench(run)
+    rows.append(
+        dict(
+            case=label,
+            config="heuristic",
+            ms=ms,
+            tflops=flops / ms / 1e9,
+            fa3_ms=fa3_ms,
+            fa3_tflops=fa3_ms and flops / fa3_ms / 1e9,
+            **check,
+        )
+    )
+    for config in sweep[window >= 0] if sweep else ():
+        try:
+            with extend.pin_config(config):
+                run()
+                err = rel_err(out, ref)
+                ms = bench(run)
+        except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported
+            rows.append(dict(case=label, config=str(config), error=str(exc)[:200]))
+            continue
+        rows.append(
+            dict(case=label, config=str(config), ms=ms, tflops=flops / ms / 1e9, err_vs_ref=err)
+        )
 
 
 def table(rows) -> str:
-    lines = ["| case | config | ms | TFLOP/s | FA3 TFLOP/s | ratio | rel err vs ref |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| case | config | ms | TFLOP/s | FA3 TFLOP/s | ratio | rel err vs ref |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['case']} | {r['config']} | error: {r['error'][:80]} | | | | |")
             continue
         fa3 = r.get("fa3_tflops")
         ratio = f"{r['tflops'] / fa3:.2f}" if fa3 else ""
-        lines.append(f"| {r['case']} | {r['config']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-                     f"{'' if not fa3 else f'{fa3:.0f}'} | {ratio} | {r['err_vs_ref']:.1e} |")
+        lines.append(
+            f"| {r['case']} | {r['config']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+            f"{'' if not fa3 else f'{fa3:.0f}'} | {ratio} | {r['err_vs_ref']:.1e} |"
+        )
     return "\n".join(lines)
 
 
@@ -160,6 +254,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time pinned configs")
     parser.add_argument("--no-extend", action="store_true")
+    parser.add_argument("--only", choices=("causal", "window"), help="prefill cases to run")
     parser.add_argument("--json", help="write all rows here")
     args = parser.parse_args()
     try:
@@ -171,11 +266,22 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()} {kind}")
     rows: list[dict] = []
     for seqlen, batch, window in PREFILL_CASES:
+        if args.only and (window >= 0) != (args.only == "window"):
+            continue
         run_prefill_case(seqlen, batch, window, fa3, SWEEP if args.sweep else None, rows)
         print(json.dumps(rows[-1]), flush=True)
     if not args.no_extend:
-        for window in (-1, 127):
-            run_extend_case(8192, 2048, 2, window, 64, fa3, rows)
+        for window, page in ((-1, 64), (127, 64), (-1, 16)):
+            run_extend_case(
+                8192,
+                2048,
+                2,
+                window,
+                page,
+                fa3,
+                EXTEND_SWEEP if args.sweep and page == 64 else None,
+                rows,
+            )
             print(json.dumps(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

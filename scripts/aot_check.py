@@ -19,8 +19,9 @@ PACKAGES = {"triton": "tokenspeed_kernel_triton.aot"}
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--package", choices=sorted(PACKAGES), default="triton")
-    parser.add_argument("--target", action="append", choices=("sm_90", "gfx942", "gfx950"),
-                        required=True)
+    parser.add_argument(
+        "--target", action="append", choices=("sm_90", "gfx942", "gfx950"), required=True
+    )
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
 

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+
 from tokenspeed_kernel.ops.moe.reference import ReferenceMoE
 from tokenspeed_kernel.ops.moe.types import PreparedMoEWeights
 from tokenspeed_kernel.testing import (
@@ -143,8 +144,9 @@ def test_raising_kernel_propagates():
             run_case(spec, case, "cpu")
 
 
-@pytest.mark.parametrize("op", ["mha_prefill", "mha_extend_with_kvcache",
-                                "mha_decode_with_kvcache", "kvcache_store"])
+@pytest.mark.parametrize(
+    "op", ["mha_prefill", "mha_extend_with_kvcache", "mha_decode_with_kvcache", "kvcache_store"]
+)
 def test_cases_build_exactly_the_kernel_keywords(op):
     """Every case passes the keyword arguments the public op passes to kernel.fn (taken from
     the reference's signature), and draws fresh inputs per seed, never zeros."""
@@ -196,7 +198,10 @@ def test_store_and_moe_cases_cover_the_contract():
     moe = _features("moe")
     assert {s.weight_format for s in moe} == {"mxfp4", "fp8", "bf16"}
     assert {(s.activation_format, s.static_scales) for s in moe} >= {
-        ("bf16", False), ("fp8", False), ("fp8", True)}
+        ("bf16", False),
+        ("fp8", False),
+        ("fp8", True),
+    }
     assert {s.has_bias for s in moe} == {True, False}
     assert {s.routing for s in moe} == {"logits", "ties", "precomputed"}
     assert any(s.num_tokens == 1 for s in moe)
@@ -205,13 +210,15 @@ def test_store_and_moe_cases_cover_the_contract():
 def test_preset_cases_have_the_model_shapes():
     cases = preset_cases("mha_decode_with_kvcache", "gpt-oss-120b")
     assert {c.request.page_size for c in cases} == {64}
-    assert {(c.request.num_q_heads, c.request.num_kv_heads, c.request.head_dim)
-            for c in cases} == {(64, 8, 64)}
+    assert {(c.request.num_q_heads, c.request.num_kv_heads, c.request.head_dim) for c in cases} == {
+        (64, 8, 64)
+    }
     assert {c.request.window_left for c in cases} == {-1, 127}
     assert {len(c.shape.seqlens) for c in cases} >= {1, 16, 64}
     moe = preset_cases("moe", "gpt-oss-20b")
     assert {(c.request.num_experts, c.request.top_k, c.request.hidden_size) for c in moe} == {
-        (32, 4, 2880)}
+        (32, 4, 2880)
+    }
     merged = conformance_cases("kvcache_store", preset="tiny", dtypes=[torch.bfloat16])
     assert any(c.preset == "tiny" for c in merged) and any(c.preset is None for c in merged)
     assert all(c.dtype == torch.bfloat16 for c in merged)

@@ -155,6 +155,28 @@ def test_window_never_reads_outside(num_splits):
     assert_close(lse.cpu(), want_lse, dtype=torch.float32, name="lse")
 
 
+@pytest.mark.parametrize("window_left", [-1, 5])
+def test_many_query_rows_and_strided_metadata(window_left):
+    """Q=9 tokens x GQA 8 = 72 rows: two query tiles of 64, the second starting at token 8,
+    each bounding its own key range. The page table and sequence lengths are strided views
+    (every other column / element of a larger tensor), which the kernel must follow."""
+    q, caches, _, kwargs = _inputs((40, 9, 23), 9, 8, 1, 64, 16, seed=2, window_left=window_left)
+    k_cache, v_cache, page_table = caches
+    wide = torch.full((page_table.shape[0], 2 * page_table.shape[1]), -1, dtype=torch.int32)
+    wide[:, ::2] = page_table
+    lens = torch.zeros(page_table.shape[0], 2, dtype=torch.int32)
+    lens[:, 0] = kwargs["cache_seqlens"]
+    # Sliced on the device: moving a strided view would make it contiguous.
+    wide, lens = wide.to(DEVICE), lens.to(DEVICE)
+    assert wide[:, ::2].stride(1) == 2 and lens[:, 0].stride(0) == 2
+    strided = dict(kwargs, cache_seqlens=lens[:, 0])
+    with pin_decode_config(DecodeConfig(16, 1 if not ON_GPU else 4, 1, 1, 2)):
+        out, lse = _run(mha_decode, q.to(DEVICE), (k_cache, v_cache, wide[:, ::2]), strided)
+    want, want_lse = _run(reference_decode, q, caches, kwargs)
+    assert_close(out.cpu(), want, dtype=DTYPE, name="out")
+    assert_close(lse.cpu(), want_lse, dtype=torch.float32, name="lse")
+
+
 def test_split_heuristic_fills_the_device_and_stays_whole_when_full():
     """H100-like numbers (132 SMs, 4 resident programs each): GPT-OSS decode at B=1 over 8192
     keys (8 KV heads, 128 blocks of 64) must spread over enough splits to give every SM work;

@@ -39,8 +39,7 @@ def test_conformance(kernel, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "kernel,case", _params("gpt-oss-120b", (torch.bfloat16, torch.float16)))
+@pytest.mark.parametrize("kernel,case", _params("gpt-oss-120b", (torch.bfloat16, torch.float16)))
 def test_conformance_gpt_oss_120b(kernel, case):
     assert_conformance(kernel, case)
 
@@ -58,12 +57,12 @@ def _paged(kv: torch.Tensor, page_size: int, gen: torch.Generator):
     order = torch.randperm(num_pages, generator=gen)
     cache = torch.full((num_pages, page_size, heads, dim), float("nan"), dtype=kv.dtype)
     for p in range(-(-length // page_size)):
-        chunk = kv[p * page_size:(p + 1) * page_size]
+        chunk = kv[p * page_size : (p + 1) * page_size]
         cache[order[p], : chunk.shape[0]] = chunk
     return cache, order[: -(-length // page_size)].to(torch.int32)
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, 3, 16])
 def test_extend_never_reads_keys_outside_the_window(page_size):
     """Keys left of the window and cache slots past the sequence end hold NaN; a kernel that
     loaded them (or multiplied a masked probability 0 by them) would return NaN."""
@@ -76,11 +75,18 @@ def test_extend_never_reads_keys_outside_the_window(page_size):
     cache_args = {}
     for name, x in (("k", k), ("v", v)):
         cache_args[name], page_row = _paged(x, page_size, torch.Generator().manual_seed(1))
-    kwargs = dict(cu_seqlens_q=torch.tensor([0, n_q], dtype=torch.int32),
-                  page_table=page_row[None], cache_seqlens=torch.tensor([seq_len],
-                                                                         dtype=torch.int32),
-                  max_seqlen_q=n_q, window_left=window, sinks=None,
-                  softmax_scale=1 / math.sqrt(dim), k_scale=1.0, v_scale=1.0, lse=None)
+    kwargs = dict(
+        cu_seqlens_q=torch.tensor([0, n_q], dtype=torch.int32),
+        page_table=page_row[None],
+        cache_seqlens=torch.tensor([seq_len], dtype=torch.int32),
+        max_seqlen_q=n_q,
+        window_left=window,
+        sinks=None,
+        softmax_scale=1 / math.sqrt(dim),
+        k_scale=1.0,
+        v_scale=1.0,
+        lse=None,
+    )
     reference_extend(q, cache_args["k"], cache_args["v"], out=want, **kwargs)
     # The first visible key is 90 - 7 = 83; with 16-key blocks nothing below 80 is needed.
     first_needed = (seq_len - n_q - window) // 16 * 16
@@ -94,9 +100,15 @@ def test_extend_never_reads_keys_outside_the_window(page_size):
     assert_close(got, want, dtype=torch.float16, name="out")
 
 
-@pytest.mark.parametrize("config", [AttentionConfig(32, 16, 4, 1), AttentionConfig(16, 32, 4, 1),
-                                    AttentionConfig(32, 16, 4, 1, heads_per_tile=4),
-                                    AttentionConfig(32, 16, 4, 1, split_mask=False)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        AttentionConfig(32, 16, 4, 1),
+        AttentionConfig(16, 32, 4, 1),
+        AttentionConfig(32, 16, 4, 1, heads_per_tile=4),
+        AttentionConfig(32, 16, 4, 1, split_mask=False),
+    ],
+)
 @pytest.mark.parametrize("causal,window", [(True, -1), (True, 20), (False, -1)])
 def test_prefill_pinned_configs(config, causal, window):
     """Tile shapes where BLOCK_M != BLOCK_N move the masked/unmasked split boundaries; GQA
@@ -105,11 +117,18 @@ def test_prefill_pinned_configs(config, causal, window):
     lens = [45, 1, 70]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     total, heads_q, heads_kv, dim = sum(lens), 4, 1, 64
-    q, k, v = (torch.randn(total, h, dim, generator=gen).half() for h in (heads_q, heads_kv,
-                                                                          heads_kv))
+    q, k, v = (
+        torch.randn(total, h, dim, generator=gen).half() for h in (heads_q, heads_kv, heads_kv)
+    )
     sinks = torch.randn(heads_q, generator=gen)
-    kwargs = dict(cu_seqlens=cu, max_seqlen=max(lens), causal=causal, window_left=window,
-                  sinks=sinks, softmax_scale=0.125)
+    kwargs = dict(
+        cu_seqlens=cu,
+        max_seqlen=max(lens),
+        causal=causal,
+        window_left=window,
+        sinks=sinks,
+        softmax_scale=0.125,
+    )
     want, want_lse = torch.empty_like(q), torch.empty(total, heads_q)
     reference_prefill(q, k, v, out=want, lse=want_lse, **kwargs)
     got, got_lse = torch.full_like(q, float("nan")), torch.full((total, heads_q), float("nan"))
@@ -128,10 +147,15 @@ def test_pin_config_is_scoped():
     assert prefill.choose_config(kind, 64, False).block_m == 128
 
 
-@pytest.mark.parametrize("kind", [DeviceKind("nvidia", "sm_90", 90, 132),
-                                  DeviceKind("nvidia", "sm_80", 80, 108),
-                                  DeviceKind("amd", "gfx942", 0, 304),
-                                  DeviceKind("amd", "gfx950", 0, 256)])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        DeviceKind("nvidia", "sm_90", 90, 132),
+        DeviceKind("nvidia", "sm_80", 80, 108),
+        DeviceKind("amd", "gfx942", 0, 304),
+        DeviceKind("amd", "gfx950", 0, 256),
+    ],
+)
 @pytest.mark.parametrize("head_dim", prefill.HEAD_DIMS)
 def test_configs_tile_the_head_dim(kind, head_dim):
     for module in (prefill, extend):

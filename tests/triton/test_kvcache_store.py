@@ -42,7 +42,7 @@ def interpreter_fp8_rounding_shim(monkeypatch):
         return buggy(data, input_dtype, output_dtype, rounding_mode)
 
     monkeypatch.setattr(interpreter, "_convert_float", convert)
-    yield
+    yield buggy
 
 
 def _params(preset=None, dtypes=(torch.float16, torch.bfloat16)):
@@ -129,3 +129,23 @@ def test_odd_heads_and_wide_tiles(num_kv_heads, head_dim):
     kvcache_store(*args, slot_mapping=slots.to(DEVICE), k_scale=1.0, v_scale=1.0)
     assert_close(args[2].cpu(), want_k, dtype=torch.float32, name="k_cache")
     assert_close(args[3].cpu(), want_v, dtype=torch.float32, name="v_cache")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
+def test_fp8_store_declines_on_an_interpreter_that_rounds_wrongly(
+    interpreter_fp8_rounding_shim, monkeypatch
+):
+    """Without the shim, the selector must not pick this kernel for an FP8 cache on the CPU:
+    it would store wrongly rounded codes. 16-bit caches are unaffected."""
+    from triton.runtime import interpreter
+
+    from tokenspeed_kernel.ops.attention.request import KVStoreRequest
+    from tokenspeed_kernel.platform import KNOWN_PLATFORMS
+    from tokenspeed_kernel.registry import get_kernel
+
+    monkeypatch.setattr(interpreter, "_convert_float", interpreter_fp8_rounding_shim)
+    spec = get_kernel("kvcache_store", "triton.kvcache_store")
+    cpu = KNOWN_PLATFORMS["cpu"]
+    verdict = spec.supports(KVStoreRequest(torch.float16, FP8, 64, 2, 16), cpu)
+    assert not verdict.ok and "rounds float32 -> fp8" in verdict.reason
+    assert spec.supports(KVStoreRequest(torch.float16, torch.float16, 64, 2, 16), cpu).ok

@@ -42,11 +42,16 @@ class Platform:
     def capabilities(self) -> frozenset[str]:
         return _capabilities(self.vendor, self.arch)
 
+    @property
+    def label(self) -> str:
+        """`nvidia sm_90`, `amd gfx950`, `cpu`."""
+        return self.vendor if self.arch == self.vendor else f"{self.vendor} {self.arch}"
+
     def __str__(self) -> str:
         where = "" if self.device_index is None else f" (device {self.device_index})"
         label = f" {self.name}" if self.name else ""
         units = {"nvidia": "SMs", "amd": "CUs"}.get(self.vendor, "cores")
-        return f"{self.vendor} {self.arch}{label}, {self.sm_count} {units}{where}"
+        return f"{self.label}{label}, {self.sm_count} {units}{where}"
 
 
 def arch_number(arch: str) -> int | None:
@@ -170,14 +175,14 @@ class PlatformSpec:
     def mismatch(self, platform: Platform) -> str:
         """Why `platform` does not satisfy this spec, or "" if it does."""
         if self.vendor not in ("*", platform.vendor):
-            return f"needs {self}, this is {platform.vendor} {platform.arch}"
+            return f"needs {self}, this is {platform.label}"
         if self.archs is not None and platform.arch not in self.archs:
-            return f"needs {self}, this is {platform.arch}"
+            return f"needs {self}, this is {platform.label}"
         if self.min_sm is not None or self.max_sm is not None:
             sm = arch_number(platform.arch)
             low, high = self.min_sm or 0, self.max_sm or 10**9
             if sm is None or not low <= sm <= high:
-                return f"needs {self}, this is {platform.arch}"
+                return f"needs {self}, this is {platform.label}"
         missing = self.capabilities - platform.capabilities
         if missing:
             return f"needs {', '.join(sorted(missing))}, which {platform.arch} lacks"

@@ -83,7 +83,10 @@ class KernelSpec:
         """Platform, then declared traits, then the kernel's own dynamic check."""
         mismatches = [spec.mismatch(platform) for spec in self.platforms]
         if all(mismatches):
-            return Support.no(mismatches[0] if len(mismatches) == 1 else "; ".join(mismatches))
+            if len(mismatches) == 1:
+                return Support.no(mismatches[0])
+            wanted = ", ".join(str(spec) for spec in self.platforms)
+            return Support.no(f"needs one of {wanted}, this is {platform.label}")
         for feature, value in request.features():
             allowed = self.traits.get(feature)
             if allowed is True:

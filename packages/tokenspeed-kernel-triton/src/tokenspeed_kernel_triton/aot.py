@@ -24,6 +24,10 @@ AOT_KERNELS: list[str] = [
     "attention.extend",
     "attention.decode",
     "attention.kvcache_store",
+    "moe.routing",
+    "moe.grouped_gemm",
+    "moe.quant",
+    "moe.combine",
 ]
 
 TARGETS: dict[str, tuple[GPUTarget, DeviceKind]] = {
@@ -50,8 +54,15 @@ class AotSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def compile_for(kernel_jit_fn, signature: dict, constexprs: dict, target: str,
-                *, num_warps: int = 4, num_stages: int = 2) -> dict[str, Any]:
+def compile_for(
+    kernel_jit_fn,
+    signature: dict,
+    constexprs: dict,
+    target: str,
+    *,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> dict[str, Any]:
     """Compile one specialization for `target` ("sm_90", "gfx942", "gfx950").
 
     Returns the assembly by stage (`ptx`/`amdgcn`, `ttgir`, ...) plus `shared` (bytes of
@@ -60,16 +71,17 @@ def compile_for(kernel_jit_fn, signature: dict, constexprs: dict, target: str,
     import triton
 
     if target not in TARGETS:
-        raise ValueError(f"compile_for: target is {target!r}, expected one of "
-                         f"{', '.join(TARGETS)}")
+        raise ValueError(f"compile_for: target is {target!r}, expected one of {', '.join(TARGETS)}")
     gpu_target, _ = TARGETS[target]
     full_signature = dict(signature)
     for name in constexprs:
         full_signature[name] = "constexpr"
-    source = triton.compiler.ASTSource(fn=kernel_jit_fn, signature=full_signature,
-                                       constexprs=constexprs)
-    compiled = triton.compile(source, target=gpu_target,
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+    source = triton.compiler.ASTSource(
+        fn=kernel_jit_fn, signature=full_signature, constexprs=constexprs
+    )
+    compiled = triton.compile(
+        source, target=gpu_target, options={"num_warps": num_warps, "num_stages": num_stages}
+    )
     result: dict[str, Any] = {k: v for k, v in compiled.asm.items() if isinstance(v, str)}
     result["shared"] = int(getattr(compiled.metadata, "shared", 0) or 0)
     return result
@@ -92,8 +104,14 @@ def check_target(target: str) -> list[dict[str, Any]]:
     for spec in specs_for(target):
         row: dict[str, Any] = {"name": spec.name, "target": target}
         try:
-            asm = compile_for(spec.fn, spec.signature, spec.constexprs, target,
-                              num_warps=spec.num_warps, num_stages=spec.num_stages)
+            asm = compile_for(
+                spec.fn,
+                spec.signature,
+                spec.constexprs,
+                target,
+                num_warps=spec.num_warps,
+                num_stages=spec.num_stages,
+            )
         except Exception as exc:  # noqa: BLE001 - reported per spec
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
             rows.append(row)
@@ -101,6 +119,9 @@ def check_target(target: str) -> list[dict[str, Any]]:
         text = asm.get("ptx", "") or asm.get("amdgcn", "")
         row.update(
             ok=True,
+            # Kernels with a tl.dot must lower it to the matrix units; reductions and copies
+            # have none to check.
+            has_dot="tt.dot" in asm.get("ttir", ""),
             shared=asm["shared"],
             shared_limit=SHARED_LIMIT[target],
             wgmma="wgmma" in text,

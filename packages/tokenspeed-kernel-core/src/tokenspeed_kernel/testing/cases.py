@@ -77,22 +77,41 @@ class Case:
 def attention_case(name: str, op: str, shape: AttentionShape, preset: str | None = None) -> Case:
     page_size = 0 if op == "mha_prefill" else shape.page_size
     q_len = shape.q_lens[0] if op == "mha_decode_with_kvcache" else 0
-    request = AttentionRequest(shape.dtype, shape.cache_dtype, shape.head_dim, shape.num_q_heads,
-                               shape.num_kv_heads, page_size, q_len, shape.causal,
-                               shape.window_left, shape.sinks is not None, shape.lse)
+    request = AttentionRequest(
+        shape.dtype,
+        shape.cache_dtype,
+        shape.head_dim,
+        shape.num_q_heads,
+        shape.num_kv_heads,
+        page_size,
+        q_len,
+        shape.causal,
+        shape.window_left,
+        shape.sinks is not None,
+        shape.lse,
+    )
     return Case(name, op, request, shape, preset)
 
 
 def store_case(name: str, shape: StoreShape, preset: str | None = None) -> Case:
-    request = KVStoreRequest(shape.dtype, shape.cache_dtype, shape.head_dim, shape.num_kv_heads,
-                             shape.page_size)
+    request = KVStoreRequest(
+        shape.dtype, shape.cache_dtype, shape.head_dim, shape.num_kv_heads, shape.page_size
+    )
     return Case(name, "kvcache_store", request, shape, preset)
 
 
 def moe_case(name: str, shape: MoEShape, preset: str | None = None) -> Case:
-    request = MoERequest(shape.weight_format, shape.activation_format, shape.has_bias,
-                         "topk_softmax", shape.num_experts, shape.top_k, shape.hidden_size,
-                         shape.intermediate_size, shape.num_tokens)
+    request = MoERequest(
+        shape.weight_format,
+        shape.activation_format,
+        shape.has_bias,
+        "topk_softmax",
+        shape.num_experts,
+        shape.top_k,
+        shape.hidden_size,
+        shape.intermediate_size,
+        shape.num_tokens,
+    )
     return Case(name, "moe", request, shape, preset)
 
 
@@ -190,10 +209,12 @@ _MOE = [
 
 _DEFAULT: dict[str, list[Case]] = {
     "mha_prefill": _both_dtypes("mha_prefill", (("prefill-" + n, s) for n, s in _PREFILL)),
-    "mha_extend_with_kvcache": _both_dtypes("mha_extend_with_kvcache",
-                                            (("extend-" + n, s) for n, s in _EXTEND)),
-    "mha_decode_with_kvcache": _both_dtypes("mha_decode_with_kvcache",
-                                            (("decode-" + n, s) for n, s in _DECODE)),
+    "mha_extend_with_kvcache": _both_dtypes(
+        "mha_extend_with_kvcache", (("extend-" + n, s) for n, s in _EXTEND)
+    ),
+    "mha_decode_with_kvcache": _both_dtypes(
+        "mha_decode_with_kvcache", (("decode-" + n, s) for n, s in _DECODE)
+    ),
     "kvcache_store": _both_dtypes("kvcache_store", (("store-" + n, s) for n, s in _STORE)),
     "moe": [moe_case("moe-" + n, s) for n, s in _MOE],
 }
@@ -223,34 +244,63 @@ def preset_cases(op: str, preset: ModelPreset | str) -> list[Case]:
             add(f"prefill-{layer}", A(ctx, *heads, window_left=window, **base))
         elif op == "mha_extend_with_kvcache":
             q_lens = tuple(max(1, n // 3) for n in ctx)
-            add(f"extend-{layer}", A(ctx, *heads, q_lens=q_lens, page_size=p.page_size,
-                                     window_left=window, **base))
+            add(
+                f"extend-{layer}",
+                A(ctx, *heads, q_lens=q_lens, page_size=p.page_size, window_left=window, **base),
+            )
         elif op == "mha_decode_with_kvcache":
             for batch in (1, 4) if tiny else (1, 16, 64):
                 lens = tuple(ctx[b % len(ctx)] + b for b in range(batch))
-                add(f"decode-{layer}-b{batch}", A(lens, *heads, q_lens=(1,),
-                                                  page_size=p.page_size, window_left=window,
-                                                  **base))
+                add(
+                    f"decode-{layer}-b{batch}",
+                    A(lens, *heads, q_lens=(1,), page_size=p.page_size, window_left=window, **base),
+                )
     if op == "mha_decode_with_kvcache":
         lens = tuple(ctx[b % len(ctx)] + b for b in range(4))
-        add("decode-fp8-kv-q2", A(lens, *heads, kv_dtype=FP8, q_lens=(2,), page_size=p.page_size,
-                                  window_left=p.window_left, k_scale=0.5, v_scale=2.0, **base))
+        add(
+            "decode-fp8-kv-q2",
+            A(
+                lens,
+                *heads,
+                kv_dtype=FP8,
+                q_lens=(2,),
+                page_size=p.page_size,
+                window_left=p.window_left,
+                k_scale=0.5,
+                v_scale=2.0,
+                **base,
+            ),
+        )
     elif op == "kvcache_store":
         for kv_dtype in (None, FP8):
             tokens = 37 if tiny else 1000
             pages = -(-2 * tokens // p.page_size)
             label = "store-fp8" if kv_dtype else "store"
-            add(label, S(tokens, p.num_kv_heads, p.head_dim, p.page_size, pages, p.dtype,
-                         kv_dtype, skip=3))
+            add(
+                label,
+                S(
+                    tokens,
+                    p.num_kv_heads,
+                    p.head_dim,
+                    p.page_size,
+                    pages,
+                    p.dtype,
+                    kv_dtype,
+                    skip=3,
+                ),
+            )
     elif op == "moe":
         for m in (1, 7) if tiny else (1, 16, 128):
-            add(f"moe-mxfp4-bf16-m{m}", M(m, p.num_experts, p.top_k, p.hidden_size,
-                                          p.intermediate_size))
+            add(
+                f"moe-mxfp4-bf16-m{m}",
+                M(m, p.num_experts, p.top_k, p.hidden_size, p.intermediate_size),
+            )
     return cases
 
 
-def conformance_cases(op: str, *, preset: str | None = None,
-                      dtypes: Iterable[torch.dtype] | None = None) -> list[Case]:
+def conformance_cases(
+    op: str, *, preset: str | None = None, dtypes: Iterable[torch.dtype] | None = None
+) -> list[Case]:
     """The shared cases of `op` (an op of `tokenspeed_kernel.OPS`), plus `preset`'s shapes.
 
     dtypes keeps the cases whose activation dtype (`Case.dtype`) is listed; MoE cases are

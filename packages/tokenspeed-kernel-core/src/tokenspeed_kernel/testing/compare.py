@@ -68,22 +68,35 @@ class Comparison:
         verdict = "ok" if self.ok else f"{self.num_bad}/{self.numel} outside"
         where = ""
         if self.worst_index is not None:
-            where = (f"; worst at {self.worst_index}: got {self.actual:.6g}, "
-                     f"expected {self.expected:.6g}")
-        return (f"{self.name}: {verdict} atol={self.atol:g} rtol={self.rtol:g}; "
-                f"max abs {self.max_abs:.3e}, max rel {self.max_rel:.3e}, "
-                f"rms {self.rms:.3e}{where}")
+            where = (
+                f"; worst at {self.worst_index}: got {self.actual:.6g}, "
+                f"expected {self.expected:.6g}"
+            )
+        return (
+            f"{self.name}: {verdict} atol={self.atol:g} rtol={self.rtol:g}; "
+            f"max abs {self.max_abs:.3e}, max rel {self.max_rel:.3e}, "
+            f"rms {self.rms:.3e}{where}"
+        )
 
 
-def compare(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype,
-            name: str = "output") -> Comparison:
+def compare(
+    actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype, name: str = "output"
+) -> Comparison:
     """Compare under `dtype`'s tolerance: |a - e| <= atol + rtol * |e| everywhere. Equal
     infinities agree (an lse with nothing visible is -inf); NaN never does."""
     tol = tolerance(dtype)
     if tuple(actual.shape) != tuple(expected.shape):
-        return Comparison(name, False, math.inf, math.inf, math.inf, None, atol=tol.atol,
-                          rtol=tol.rtol, message=f"shape {list(actual.shape)}, expected "
-                          f"{list(expected.shape)}")
+        return Comparison(
+            name,
+            False,
+            math.inf,
+            math.inf,
+            math.inf,
+            None,
+            atol=tol.atol,
+            rtol=tol.rtol,
+            message=f"shape {list(actual.shape)}, expected {list(expected.shape)}",
+        )
     a = actual.detach().to("cpu", torch.float64)
     e = expected.detach().to("cpu", torch.float64)
     numel = a.numel()
@@ -113,8 +126,9 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype,
     )
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype,
-                 name: str = "output") -> Comparison:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype, name: str = "output"
+) -> Comparison:
     """`compare`, raising AssertionError with max/RMS error and the worst coordinates."""
     result = compare(actual, expected, dtype=dtype, name=name)
     if not result.ok:

@@ -56,8 +56,17 @@ def case_support(spec: KernelSpec, case: Case, device: torch.device | str | None
 def moe_plan_for(spec: KernelSpec, config, max_num_tokens: int, device) -> MoEPlan:
     """The plan `moe_plan` would build if the selector had picked `spec`."""
     padded_h, padded_i = spec.fn.padded_sizes(config)
-    return MoEPlan(config, spec.name, "conformance", spec.fn.weight_layout, padded_h, padded_i,
-                   max_num_tokens, resolve_device(device), spec.fn)
+    return MoEPlan(
+        config,
+        spec.name,
+        "conformance",
+        spec.fn.weight_layout,
+        padded_h,
+        padded_i,
+        max_num_tokens,
+        resolve_device(device),
+        spec.fn,
+    )
 
 
 def _clone(value: Any) -> Any:
@@ -94,8 +103,9 @@ def _inputs(case: Case, args, kwargs) -> list[tuple[str, torch.Tensor]]:
         "kvcache_store": ("k", "v"),
     }[case.op]
     named = list(zip(names, args, strict=False))
-    named += [(k, v) for k, v in kwargs.items()
-              if isinstance(v, torch.Tensor) and k not in ("out", "lse")]
+    named += [
+        (k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in ("out", "lse")
+    ]
     return named
 
 
@@ -108,15 +118,17 @@ def _merge(results: list[Comparison]) -> Comparison:
     return dataclasses.replace(results[0], name=names)
 
 
-def run_case(spec: KernelSpec, case: Case, device: torch.device | str | None = None, *,
-             seed: int = 0) -> Comparison:
+def run_case(
+    spec: KernelSpec, case: Case, device: torch.device | str | None = None, *, seed: int = 0
+) -> Comparison:
     """Run `spec` and the reference on the same fresh inputs of `case`; compare the outputs.
 
     Does not consult `spec.supports` (see `assert_conformance`); exceptions propagate.
     """
     if spec.op != case.op:
-        raise ValueError(f"run_case: kernel {spec.name} is for {spec.op}, case {case.name} "
-                         f"is for {case.op}")
+        raise ValueError(
+            f"run_case: kernel {spec.name} is for {spec.op}, case {case.name} is for {case.op}"
+        )
     device = resolve_device(device)
     reference = reference_spec(case.op)
     if case.op == "moe":
@@ -125,14 +137,21 @@ def run_case(spec: KernelSpec, case: Case, device: torch.device | str | None = N
     ref_args, ref_kwargs = _clone(args), _clone(kwargs)
     reference.fn(*ref_args, **ref_kwargs)
     spec.fn(*args, **kwargs)
-    results = [compare(got, want, dtype=dtype, name=name) for (name, got, dtype), (_, want, _)
-               in zip(_outputs(case, args, kwargs), _outputs(case, ref_args, ref_kwargs),
-                      strict=True)]
-    for (name, got), (_, want) in zip(_inputs(case, args, kwargs),
-                                      _inputs(case, ref_args, ref_kwargs), strict=True):
+    results = [
+        compare(got, want, dtype=dtype, name=name)
+        for (name, got, dtype), (_, want, _) in zip(
+            _outputs(case, args, kwargs), _outputs(case, ref_args, ref_kwargs), strict=True
+        )
+    ]
+    for (name, got), (_, want) in zip(
+        _inputs(case, args, kwargs), _inputs(case, ref_args, ref_kwargs), strict=True
+    ):
         if not torch.equal(_bits(got), _bits(want)):
-            results.append(Comparison(name, False, 0.0, 0.0, 0.0, None,
-                                      message="input was modified by the kernel"))
+            results.append(
+                Comparison(
+                    name, False, 0.0, 0.0, 0.0, None, message="input was modified by the kernel"
+                )
+            )
     return _merge(results)
 
 
@@ -140,8 +159,10 @@ def _apply_moe(spec: KernelSpec, case: Case, device, config, weights, x, routing
     plan = moe_plan_for(spec, config, case.request.max_num_tokens, device)
     prepared = spec.fn.prepare_weights(plan, weights)
     if not isinstance(prepared, PreparedMoEWeights) or prepared.kernel != spec.name:
-        raise RuntimeError(f"{spec.name}.prepare_weights returned weights for "
-                           f"{getattr(prepared, 'kernel', type(prepared).__name__)}")
+        raise RuntimeError(
+            f"{spec.name}.prepare_weights returned weights for "
+            f"{getattr(prepared, 'kernel', type(prepared).__name__)}"
+        )
     out = torch.full_like(x, float("nan"))
     spec.fn.apply(plan, x, prepared, out=out, **routing)
     return out
@@ -155,13 +176,15 @@ def _run_moe(spec, reference, case, device, seed) -> Comparison:
     dtype = FP8_DTYPE if config.activation_format == "fp8" else torch.bfloat16
     results = [compare(actual, expected, dtype=dtype, name="out")]
     if not torch.equal(x, x_before):
-        results.append(Comparison("x", False, 0.0, 0.0, 0.0, None,
-                                  message="input was modified by the kernel"))
+        results.append(
+            Comparison("x", False, 0.0, 0.0, 0.0, None, message="input was modified by the kernel")
+        )
     return _merge(results)
 
 
-def assert_conformance(spec: KernelSpec, case: Case, device: torch.device | str | None = None, *,
-                       seed: int = 0) -> Comparison:
+def assert_conformance(
+    spec: KernelSpec, case: Case, device: torch.device | str | None = None, *, seed: int = 0
+) -> Comparison:
     """pytest: skip if the kernel declines the case, else fail with a readable message."""
     import pytest  # noqa: PLC0415  (testing helpers must import without pytest installed)
 
@@ -174,20 +197,30 @@ def assert_conformance(spec: KernelSpec, case: Case, device: torch.device | str 
     return result
 
 
-def select_kernels(op: str | None = None, *, backend: str | None = None,
-                   kernel: str | None = None) -> list[KernelSpec]:
+def select_kernels(
+    op: str | None = None, *, backend: str | None = None, kernel: str | None = None
+) -> list[KernelSpec]:
     """Registered kernels of `op` (every op if None), filtered by backend and a name glob."""
     ops = OPS if op is None else (op,)
     if op is not None and op not in OPS:
         raise ValueError(f"unknown op {op!r}, expected one of {', '.join(OPS)}")
-    return [spec for name in ops for spec in kernels(name)
-            if (backend is None or spec.backend == backend)
-            and (kernel is None or fnmatch.fnmatchcase(spec.name, kernel))]
+    return [
+        spec
+        for name in ops
+        for spec in kernels(name)
+        if (backend is None or spec.backend == backend)
+        and (kernel is None or fnmatch.fnmatchcase(spec.name, kernel))
+    ]
 
 
-def conformance_params(op: str | None = None, *, backend: str | None = None,
-                       kernel: str | None = None, preset: str | None = None,
-                       dtypes: Iterable[torch.dtype] | None = None) -> list[Any]:
+def conformance_params(
+    op: str | None = None,
+    *,
+    backend: str | None = None,
+    kernel: str | None = None,
+    preset: str | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+) -> list[Any]:
     """`pytest.param(spec, case, id="kernel::case")` for every matching kernel and case."""
     import pytest  # noqa: PLC0415
 

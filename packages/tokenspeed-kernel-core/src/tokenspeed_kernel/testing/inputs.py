@@ -3,9 +3,9 @@ pass to `kernel.fn` (defaults resolved, `out`/`lse` preallocated, decode q 4-D, 
 
 Everything is drawn from the generator passed in, on that generator's device: `Case.build` seeds
 a CPU generator from (case name, seed) and moves the result, so a case builds the same inputs on
-every machine; the benchmarks pass a GPU generator to build large inputs quickly. Outputs are preallocated full of NaN
-and every cache slot no sequence owns holds large garbage: a kernel that skips a row or reads
-outside its sequence shows up as an error instead of passing by luck.
+every machine; the benchmarks pass a GPU generator to build large inputs quickly. Outputs are
+preallocated full of NaN and every cache slot no sequence owns holds large garbage: a kernel that
+skips a row or reads outside its sequence shows up as an error instead of passing by luck.
 """
 
 from __future__ import annotations
@@ -102,8 +102,15 @@ class MoEShape:
     gain: float = 1.0
 
     def config(self) -> MoEConfig:
-        return MoEConfig(self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
-                         self.weight_format, self.activation_format, has_bias=self.has_bias)
+        return MoEConfig(
+            self.num_experts,
+            self.top_k,
+            self.hidden_size,
+            self.intermediate_size,
+            self.weight_format,
+            self.activation_format,
+            has_bias=self.has_bias,
+        )
 
 
 def generator(*parts: object) -> torch.Generator:
@@ -127,8 +134,9 @@ def _nan(shape, dtype, device) -> torch.Tensor:
 
 
 def _offsets(lengths) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(list(lengths), dtype=torch.int64).cumsum(0).tolist()],
-                        dtype=torch.int32)
+    return torch.tensor(
+        [0, *torch.tensor(list(lengths), dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32
+    )
 
 
 def _sinks(shape: AttentionShape, gen, device):
@@ -152,22 +160,27 @@ def _paged(ks, vs, page_size, gen):
     num_pages = sum(pages_per_seq) + 2
     max_pages = max(pages_per_seq, default=0) + 1
     head_shape = tuple(ks[0].shape[1:])
-    caches = [_randn(gen, num_pages, page_size, *head_shape, gain=_GARBAGE_GAIN).to(ks[0].dtype)
-              for _ in range(2)]
+    caches = [
+        _randn(gen, num_pages, page_size, *head_shape, gain=_GARBAGE_GAIN).to(ks[0].dtype)
+        for _ in range(2)
+    ]
     page_table = _randint(gen, 0, num_pages, (len(ks), max_pages)).cpu()
     free = _randperm(gen, num_pages).tolist()
     for b, (k, v) in enumerate(zip(ks, vs, strict=True)):
         for p in range(pages_per_seq[b]):
             page = page_table[b, p] = free.pop()
             for cache, x in zip(caches, (k, v), strict=True):
-                chunk = x[p * page_size:(p + 1) * page_size]
-                cache[page, :len(chunk)] = chunk
+                chunk = x[p * page_size : (p + 1) * page_size]
+                cache[page, : len(chunk)] = chunk
     return caches[0], caches[1], page_table.to(torch.int32).to(gen.device)
 
 
 def _common(shape: AttentionShape, gen, device) -> dict[str, Any]:
-    return dict(window_left=shape.window_left, sinks=_sinks(shape, gen, device),
-                softmax_scale=1.0 / math.sqrt(shape.head_dim))
+    return dict(
+        window_left=shape.window_left,
+        sinks=_sinks(shape, gen, device),
+        softmax_scale=1.0 / math.sqrt(shape.head_dim),
+    )
 
 
 def _q(shape: AttentionShape, gen, *dims: int) -> torch.Tensor:
@@ -179,9 +192,12 @@ def build_prefill(shape: AttentionShape, gen, device):
     q = _q(shape, gen, total)
     k = _randn(gen, total, shape.num_kv_heads, shape.head_dim).to(shape.dtype)
     v = _randn(gen, total, shape.num_kv_heads, shape.head_dim).to(shape.dtype)
-    kwargs = dict(cu_seqlens=_offsets(shape.seqlens).to(device),
-                  max_seqlen=max(shape.seqlens, default=0), causal=shape.causal,
-                  **_common(shape, gen, device))
+    kwargs = dict(
+        cu_seqlens=_offsets(shape.seqlens).to(device),
+        max_seqlen=max(shape.seqlens, default=0),
+        causal=shape.causal,
+        **_common(shape, gen, device),
+    )
     kwargs.update(_outputs(shape, (total, shape.num_q_heads), device))
     return (q.to(device), k.to(device), v.to(device)), kwargs
 
@@ -190,10 +206,13 @@ def _paged_inputs(shape: AttentionShape, gen, device):
     ks = [_kv(shape, n, gen) for n in shape.seqlens]
     vs = [_kv(shape, n, gen) for n in shape.seqlens]
     k_cache, v_cache, page_table = _paged(ks, vs, shape.page_size, gen)
-    kwargs = dict(page_table=page_table.to(device),
-                  cache_seqlens=torch.tensor(shape.seqlens, dtype=torch.int32, device=device),
-                  **_common(shape, gen, device), k_scale=float(shape.k_scale),
-                  v_scale=float(shape.v_scale))
+    kwargs = dict(
+        page_table=page_table.to(device),
+        cache_seqlens=torch.tensor(shape.seqlens, dtype=torch.int32, device=device),
+        **_common(shape, gen, device),
+        k_scale=float(shape.k_scale),
+        v_scale=float(shape.v_scale),
+    )
     return k_cache.to(device), v_cache.to(device), kwargs
 
 
@@ -201,8 +220,9 @@ def build_extend(shape: AttentionShape, gen, device):
     k_cache, v_cache, kwargs = _paged_inputs(shape, gen, device)
     total = sum(shape.q_lens)
     q = _q(shape, gen, total)
-    kwargs.update(cu_seqlens_q=_offsets(shape.q_lens).to(device),
-                  max_seqlen_q=max(shape.q_lens, default=0))
+    kwargs.update(
+        cu_seqlens_q=_offsets(shape.q_lens).to(device), max_seqlen_q=max(shape.q_lens, default=0)
+    )
     kwargs.update(_outputs(shape, (total, shape.num_q_heads), device))
     return (q.to(device), k_cache, v_cache), kwargs
 
@@ -230,11 +250,14 @@ def build_store(shape: StoreShape, gen, device):
     k_cache = _randn(gen, *cache_shape, gain=_GARBAGE_GAIN).to(shape.cache_dtype)
     v_cache = _randn(gen, *cache_shape, gain=_GARBAGE_GAIN).to(shape.cache_dtype)
     slots = _randperm(gen, shape.num_pages * shape.page_size)[:t]
-    skipped = _randperm(gen, t)[:shape.skip]
+    skipped = _randperm(gen, t)[: shape.skip]
     slots[skipped] = -1
     args = tuple(x.to(device) for x in (k, v, k_cache, v_cache))
-    return args, dict(slot_mapping=slots.to(torch.int64).to(device),
-                      k_scale=float(shape.k_scale), v_scale=float(shape.v_scale))
+    return args, dict(
+        slot_mapping=slots.to(torch.int64).to(device),
+        k_scale=float(shape.k_scale),
+        v_scale=float(shape.v_scale),
+    )
 
 
 def _weight(fmt: str, gen, experts: int, rows: int, cols: int, gain: float):
@@ -264,15 +287,16 @@ def moe_weights(shape: MoEShape, gen) -> MoEWeights:
     w2, w2_scale = _weight(shape.weight_format, gen, e, h, i, 1.0 / shape.gain)
     biases = {}
     if shape.has_bias:
-        biases = dict(w13_bias=_randn(gen, e, 2 * i, gain=0.5).to(shape.bias_dtype),
-                      w2_bias=_randn(gen, e, h, gain=0.5).to(shape.bias_dtype))
+        biases = dict(
+            w13_bias=_randn(gen, e, 2 * i, gain=0.5).to(shape.bias_dtype),
+            w2_bias=_randn(gen, e, h, gain=0.5).to(shape.bias_dtype),
+        )
     static = {}
     if shape.activation_format == "fp8" and shape.static_scales:
         # x ~ N(0, 1) peaks near 4; SwiGLU outputs reach ~20: a slightly tight first scale
         # exercises the saturating clamp on a few elements.
         static = dict(w13_input_scale=3.5 / 448, w2_input_scale=24.0 / 448)
-    return MoEWeights(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, **biases,
-                      **static)
+    return MoEWeights(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, **biases, **static)
 
 
 def moe_inputs(shape: MoEShape, gen) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -282,8 +306,9 @@ def moe_inputs(shape: MoEShape, gen) -> tuple[torch.Tensor, dict[str, Any]]:
     routing: dict[str, Any] = dict(router_logits=None, topk_weights=None, topk_ids=None)
     if shape.routing == "precomputed":
         ids = torch.stack([_randperm(gen, e)[:k] for _ in range(m)]).reshape(m, k)
-        routing.update(topk_weights=torch.softmax(_randn(gen, m, k), dim=-1),
-                       topk_ids=ids.to(torch.int32))
+        routing.update(
+            topk_weights=torch.softmax(_randn(gen, m, k), dim=-1), topk_ids=ids.to(torch.int32)
+        )
     elif shape.routing == "ties":
         routing.update(router_logits=_randint(gen, 0, 3, (m, e)).to(shape.logits_dtype))
     else:
@@ -294,8 +319,9 @@ def moe_inputs(shape: MoEShape, gen) -> tuple[torch.Tensor, dict[str, Any]]:
 def build_moe(shape: MoEShape, gen, device):
     """args (config, weights: MoEWeights, x [M, H] bf16); kwargs the routing inputs."""
     weights = moe_weights(shape, gen)
-    weights = MoEWeights(**{f.name: _to(getattr(weights, f.name), device)
-                            for f in dataclasses.fields(weights)})
+    weights = MoEWeights(
+        **{f.name: _to(getattr(weights, f.name), device) for f in dataclasses.fields(weights)}
+    )
     x, routing = moe_inputs(shape, gen)
     return (shape.config(), weights, x.to(device)), {k: _to(v, device) for k, v in routing.items()}
 

@@ -26,8 +26,15 @@ def temporary_kernel(
     if traits is None:
         traits = get_kernel(op, f"reference.{op}").traits
     backend = name.split(".", 1)[0]
-    register_kernel(op, name=name, backend=backend, platforms=platforms, traits=traits,
-                    priority=priority, supports=supports)(fn)
+    register_kernel(
+        op,
+        name=name,
+        backend=backend,
+        platforms=platforms,
+        traits=traits,
+        priority=priority,
+        supports=supports,
+    )(fn)
     try:
         yield get_kernel(op, name)
     finally:

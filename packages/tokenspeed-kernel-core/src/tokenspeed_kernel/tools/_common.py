@@ -7,6 +7,7 @@ import json
 import os
 import platform as _pyplatform
 import sys
+from importlib import metadata
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,19 +50,19 @@ def versions() -> dict[str, str | None]:
         "hip": torch.version.hip,
         "python": sys.version.split()[0],
     }
-    try:
-        import triton  # noqa: PLC0415
-
-        found["triton"] = triton.__version__
-    except ImportError:
-        found["triton"] = None
+    # Read installed versions from metadata: core never imports a kernel backend itself.
+    for dist in ("triton", "tokenspeed-kernel-triton", "tokenspeed-kernel-amd"):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found[dist] = None
     return found
 
 
 def run_metadata(device: torch.device) -> dict[str, Any]:
     return {
-        "command": " ".join(["tokenspeed-kernel", *sys.argv[1:]])
-        if Path(sys.argv[0]).name.startswith("tokenspeed") else " ".join(sys.argv),
+        # argv[1:] are the CLI arguments under the entry point and `python -m` alike.
+        "command": " ".join(["tokenspeed-kernel", *sys.argv[1:]]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(device),
         "platform": str(platform_of(device)),
@@ -95,8 +96,10 @@ class Progress:
             self._last = now
             filled = self.width * self.done // self.total
             bar = "#" * filled + "." * (self.width - filled)
-            self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} "
-                              f"{now - self._start:5.1f}s {what[:50]:<50}")
+            self.stream.write(
+                f"\r{self.label} [{bar}] {self.done}/{self.total} "
+                f"{now - self._start:5.1f}s {what[:50]:<50}"
+            )
             self.stream.flush()
 
     def close(self) -> None:
@@ -105,16 +108,19 @@ class Progress:
             self.stream.flush()
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
-                 align: str | None = None) -> str:
+def format_table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], align: str | None = None
+) -> str:
     """Columns padded to their widest cell; `align` per column: "l" or "r" (default "l")."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     align = align or "l" * len(headers)
     lines = []
     for n, row in enumerate(cells):
-        parts = [c.rjust(w) if a == "r" else c.ljust(w)
-                 for c, w, a in zip(row, widths, align, strict=True)]
+        parts = [
+            c.rjust(w) if a == "r" else c.ljust(w)
+            for c, w, a in zip(row, widths, align, strict=True)
+        ]
         lines.append("  ".join(parts).rstrip())
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))

@@ -40,27 +40,53 @@ GRAPH_OPS = ("mha_decode_with_kvcache",)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="time every eligible kernel on a preset's shapes",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "bench",
+        help="time every eligible kernel on a preset's shapes",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--op", choices=OP_CHOICES, help="only this op (default: every op)")
-    p.add_argument("--preset", dest="tool_preset", choices=sorted(PRESETS),
-                   help="shapes to time (default: gpt-oss-120b on a GPU, tiny on the CPU)")
+    p.add_argument(
+        "--preset",
+        dest="tool_preset",
+        choices=sorted(PRESETS),
+        help="shapes to time (default: gpt-oss-120b on a GPU, tiny on the CPU)",
+    )
     p.add_argument("--kernels", metavar="GLOB", help="kernel name glob (default: all eligible)")
-    p.add_argument("--peers", action="store_true",
-                   help="add FA3 / torch SDPA reference points where importable")
-    p.add_argument("--out", default="bench-results", metavar="DIR",
-                   help="where results.json and the PNGs go (default: ./bench-results)")
-    p.add_argument("--replay", metavar="FILE",
-                   help="time the calls captured with TOKENSPEED_KERNEL_CAPTURE=FILE")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="time decode as CUDA-graph replays (GPU only)")
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="add FA3 / torch SDPA reference points where importable",
+    )
+    p.add_argument(
+        "--out",
+        default="bench-results",
+        metavar="DIR",
+        help="where results.json and the PNGs go (default: ./bench-results)",
+    )
+    p.add_argument(
+        "--replay",
+        metavar="FILE",
+        help="time the calls captured with TOKENSPEED_KERNEL_CAPTURE=FILE",
+    )
+    p.add_argument(
+        "--cuda-graph", action="store_true", help="time decode as CUDA-graph replays (GPU only)"
+    )
     p.add_argument("--warmup", type=int, help="warm-up calls (default: 10 GPU, 1 CPU)")
     p.add_argument("--iters", type=int, help="most timed runs (default: 100 GPU, 5 CPU)")
-    p.add_argument("--budget-ms", type=float, default=500.0,
-                   help="stop timing a kernel after this long (at least 3 runs)")
+    p.add_argument(
+        "--budget-ms",
+        type=float,
+        default=500.0,
+        help="stop timing a kernel after this long (at least 3 runs)",
+    )
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
-    p.add_argument("--refresh-roofline", action="store_true",
-                   help="re-measure the roofline instead of using the cached figures")
+    p.add_argument(
+        "--refresh-roofline",
+        action="store_true",
+        help="re-measure the roofline instead of using the cached figures",
+    )
     p.add_argument("--device", help="torch device (default: the current GPU, else cpu)")
     p.set_defaults(run=run)
 
@@ -74,11 +100,17 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             raise ValueError(str(exc)) from None
     preset = args.tool_preset or ("gpt-oss-120b" if gpu else "tiny")
-    timer = Timer(device, warmup=args.warmup or (10 if gpu else 1),
-                  iters=args.iters or (100 if gpu else 5), budget_s=args.budget_ms / 1e3)
+    timer = Timer(
+        device,
+        warmup=args.warmup or (10 if gpu else 1),
+        iters=args.iters or (100 if gpu else 5),
+        budget_s=args.budget_ms / 1e3,
+    )
     roof = roofline(device, refresh=args.refresh_roofline)
-    print(f"bench on {device} ({_describe(roof)}); timing: {timer.method}"
-          + ("" if gpu else " (CPU: no device events, wall-clock medians)"))
+    print(
+        f"bench on {device} ({_describe(roof)}); timing: {timer.method}"
+        + ("" if gpu else " (CPU: no device events, wall-clock medians)")
+    )
     if args.cuda_graph and not gpu:
         print("note: --cuda-graph needs a GPU; timing eagerly")
     if args.replay:
@@ -93,12 +125,20 @@ def run(args: argparse.Namespace) -> int:
     _print(rows)
     out = Path(args.out)
     payload = run_metadata(device)
-    payload.update(source=source, preset=None if args.replay else preset,
-                   timing=dict(method=timer.method, warmup=timer.warmup, max_iters=timer.iters,
-                               budget_ms=args.budget_ms, l2_flush=gpu,
-                               cuda_graph_ops=list(GRAPH_OPS) if args.cuda_graph and gpu
-                               else []),
-                   roofline=roof.__dict__, results=rows)
+    payload.update(
+        source=source,
+        preset=None if args.replay else preset,
+        timing=dict(
+            method=timer.method,
+            warmup=timer.warmup,
+            max_iters=timer.iters,
+            budget_ms=args.budget_ms,
+            l2_flush=gpu,
+            cuda_graph_ops=list(GRAPH_OPS) if args.cuda_graph and gpu else [],
+        ),
+        roofline=roof.__dict__,
+        results=rows,
+    )
     write_json(out / "results.json", payload)
     print(f"wrote {out / 'results.json'}")
     if not args.no_plot:
@@ -111,40 +151,79 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _describe(roof: Roofline) -> str:
-    return (f"{roof.device}; roofline ({roof.source}): copy {roof.copy_bytes_per_s / 1e9:.0f} GB/s,"
-            f" {roof.matmul_dtype} matmul {roof.matmul_flops_per_s / 1e12:.1f} TFLOP/s")
+    return (
+        f"{roof.device}; roofline ({roof.source}): copy {roof.copy_bytes_per_s / 1e9:.0f} GB/s,"
+        f" {roof.matmul_dtype} matmul {roof.matmul_flops_per_s / 1e12:.1f} TFLOP/s"
+    )
 
 
-def row(point, kernel: str, *, peer: bool = False, status: str = "ok", timing: Timing | None = None,
-        flops: float = 0.0, nbytes: float = 0.0, roof: Roofline | None = None,
-        note: str = "") -> dict[str, Any]:
+def row(
+    point,
+    kernel: str,
+    *,
+    peer: bool = False,
+    status: str = "ok",
+    timing: Timing | None = None,
+    flops: float = 0.0,
+    nbytes: float = 0.0,
+    roof: Roofline | None = None,
+    note: str = "",
+) -> dict[str, Any]:
     """One result: figures are None unless the kernel was timed."""
     result: dict[str, Any] = dict(
-        op=point.op, series=point.series, x=point.x, xlabel=point.xlabel, label=point.label,
-        request=str(point.case.request), kernel=kernel, peer=peer, status=status,
-        latency_us=None, tflops=None, gbps=None, roofline_pct=None, flops=flops, bytes=nbytes,
-        runs=0, method=None, note=note)
+        op=point.op,
+        series=point.series,
+        x=point.x,
+        xlabel=point.xlabel,
+        label=point.label,
+        request=str(point.case.request),
+        kernel=kernel,
+        peer=peer,
+        status=status,
+        latency_us=None,
+        tflops=None,
+        gbps=None,
+        roofline_pct=None,
+        flops=flops,
+        bytes=nbytes,
+        runs=0,
+        method=None,
+        note=note,
+    )
     if timing is not None:
         t = timing.median_s
-        result.update(latency_us=t * 1e6, tflops=flops / t / 1e12 if flops else None,
-                      gbps=nbytes / t / 1e9 if nbytes else None,
-                      roofline_pct=roof.percent(t, flops, nbytes) if roof else None,
-                      runs=timing.runs, method=timing.method,
-                      note="; ".join(x for x in (note, timing.note) if x))
+        result.update(
+            latency_us=t * 1e6,
+            tflops=flops / t / 1e12 if flops else None,
+            gbps=nbytes / t / 1e9 if nbytes else None,
+            roofline_pct=roof.percent(t, flops, nbytes) if roof else None,
+            runs=timing.runs,
+            method=timing.method,
+            note="; ".join(x for x in (note, timing.note) if x),
+        )
     return result
 
 
-def time_call(timer: Timer, call, point, name: str, flops, nbytes, roof, *, peer=False,
-              graph=False, note="") -> dict[str, Any]:
+def time_call(
+    timer: Timer, call, point, name: str, flops, nbytes, roof, *, peer=False, graph=False, note=""
+) -> dict[str, Any]:
     try:
         timing = timer.measure(call, graph=graph)
     except Exception as exc:  # one broken kernel must not end the whole run
         if timer.device.type == "cuda":
             torch.cuda.synchronize(timer.device)
-        return row(point, name, peer=peer, status="error", flops=flops, nbytes=nbytes,
-                   note=f"{type(exc).__name__}: {exc}"[:300])
-    return row(point, name, peer=peer, timing=timing, flops=flops, nbytes=nbytes, roof=roof,
-               note=note)
+        return row(
+            point,
+            name,
+            peer=peer,
+            status="error",
+            flops=flops,
+            nbytes=nbytes,
+            note=f"{type(exc).__name__}: {exc}"[:300],
+        )
+    return row(
+        point, name, peer=peer, timing=timing, flops=flops, nbytes=nbytes, roof=roof, note=note
+    )
 
 
 def _bench(ops, preset: str, device, timer: Timer, roof: Roofline, args) -> list[dict]:
@@ -175,16 +254,22 @@ def _bench(ops, preset: str, device, timer: Timer, roof: Roofline, args) -> list
             except Exception as exc:
                 rows.append(row(point, spec.name, status="error", note=f"prepare: {exc}"[:300]))
                 continue
-            rows.append(time_call(timer, call, point, spec.name, flops, nbytes, roof,
-                                  graph=graph, note=note))
+            rows.append(
+                time_call(
+                    timer, call, point, spec.name, flops, nbytes, roof, graph=graph, note=note
+                )
+            )
         if args.peers:
             for name, call, why in peer_calls(point, inputs, device):
                 progress.step(f"{name} {point.label}")
                 if call is None:
                     rows.append(row(point, name, peer=True, status="unavailable", note=why))
                 else:
-                    rows.append(time_call(timer, call, point, name, flops, nbytes, roof,
-                                          peer=True, note=why))
+                    rows.append(
+                        time_call(
+                            timer, call, point, name, flops, nbytes, roof, peer=True, note=why
+                        )
+                    )
         del inputs
     progress.close()
     weights.clear()
@@ -193,10 +278,36 @@ def _bench(ops, preset: str, device, timer: Timer, roof: Roofline, args) -> list
 
 def _print(rows: list[dict]) -> None:
     for op in dict.fromkeys(r["op"] for r in rows):
-        table = [(r["series"], r["label"], r["kernel"], fmt(r["latency_us"], ".1f"),
-                  fmt(r["tflops"], ".2f"), fmt(r["gbps"], ".1f"), fmt(r["roofline_pct"], ".1f"),
-                  r["status"] if r["status"] != "ok" else "", r["note"][:70])
-                 for r in rows if r["op"] == op]
+        table = [
+            (
+                r["series"],
+                r["label"],
+                r["kernel"],
+                fmt(r["latency_us"], ".1f"),
+                fmt(r["tflops"], ".2f"),
+                fmt(r["gbps"], ".1f"),
+                fmt(r["roofline_pct"], ".1f"),
+                r["status"] if r["status"] != "ok" else "",
+                r["note"][:70],
+            )
+            for r in rows
+            if r["op"] == op
+        ]
         print(f"\n{op}:")
-        print(format_table(("series", "shape", "kernel", "latency us", "TFLOP/s", "GB/s",
-                            "% roof", "status", "note"), table, "lllrrrrll"))
+        print(
+            format_table(
+                (
+                    "series",
+                    "shape",
+                    "kernel",
+                    "latency us",
+                    "TFLOP/s",
+                    "GB/s",
+                    "% roof",
+                    "status",
+                    "note",
+                ),
+                table,
+                "lllrrrrll",
+            )
+        )

@@ -34,16 +34,31 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("check", help="every kernel against the reference on the shared cases",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "check",
+        help="every kernel against the reference on the shared cases",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--op", choices=OP_CHOICES, help="only this op (default: every op)")
-    p.add_argument("--kernel", metavar="GLOB",
-                   help="kernel name glob, e.g. 'triton.*' (default: every non-reference kernel; "
-                        "a glob that names reference kernels checks them too)")
-    p.add_argument("--preset", dest="tool_preset", choices=sorted(PRESETS),
-                   help="also check the preset's model shapes")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), action="append",
-                   help="only cases with this activation dtype (repeatable)")
+    p.add_argument(
+        "--kernel",
+        metavar="GLOB",
+        help="kernel name glob, e.g. 'triton.*' (default: every non-reference kernel; "
+        "a glob that names reference kernels checks them too)",
+    )
+    p.add_argument(
+        "--preset",
+        dest="tool_preset",
+        choices=sorted(PRESETS),
+        help="also check the preset's model shapes",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        action="append",
+        help="only cases with this activation dtype (repeatable)",
+    )
     p.add_argument("--case", metavar="GLOB", help="only cases whose name matches")
     p.add_argument("--device", help="torch device (default: the current GPU, else cpu)")
     p.add_argument("--seed", type=int, default=0)
@@ -93,11 +108,25 @@ def _check_one(spec, case, device, seed) -> Row:
     except Exception as exc:  # a kernel that raises is a failure, shown with its error
         last = traceback.extract_tb(exc.__traceback__)[-1]
         where = f" ({last.filename.rsplit('/', 1)[-1]}:{last.lineno})"
-        return Row(spec.name, spec.op, case.name, "FAIL", detail=f"raised "
-                   f"{type(exc).__name__}: {exc}{where}", seconds=time.perf_counter() - start)
-    return Row(spec.name, spec.op, case.name, "PASS" if result.ok else "FAIL", result.max_abs,
-               result.max_rel, result.rms, "" if result.ok else str(result),
-               time.perf_counter() - start)
+        return Row(
+            spec.name,
+            spec.op,
+            case.name,
+            "FAIL",
+            detail=f"raised {type(exc).__name__}: {exc}{where}",
+            seconds=time.perf_counter() - start,
+        )
+    return Row(
+        spec.name,
+        spec.op,
+        case.name,
+        "PASS" if result.ok else "FAIL",
+        result.max_abs,
+        result.max_rel,
+        result.rms,
+        "" if result.ok else str(result),
+        time.perf_counter() - start,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,9 +134,12 @@ def run(args: argparse.Namespace) -> int:
     op = registry_op(args.op)
     specs, elsewhere = _kernels(op, args.kernel, device)
     dtypes = None if not args.dtype else [_DTYPES[d] for d in args.dtype]
-    work = [(spec, case) for spec in specs
-            for case in conformance_cases(spec.op, preset=args.tool_preset, dtypes=dtypes)
-            if args.case is None or fnmatch.fnmatchcase(case.name, args.case)]
+    work = [
+        (spec, case)
+        for spec in specs
+        for case in conformance_cases(spec.op, preset=args.tool_preset, dtypes=dtypes)
+        if args.case is None or fnmatch.fnmatchcase(case.name, args.case)
+    ]
     print(f"check on {platform_of(device)}: {len(specs)} kernels, {len(work)} kernel-case pairs")
     for line in elsewhere:
         print(f"  not on this platform: {line}")
@@ -129,13 +161,20 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(rows: list[Row]) -> None:
     if not rows:
-        print("nothing to check (no kernel matches; reference kernels need --kernel "
-              "'reference.*')")
+        print("nothing to check (no kernel matches; reference kernels need --kernel 'reference.*')")
         return
-    table = [(r.kernel, r.case, _num(r.max_abs), _num(r.max_rel), r.status,
-              r.detail if r.status == "SKIP" else "") for r in rows]
-    print(format_table(("kernel", "case", "max abs", "max rel", "result", "note"), table,
-                       "llrrll"))
+    table = [
+        (
+            r.kernel,
+            r.case,
+            _num(r.max_abs),
+            _num(r.max_rel),
+            r.status,
+            r.detail if r.status == "SKIP" else "",
+        )
+        for r in rows
+    ]
+    print(format_table(("kernel", "case", "max abs", "max rel", "result", "note"), table, "llrrll"))
     counts = {s: sum(r.status == s for r in rows) for s in ("PASS", "FAIL", "SKIP")}
     print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
     for r in rows:

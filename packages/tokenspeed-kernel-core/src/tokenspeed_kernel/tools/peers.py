@@ -22,8 +22,9 @@ from .workloads import Point
 PeerCall = Callable[[], object]
 
 
-def peer_calls(point: Point, inputs, device: torch.device) -> list[tuple[str, PeerCall | None,
-                                                                          str]]:
+def peer_calls(
+    point: Point, inputs, device: torch.device
+) -> list[tuple[str, PeerCall | None, str]]:
     """(peer name, call or None, note) for each peer that applies to this op."""
     if point.op not in ("mha_prefill", "mha_extend_with_kvcache", "mha_decode_with_kvcache"):
         return []
@@ -46,14 +47,17 @@ def _fa3(point: Point, inputs, device):
         return None, "fp8 cache not wired up for this peer"
     args, kw = inputs
     window = (s.window_left, 0) if s.window_left >= 0 else (-1, -1)
-    sinks = None if kw["sinks"] is None else kw["sinks"].float()
-    common = dict(softmax_scale=kw["softmax_scale"], causal=True, window_size=window,
-                  sinks=sinks)
+    # This FA3 build takes bf16 sinks ("sinks must have dtype bfloat16", seen on an H200).
+    sinks = None if kw["sinks"] is None else kw["sinks"].to(torch.bfloat16)
+    common = dict(softmax_scale=kw["softmax_scale"], causal=True, window_size=window, sinks=sinks)
     q = args[0]
     if point.op == "mha_prefill":
         cu = kw["cu_seqlens"]
-        return (lambda: fa3.flash_attn_varlen_func(q, args[1], args[2], cu, cu, kw["max_seqlen"],
-                                                   kw["max_seqlen"], **common)), ""
+        return (
+            lambda: fa3.flash_attn_varlen_func(
+                q, args[1], args[2], cu, cu, kw["max_seqlen"], kw["max_seqlen"], **common
+            )
+        ), ""
     paged = dict(page_table=kw["page_table"], cache_seqlens=kw["cache_seqlens"], **common)
     if point.op == "mha_extend_with_kvcache":
         paged.update(cu_seqlens_q=kw["cu_seqlens_q"], max_seqlen_q=kw["max_seqlen_q"])
@@ -74,8 +78,9 @@ def _sdpa(point: Point, inputs, device):
             return x.view(batch, n, x.shape[1], x.shape[2]).transpose(1, 2)
 
         q, k, v = (split(x) for x in args)
-        return (lambda: sdpa(q, k, v, is_causal=True, scale=kw["softmax_scale"],
-                             enable_gqa=gqa)), "no sinks"
+        return (
+            lambda: sdpa(q, k, v, is_causal=True, scale=kw["softmax_scale"], enable_gqa=gqa)
+        ), "no sinks"
     if point.op != "mha_decode_with_kvcache" or s.q_lens[0] != 1 or s.cache_dtype == FP8_DTYPE:
         return None, "decode Q=1 bf16/fp16 only"
     if len(set(s.seqlens)) != 1:
@@ -84,8 +89,9 @@ def _sdpa(point: Point, inputs, device):
     first = 0 if s.window_left < 0 else max(0, length - 1 - s.window_left)
     k, v = (_contiguous(cache, kw["page_table"], first, length) for cache in args[1:3])
     q = args[0].transpose(1, 2)  # [B, Hq, 1, D]
-    return (lambda: sdpa(q, k, v, scale=kw["softmax_scale"], enable_gqa=gqa)), \
-        "no sinks, contiguous KV (no paging)"
+    return (
+        lambda: sdpa(q, k, v, scale=kw["softmax_scale"], enable_gqa=gqa)
+    ), "no sinks, contiguous KV (no paging)"
 
 
 def _contiguous(cache: torch.Tensor, page_table: torch.Tensor, first: int, end: int):

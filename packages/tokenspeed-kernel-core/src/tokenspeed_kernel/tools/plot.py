@@ -12,8 +12,9 @@ def require_matplotlib():
     try:
         import matplotlib  # noqa: PLC0415  (optional dependency, imported only to plot)
     except ImportError as exc:
-        raise RuntimeError("bench: the PNG plots need matplotlib (pip install matplotlib), "
-                           "or pass --no-plot") from exc
+        raise RuntimeError(
+            "bench: the PNG plots need matplotlib (pip install matplotlib), or pass --no-plot"
+        ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
@@ -36,9 +37,10 @@ def plot_op(op: str, rows: list[dict], out_dir: Path, title: str) -> Path | None
         for kernel, points in sorted(lines.items()):
             points.sort()
             style = "--" if kernel.startswith("peer:") else "-"
-            ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o",
-                    label=kernel)
-        ax.set_xscale("log", base=2)
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=kernel)
+        xs = [r["x"] for r in timed if r["series"] == name]
+        if min(xs) > 0 and max(xs) >= 4 * min(xs):  # sizes that span octaves
+            ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(next(r["xlabel"] for r in timed if r["series"] == name))
         ax.set_ylabel("latency (µs, median)")

@@ -21,14 +21,26 @@ from .workloads import MoEWeightsCache, bench_points, build_inputs, kernel_call
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("profile", help="one op under torch.profiler: trace + kernel times",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "profile",
+        help="one op under torch.profiler: trace + kernel times",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--op", required=True, choices=OP_CHOICES)
-    p.add_argument("--preset", dest="tool_preset", choices=sorted(PRESETS),
-                   help="shapes to run (default: gpt-oss-120b on a GPU, tiny on the CPU)")
+    p.add_argument(
+        "--preset",
+        dest="tool_preset",
+        choices=sorted(PRESETS),
+        help="shapes to run (default: gpt-oss-120b on a GPU, tiny on the CPU)",
+    )
     p.add_argument("--kernel", metavar="NAME", help="profile this kernel (default: selected)")
-    p.add_argument("--out", default="profile-results", metavar="DIR",
-                   help="where trace.json goes (default: ./profile-results)")
+    p.add_argument(
+        "--out",
+        default="profile-results",
+        metavar="DIR",
+        help="where trace.json goes (default: ./profile-results)",
+    )
     p.add_argument("--iters", type=int, default=3, help="profiled calls per shape")
     p.add_argument("--top", type=int, default=25, help="rows of the kernel table")
     p.add_argument("--device", help="torch device (default: the current GPU, else cpu)")
@@ -60,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if gpu:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, acc_events=True) as prof:
         for label, call in calls:
             with torch.profiler.record_function(label):
                 for _ in range(args.iters):
@@ -75,12 +87,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"profile {op} on {platform} ({preset}, {len(calls)} shapes x {args.iters} calls)")
     what = "device kernels" if gpu else "CPU operators (no device here)"
     print(f"{what}, by total time:")
-    shown = [(name[:80], calls_, f"{total:.1f}", f"{total / max(calls_, 1):.2f}")
-             for name, calls_, total in rows[:args.top]]
+    shown = [
+        (name[:80], calls_, f"{total:.1f}", f"{total / max(calls_, 1):.2f}")
+        for name, calls_, total in rows[: args.top]
+    ]
     print(format_table(("name", "calls", "total us", "avg us"), shown, "lrrr"))
-    write_json(out / "kernels.json", {"op": op, "preset": preset, "device_kernels": gpu,
-                                      "rows": [dict(name=n, calls=c, total_us=t)
-                                               for n, c, t in rows]})
+    write_json(
+        out / "kernels.json",
+        {
+            "op": op,
+            "preset": preset,
+            "device_kernels": gpu,
+            "rows": [dict(name=n, calls=c, total_us=t) for n, c, t in rows],
+        },
+    )
     print(f"wrote {trace}")
     return 0
 

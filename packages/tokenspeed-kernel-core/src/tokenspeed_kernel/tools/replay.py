@@ -29,8 +29,12 @@ from .roofline import Roofline
 from .timing import Timer
 from .workloads import Point, build_inputs, generator_on, routing_ids, work
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float32": torch.float32,
+}
 _PAGED = ("mha_extend_with_kvcache", "mha_decode_with_kvcache")
 
 
@@ -45,8 +49,10 @@ def load_capture(path: Path) -> list[tuple[dict[str, Any], int]]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"--replay: {path}:{number} is not a JSON line ({exc})") from None
         if not isinstance(record, dict) or not {"op", "kernel", "args"} <= set(record):
-            raise ValueError(f"--replay: {path}:{number} is not a capture record "
-                             "(expected keys op, kernel, args)")
+            raise ValueError(
+                f"--replay: {path}:{number} is not a capture record "
+                "(expected keys op, kernel, args)"
+            )
         counts[json.dumps(record, sort_keys=True)] += 1
     if not counts:
         raise ValueError(f"--replay: {path} holds no recorded calls")
@@ -69,26 +75,47 @@ def case_from_record(record: dict, index: int) -> Case:
         m = a["x"]["shape"][0]
         routing = "logits" if a.get("router_logits") else "precomputed"
         logits_dtype = _dtype(a["router_logits"]) if a.get("router_logits") else torch.float32
-        shape = MoEShape(m, a["num_experts"], a["top_k"], a["hidden_size"],
-                         a["intermediate_size"], a["weight_format"], a["activation_format"],
-                         a["has_bias"], routing=routing, logits_dtype=logits_dtype)
+        shape = MoEShape(
+            m,
+            a["num_experts"],
+            a["top_k"],
+            a["hidden_size"],
+            a["intermediate_size"],
+            a["weight_format"],
+            a["activation_format"],
+            a["has_bias"],
+            routing=routing,
+            logits_dtype=logits_dtype,
+        )
         return moe_case(name, shape)
     if op == "kvcache_store":
         num_pages, page, hkv, d = a["k_cache"]["shape"]
-        shape = StoreShape(a["k"]["shape"][0], hkv, d, page, num_pages, _dtype(a["k"]),
-                           _dtype(a["k_cache"]), k_scale=_scale(a, "k_scale"),
-                           v_scale=_scale(a, "v_scale"))
+        shape = StoreShape(
+            a["k"]["shape"][0],
+            hkv,
+            d,
+            page,
+            num_pages,
+            _dtype(a["k"]),
+            _dtype(a["k_cache"]),
+            k_scale=_scale(a, "k_scale"),
+            v_scale=_scale(a, "v_scale"),
+        )
         return store_case(name, shape)
     q = a["q"]["shape"]
     hq, d = q[-2], q[-1]
-    common = dict(dtype=_dtype(a["q"]), window_left=a["window_left"],
-                  sinks=None if a.get("sinks") is None else 0.0,
-                  sinks_dtype=_dtype(a["sinks"]) if a.get("sinks") else torch.float32,
-                  lse=bool(a["return_lse"]))
+    common = dict(
+        dtype=_dtype(a["q"]),
+        window_left=a["window_left"],
+        sinks=None if a.get("sinks") is None else 0.0,
+        sinks_dtype=_dtype(a["sinks"]) if a.get("sinks") else torch.float32,
+        lse=bool(a["return_lse"]),
+    )
     if op == "mha_prefill":
         offsets = a["cu_seqlens"].get("values") or _even(q[0], a["cu_seqlens"]["shape"][0] - 1)
-        shape = AttentionShape(_lengths(offsets), hq, a["k"]["shape"][1], d,
-                               causal=a["causal"], **common)
+        shape = AttentionShape(
+            _lengths(offsets), hq, a["k"]["shape"][1], d, causal=a["causal"], **common
+        )
         return attention_case(name, op, shape)
     _, page, hkv, _ = a["k_cache"]["shape"]
     batch, max_pages = a["page_table"]["shape"]
@@ -98,9 +125,18 @@ def case_from_record(record: dict, index: int) -> Case:
         q_lens = _lengths(offsets)
     else:
         q_lens = (q[1] if len(q) == 4 else 1,)
-    shape = AttentionShape(tuple(seqlens), hq, hkv, d, kv_dtype=_dtype(a["k_cache"]),
-                           q_lens=q_lens, page_size=page, k_scale=_scale(a, "k_scale"),
-                           v_scale=_scale(a, "v_scale"), **common)
+    shape = AttentionShape(
+        tuple(seqlens),
+        hq,
+        hkv,
+        d,
+        kv_dtype=_dtype(a["k_cache"]),
+        q_lens=q_lens,
+        page_size=page,
+        k_scale=_scale(a, "k_scale"),
+        v_scale=_scale(a, "v_scale"),
+        **common,
+    )
     return attention_case(name, op, shape)
 
 
@@ -135,8 +171,9 @@ def public_call(record: dict, case: Case, inputs, device, weights: dict) -> Any:
         lse = public.pop("lse")
         public.update(return_lse=lse is not None, softmax_scale=a.get("softmax_scale"))
     if op in _PAGED or op == "kvcache_store":
-        public.update(k_scale=public["k_scale"] if fp8 else None,
-                      v_scale=public["v_scale"] if fp8 else None)
+        public.update(
+            k_scale=public["k_scale"] if fp8 else None, v_scale=public["v_scale"] if fp8 else None
+        )
     if op == "mha_decode_with_kvcache" and len(a["q"]["shape"]) == 3:
         args = (args[0].squeeze(1), *args[1:])
         public["out"] = public["out"].squeeze(1)
@@ -147,16 +184,20 @@ def _kernels_for(record: dict, case: Case, device, glob: str | None):
     """(kernel name or None for the selector's choice, note) pairs to time."""
     op = case.op
     if glob is not None:
-        return [(s.name, "") for s in select_kernels(op, kernel=glob)
-                if case_support(s, case, device).ok]
+        return [
+            (s.name, "")
+            for s in select_kernels(op, kernel=glob)
+            if case_support(s, case, device).ok
+        ]
     recorded = record["kernel"]
     if recorded in registered_names():
         return [(recorded, "recorded kernel")]
     return [(None, f"recorded kernel {recorded} is not registered here; selector's choice")]
 
 
-def replay_rows(path: Path, device: torch.device, timer: Timer, roof: Roofline,
-                glob: str | None) -> list[dict]:
+def replay_rows(
+    path: Path, device: torch.device, timer: Timer, roof: Roofline, glob: str | None
+) -> list[dict]:
     from .bench import row, time_call  # noqa: PLC0415  (bench imports this module lazily)
 
     calls = load_capture(path)
@@ -179,12 +220,28 @@ def replay_rows(path: Path, device: torch.device, timer: Timer, roof: Roofline,
                     call = public_call(record, case, inputs, device, weights)
                     call()
             except Exception as exc:
-                rows.append(row(point, name or record["kernel"], status="error",
-                                note=f"{type(exc).__name__}: {exc}"[:300]))
+                rows.append(
+                    row(
+                        point,
+                        name or record["kernel"],
+                        status="error",
+                        note=f"{type(exc).__name__}: {exc}"[:300],
+                    )
+                )
                 continue
             timed = _scoped(call, scope_for=(case.op, name))
-            rows.append(time_call(timer, timed, point, name or "selected", flops, nbytes, roof,
-                                  note=f"{record['op']} x{count}; {note}".rstrip("; ")))
+            rows.append(
+                time_call(
+                    timer,
+                    timed,
+                    point,
+                    name or "selected",
+                    flops,
+                    nbytes,
+                    roof,
+                    note=f"{record['op']} x{count}; {note}".rstrip("; "),
+                )
+            )
     progress.close()
     return rows
 

@@ -83,18 +83,26 @@ def _median_seconds(fn, device: torch.device, runs: int) -> float:
     return statistics.median(times)
 
 
+def _copy_seconds(nbytes: int, device: torch.device, runs: int) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    return _median_seconds(lambda: dst.copy_(src), device, runs)
+
+
 def _measure(device: torch.device, name: str) -> Roofline:
     gpu = device.type == "cuda"
     # Large enough to stream from DRAM (far beyond L2) and to saturate the tensor cores.
     copy_bytes = (1 << 30) if gpu else (64 << 20)
     n, dtype = (8192, torch.bfloat16) if gpu else (512, torch.float32)
-    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).normal_()
-    dst = torch.empty_like(src)
-    copy_s = _median_seconds(lambda: dst.copy_(src), device, 20 if gpu else 5)
-    del src, dst
+    runs = 20 if gpu else 5
+    copy_s = _copy_seconds(copy_bytes, device, runs)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    mm_s = _median_seconds(lambda: a @ b, device, 20 if gpu else 5)
-    return Roofline(name, 2.0 * copy_bytes / copy_s, 2.0 * n**3 / mm_s,
-                    str(dtype).removeprefix("torch."),
-                    datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    mm_s = _median_seconds(lambda: a @ b, device, runs)
+    return Roofline(
+        name,
+        2.0 * copy_bytes / copy_s,
+        2.0 * n**3 / mm_s,
+        str(dtype).removeprefix("torch."),
+        datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )

@@ -30,11 +30,19 @@ class Timing:
 
 
 class Timer:
-    """warmup calls, then up to `iters` timed runs, fewer when one run is slow: the runs stop
-    once `budget_s` is spent (at least `min_iters`)."""
+    """warmup calls, then up to `iters` timed runs, fewer when one run is slow: as many as fit
+    in `budget_s`, but at least `min_iters` (or `iters` if that is smaller)."""
 
-    def __init__(self, device: torch.device, *, warmup: int, iters: int, budget_s: float,
-                 min_iters: int = 3, flush_l2: bool = True):
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        warmup: int,
+        iters: int,
+        budget_s: float,
+        min_iters: int = 3,
+        flush_l2: bool = True,
+    ):
         self.device = device
         self.warmup, self.iters, self.budget_s, self.min_iters = warmup, iters, budget_s, min_iters
         self._flush = None
@@ -68,7 +76,7 @@ class Timer:
         first = max(clock() - start, 1e-9)
         for _ in range(max(self.warmup - 1, 0)):
             fn()
-        return max(self.min_iters, min(self.iters, int(self.budget_s / first)))
+        return max(min(self.min_iters, self.iters), min(self.iters, int(self.budget_s / first)))
 
     def _wall(self, fn) -> Timing:
         runs = self._count(fn, time.perf_counter)

@@ -62,36 +62,51 @@ def bench_points(op: str, preset: ModelPreset | str) -> list[Point]:
         for series, window in layers:
             for seqlen, batch in sizes:
                 shape = AttentionShape((seqlen,) * batch, *heads, window_left=window, **base)
-                points.append(_attention(op, p, shape, series, seqlen, "seq_len",
-                                         f"S={seqlen} x{batch}"))
+                points.append(
+                    _attention(op, p, shape, series, seqlen, "seq_len", f"S={seqlen} x{batch}")
+                )
     elif op == "mha_extend_with_kvcache":
         new, batch = (8, 2) if tiny else (1024, 4)
         for series, window in layers:
             for ctx in (32, 64) if tiny else (2048, 8192, 32768):
-                shape = AttentionShape((ctx,) * batch, *heads, q_lens=(new,) * batch,
-                                       page_size=p.page_size, window_left=window, **base)
-                points.append(_attention(op, p, shape, series, ctx, "context",
-                                         f"ctx={ctx} +{new} x{batch}"))
+                shape = AttentionShape(
+                    (ctx,) * batch,
+                    *heads,
+                    q_lens=(new,) * batch,
+                    page_size=p.page_size,
+                    window_left=window,
+                    **base,
+                )
+                points.append(
+                    _attention(op, p, shape, series, ctx, "context", f"ctx={ctx} +{new} x{batch}")
+                )
     elif op == "mha_decode_with_kvcache":
         ctx = 64 if tiny else 8192
         for series, window in layers:
             for batch in (1, 4) if tiny else (1, 16, 64, 128):
-                shape = AttentionShape((ctx,) * batch, *heads, q_lens=(1,),
-                                       page_size=p.page_size, window_left=window, **base)
-                points.append(_attention(op, p, shape, series, batch, "batch",
-                                         f"B={batch} ctx={ctx}"))
+                shape = AttentionShape(
+                    (ctx,) * batch,
+                    *heads,
+                    q_lens=(1,),
+                    page_size=p.page_size,
+                    window_left=window,
+                    **base,
+                )
+                points.append(
+                    _attention(op, p, shape, series, batch, "batch", f"B={batch} ctx={ctx}")
+                )
     elif op == "kvcache_store":
         for series, kv_dtype in (("bf16 cache", None), ("fp8 cache", FP8_DTYPE)):
             for tokens in (1, 16) if tiny else (1, 64, 1024, 8192):
                 pages = -(-2 * tokens // p.page_size)
-                shape = StoreShape(tokens, p.num_kv_heads, p.head_dim, p.page_size, pages,
-                                   p.dtype, kv_dtype)
+                shape = StoreShape(
+                    tokens, p.num_kv_heads, p.head_dim, p.page_size, pages, p.dtype, kv_dtype
+                )
                 case = store_case(f"{p.name}-store-{series}-t{tokens}", shape, p.name)
                 points.append(Point(case, series, tokens, "tokens", f"T={tokens}"))
     elif op == "moe":
         for tokens in (1, 4, 16) if tiny else (1, 16, 64, 256, 1024, 4096):
-            shape = MoEShape(tokens, p.num_experts, p.top_k, p.hidden_size,
-                             p.intermediate_size)
+            shape = MoEShape(tokens, p.num_experts, p.top_k, p.hidden_size, p.intermediate_size)
             case = moe_case(f"{p.name}-moe-m{tokens}", shape, p.name)
             points.append(Point(case, "mxfp4 x bf16", tokens, "tokens", f"M={tokens}"))
     else:
@@ -104,8 +119,12 @@ def _attention(op, preset, shape, series, x, xlabel, label) -> Point:
     return Point(attention_case(name, op, shape, preset.name), series, x, xlabel, label)
 
 
-_BUILD = {"mha_prefill": build_prefill, "mha_extend_with_kvcache": build_extend,
-          "mha_decode_with_kvcache": build_decode, "kvcache_store": build_store}
+_BUILD = {
+    "mha_prefill": build_prefill,
+    "mha_extend_with_kvcache": build_extend,
+    "mha_decode_with_kvcache": build_decode,
+    "kvcache_store": build_store,
+}
 
 
 def generator_on(device: torch.device, seed: int = 0) -> torch.Generator:
@@ -144,8 +163,9 @@ class MoEWeightsCache:
         self._prepared.clear()
 
 
-def kernel_call(spec: KernelSpec, case: Case, inputs, device, weights: MoEWeightsCache,
-                max_tokens: int = 0) -> Callable[[], None]:
+def kernel_call(
+    spec: KernelSpec, case: Case, inputs, device, weights: MoEWeightsCache, max_tokens: int = 0
+) -> Callable[[], None]:
     """A zero-argument call of the kernel on prebuilt inputs (outputs preallocated)."""
     args, kwargs = inputs
     if case.op != "moe":
@@ -179,8 +199,10 @@ def work(case: Case, topk_ids: torch.Tensor | None = None) -> tuple[float, float
         return _moe_work(s, topk_ids)
     if case.op == "kvcache_store":
         written = s.num_tokens - s.skip
-        return 0.0, float(2 * s.num_tokens * s.num_kv_heads * s.head_dim * s.dtype.itemsize
-                          + 2 * written * s.num_kv_heads * s.head_dim * s.cache_dtype.itemsize)
+        return 0.0, float(
+            2 * s.num_tokens * s.num_kv_heads * s.head_dim * s.dtype.itemsize
+            + 2 * written * s.num_kv_heads * s.head_dim * s.cache_dtype.itemsize
+        )
     hq, hkv, d = s.num_q_heads, s.num_kv_heads, s.head_dim
     item, kv_item = s.dtype.itemsize, s.cache_dtype.itemsize
     if case.op == "mha_prefill":
@@ -234,4 +256,4 @@ def routing_ids(case: Case, inputs) -> torch.Tensor | None:
     if routing.get("topk_ids") is not None:
         return routing["topk_ids"]
     logits = routing["router_logits"].float()
-    return torch.sort(logits, dim=-1, descending=True, stable=True)[1][:, :case.shape.top_k]
+    return torch.sort(logits, dim=-1, descending=True, stable=True)[1][:, : case.shape.top_k]

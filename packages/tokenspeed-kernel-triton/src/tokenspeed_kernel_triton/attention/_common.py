@@ -24,8 +24,20 @@ LN2 = math.log(2.0)
 
 @triton.jit
 def attn_block_update(
-    acc, l_i, m_i, q, k, v, qk_scale, rows, cols, seq_k, window_left,
-    MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    k,
+    v,
+    qk_scale,
+    rows,
+    cols,
+    seq_k,
+    window_left,
+    MASK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """One key block of online softmax.
 
@@ -79,8 +91,11 @@ def attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS: tl.constexpr):
 @triton.jit
 def store_rows(Out, Lse, acc, lse, out_rows, lse_rows, row_ok, offs_d, HAS_LSE: tl.constexpr):
     """Write the valid rows of one tile; out_rows/lse_rows are each row's element offset."""
-    tl.store(Out + out_rows[:, None] + offs_d[None, :], acc.to(Out.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(
+        Out + out_rows[:, None] + offs_d[None, :],
+        acc.to(Out.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
     if HAS_LSE:
         tl.store(Lse + lse_rows, lse, mask=row_ok)
 
@@ -98,8 +113,15 @@ def packed_rows(t0, head_base, BLOCK_M: tl.constexpr, HEADS_PER_TILE: tl.constex
 
 
 @triton.jit
-def key_block_bounds(first_row, last_row, seq_k, window_left, BLOCK_N: tl.constexpr,
-                     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def key_block_bounds(
+    first_row,
+    last_row,
+    seq_k,
+    window_left,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
     """Key ranges of a query block whose rows sit at positions first_row..last_row.
 
     Returns (lo, full_lo, full_hi, hi): [lo, hi) holds every key some row can see (the window

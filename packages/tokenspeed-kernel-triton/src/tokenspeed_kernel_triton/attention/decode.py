@@ -19,32 +19,55 @@ shapes (batch, KV heads, page-table width or window) and the SM count.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-import os
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from .decode_config import (
+    MAX_SPLITS,
+    DecodeConfig,
+    choose_num_splits,
+    device_info,
+    heuristic_config,
+    pin_decode_config,
+    pinned_config,
+    plan_decode,
+)
 from .decode_reduce import decode_reduce
+
+__all__ = [
+    "MAX_SPLITS",
+    "DecodeConfig",
+    "choose_num_splits",
+    "device_info",
+    "heuristic_config",
+    "mha_decode",
+    "pin_decode_config",
+    "plan_decode",
+]
 
 LOG2E = math.log2(math.e)
 
 
 @triton.jit
 def _block_pages(
-    PageRow, start_n, cols, col_ok, PAGE_SIZE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr
+    PageRow,
+    stride_ptp,
+    start_n,
+    cols,
+    col_ok,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_IN_PAGE: tl.constexpr,
 ):
     """Physical page of each key of a block (int64, so page * stride never overflows)."""
     if BLOCK_IN_PAGE:
         # The whole block lies in one page: one page-table read for the block.
-        page = tl.load(PageRow + start_n // PAGE_SIZE).to(tl.int64)
+        page = tl.load(PageRow + (start_n // PAGE_SIZE) * stride_ptp).to(tl.int64)
     else:
-        page = tl.load(PageRow + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
+        page = tl.load(PageRow + (cols // PAGE_SIZE) * stride_ptp, mask=col_ok, other=0)
+        page = page.to(tl.int64)
     return page
 
 
@@ -57,21 +80,83 @@ def _load_block(
     return tl.load(Cache + slot[:, None] + offs_d[None, :], mask=col_ok[:, None], other=0.0)
 
 
+@triton.jit
+def _attend_block(
+    acc, l_i, m_i, q, k, v, cols, col_ok, pos, qk_scale, window_left, HAS_WINDOW: tl.constexpr
+):
+    """One key block of online softmax (log2 domain) for every row of the tile."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+    # Causality (among the Q tokens and against the cache end) and the window, per row.
+    visible = (cols[None, :] <= pos[:, None]) & col_ok[None, :]
+    if HAS_WINDOW:
+        visible = visible & (cols[None, :] >= pos[:, None] - window_left)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _store_final(
+    Out,
+    Lse,
+    Sinks,
+    acc,
+    l_i,
+    m_i,
+    v_scale,
+    b,
+    tok,
+    head,
+    row_ok,
+    offs_d,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_lb,
+    stride_lt,
+    stride_lh,
+    HAS_SINKS: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+):
+    """Single-split path: add the sink (once: there is no other split), normalize, store."""
+    if HAS_SINKS:
+        sink = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    # l = 0 only for a query that sees nothing and has no sink: its output is zeros.
+    o = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+    o_ptrs = Out + b * stride_ob + tok[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(o_ptrs + offs_d[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if HAS_LSE:
+        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        tl.store(Lse + b * stride_lb + tok * stride_lt + head * stride_lh, lse, mask=row_ok)
+
+
 # fmt: off
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, PageTable, SeqLens, Sinks, Out, Lse, MidO, MidLse,
-    qk_scale, v_scale, window_left, num_kv_heads,
+    qk_scale, v_scale, window_left, num_kv_heads, stride_sb,
     stride_qb, stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
-    stride_ptb,
+    stride_ptb, stride_ptp,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lt, stride_lh,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_LSE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr,
+    HAS_LSE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr, KV_FP8: tl.constexpr,
+    Q_PRESCALE: tl.constexpr,
 ):
     pid_bhm = tl.program_id(0)
     split = tl.program_id(1)
@@ -89,8 +174,13 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q_ptrs = Q + b * stride_qb + tok[:, None] * stride_qt + head[:, None] * stride_qh
     q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if KV_FP8:
+        # e4m3 -> fp16 is one instruction per pair, e4m3 -> bf16 three (via fp16): run both
+        # dots in fp16, which holds every e4m3 value and p in [0, 1] exactly or better than
+        # bf16. Q_PRESCALE (2^-8 for bf16 q, undone in qk_scale) keeps |q| up to 1.7e7 finite.
+        q = (q.to(tl.float32) * Q_PRESCALE).to(tl.float16)
 
-    seqlen = tl.load(SeqLens + b)
+    seqlen = tl.load(SeqLens + b * stride_sb)
     pos = seqlen - Q_LEN + tok  # absolute position of each row (negative: sees nothing)
     first_tok = (m_tile * BLOCK_M) // GROUP
     last_tok = (tl.minimum(m_tile * BLOCK_M + BLOCK_M, Q_LEN * GROUP) - 1) // GROUP
@@ -115,40 +205,16 @@ def _decode_split_kernel(
         # Keys left of the window are not loaded: engines may have freed (and reused) their
         # pages, so neither their page ids nor their contents can be trusted.
         col_ok = (cols >= lo) & (cols < end)
-        page = _block_pages(PageRow, start_n, cols, col_ok, PAGE_SIZE, BLOCK_IN_PAGE)
+        page = _block_pages(PageRow, stride_ptp, start_n, cols, col_ok, PAGE_SIZE, BLOCK_IN_PAGE)
         k = _load_block(KHead, page, cols, col_ok, offs_d, stride_kp, stride_ks, PAGE_SIZE)
         v = _load_block(VHead, page, cols, col_ok, offs_d, stride_vp, stride_vs, PAGE_SIZE)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-        # Causality (among the Q tokens and against the cache end) and the window, per row.
-        visible = (cols[None, :] <= pos[:, None]) & col_ok[None, :]
-        if HAS_WINDOW:
-            visible = visible & (cols[None, :] >= pos[:, None] - window_left)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
-        m_i = m_new
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k, v, cols, col_ok, pos, qk_scale,
+                                      window_left, HAS_WINDOW)
 
     if NUM_SPLITS == 1:
-        m_fin = m_i
-        l_fin = l_i
-        if HAS_SINKS:
-            # The sink joins the denominator once, here (there is no other split).
-            sink = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-            m_fin = tl.maximum(m_i, sink)
-            l_fin = l_i * tl.math.exp2(m_i - m_fin) + tl.math.exp2(sink - m_fin)
-            acc = acc * tl.math.exp2(m_i - m_fin)[:, None]
-        # l = 0 only for a query that sees nothing and has no sink: its output is zeros.
-        o = acc * (v_scale / tl.where(l_fin == 0.0, 1.0, l_fin))[:, None]
-        o_ptrs = Out + b * stride_ob + tok[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(o_ptrs + offs_d[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
-        if HAS_LSE:
-            lse = (m_fin + tl.math.log2(l_fin)) * 0.6931471805599453
-            tl.store(Lse + b * stride_lb + tok * stride_lt + head * stride_lh, lse, mask=row_ok)
+        _store_final(Out, Lse, Sinks, acc, l_i, m_i, v_scale, b, tok, head, row_ok, offs_d,
+                     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
+                     HAS_SINKS, HAS_LSE)
     else:
         # Partial of this split: normalized output and its lse (log2), -inf when empty.
         o = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
@@ -158,118 +224,10 @@ def _decode_split_kernel(
         tl.store(MidLse + row * NUM_SPLITS + split, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
-# ----------------------------------------------------------------------------- config
+# fmt: on
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Launch parameters of the decode kernels. `num_splits=None`: chosen from the work."""
-
-    block_n: int
-    num_warps: int
-    num_stages: int
-    ctas_per_sm: int
-    num_splits: int | None = None
-
-
-MAX_SPLITS = 128  # the reduce holds every split's lse of a row in one tile
-# Fixed cost of a program (q load, page-table chain, partial store) in units of one key block:
-# a program is a DRAM round trip or two of latency before its first block streams.
-_PROGRAM_OVERHEAD_BLOCKS = 1
-
-_pinned: DecodeConfig | None = None
-
-
-@contextlib.contextmanager
-def pin_decode_config(config: DecodeConfig) -> Iterator[DecodeConfig]:
-    """Scoped override of the heuristic (tests and benchmarks)."""
-    global _pinned
-    previous, _pinned = _pinned, config
-    try:
-        yield config
-    finally:
-        _pinned = previous
-
-
-@functools.cache
-def _device_info(device_type: str, index: int | None) -> tuple[str, int]:
-    """(arch, SM/CU count) read from the device once; ("interpreter", cores) off the GPU."""
-    if device_type != "cuda":
-        return "interpreter", os.cpu_count() or 1
-    props = torch.cuda.get_device_properties(index)
-    if torch.version.hip:
-        return props.gcnArchName.split(":")[0], props.multi_processor_count
-    return f"sm_{props.major}{props.minor}", props.multi_processor_count
-
-
-def device_info(device: torch.device) -> tuple[str, int]:
-    index = device.index
-    if device.type == "cuda" and index is None:
-        index = torch.cuda.current_device()
-    return _device_info(device.type, index)
-
-
-def heuristic_config(arch: str, head_dim: int) -> DecodeConfig:
-    """Per-platform tile and pipeline choice, each with its hardware reason."""
-    if arch == "interpreter":
-        # The interpreter's cost is per block op, not per byte: small tiles keep CPU tests fast.
-        return DecodeConfig(block_n=16, num_warps=1, num_stages=1, ctas_per_sm=1)
-    if arch.startswith("gfx"):
-        # CDNA: 64 KB LDS per CU; two LDS stages of K+V (16-32 KB) leave room for 2 workgroups,
-        # and 4 wavefronts of 64 lanes cover a 16x64 mfma tile set.
-        return DecodeConfig(block_n=64, num_warps=4, num_stages=2, ctas_per_sm=2)
-    # NVIDIA sm_80+: 3 cp.async stages of a 64-key K+V tile (16 KB at d=64) keep ~48 KB in
-    # flight per CTA; 228 KB of shared memory fits 4 such CTAs (2 at d=128) per SM, which is
-    # what a memory-bound gather needs to cover DRAM latency.
-    ctas = 4 if head_dim <= 64 else 2
-    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=ctas)
-
-
-def choose_num_splits(programs: int, blocks: int, sm_count: int, ctas_per_sm: int) -> int:
-    """Splits per sequence that minimize the modeled time of the phase-1 grid.
-
-    `programs` = sequences x KV heads x query tiles, `blocks` = key blocks of the longest
-    visible range (from shapes, never from device values). Time ~ waves x (blocks per split +
-    fixed overhead), where a wave is sm_count x ctas_per_sm resident programs: few programs
-    leave SMs idle (split more), many splits pay the overhead and the reduce (split less).
-    """
-    if blocks <= 1 or programs <= 0:
-        return 1
-    slots = max(1, sm_count * ctas_per_sm)
-    best, best_cost = 1, None
-    for splits in range(1, min(blocks, MAX_SPLITS) + 1):
-        per_split = -(-blocks // splits)
-        effective = -(-blocks // per_split)
-        if effective != splits:
-            continue  # the same chunking as a smaller split count
-        waves = -(-programs * splits // slots)
-        cost = waves * (per_split + _PROGRAM_OVERHEAD_BLOCKS)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = splits, cost
-    return best
-
-
-@functools.lru_cache(maxsize=1024)
-def _plan(arch: str, sm_count: int, batch: int, q_len: int, num_q_heads: int,
-          num_kv_heads: int, head_dim: int, page_size: int, max_pages: int, window_left: int,
-          pinned: DecodeConfig | None) -> tuple[DecodeConfig, int, int]:
-    """(config, BLOCK_M, splits) for one call shape; cached: the hot path pays a dict lookup."""
-    config = pinned or heuristic_config(arch, head_dim)
-    group = num_q_heads // num_kv_heads
-    # 16 rows is the smallest tensor-core tile; 64 caps the score tile's registers.
-    block_m = min(max(16, triton.next_power_of_2(q_len * group)), 64)
-    m_tiles = -(-q_len * group // block_m)
-    max_keys = max_pages * page_size
-    if window_left >= 0:
-        # Visible keys of the Q tokens: W + Q, plus one block of misalignment.
-        max_keys = min(max_keys, window_left + q_len + config.block_n)
-    blocks = -(-max_keys // config.block_n)
-    splits = config.num_splits
-    if splits is None:
-        splits = choose_num_splits(batch * num_kv_heads * m_tiles, blocks, sm_count,
-                                   config.ctas_per_sm)
-    return config, block_m, max(1, min(splits, MAX_SPLITS))
-
+# ----------------------------------------------------------------------------- launch
 
 _scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -281,14 +239,29 @@ def _split_scratch(device: torch.device, rows: int, splits: int, head_dim: int):
     key = (device, stream, rows, splits, head_dim)
     buffers = _scratch.get(key)
     if buffers is None:
-        buffers = (torch.empty((rows, splits, head_dim), dtype=torch.float32, device=device),
-                   torch.empty((rows, splits), dtype=torch.float32, device=device))
+        buffers = (
+            torch.empty((rows, splits, head_dim), dtype=torch.float32, device=device),
+            torch.empty((rows, splits), dtype=torch.float32, device=device),
+        )
         _scratch[key] = buffers
     return buffers
 
 
-def mha_decode(q, k_cache, v_cache, *, page_table, cache_seqlens, window_left, sinks,
-               softmax_scale, k_scale, v_scale, out, lse):
+def mha_decode(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    page_table,
+    cache_seqlens,
+    window_left,
+    sinks,
+    softmax_scale,
+    k_scale,
+    v_scale,
+    out,
+    lse,
+):
     """Decode attention over a paged cache (normalized arguments of the public op).
 
     q [B, Q, Hq, D]; k_cache/v_cache [num_pages, P, Hkv, D] (bf16/fp16, or float8_e4m3fn with
@@ -299,10 +272,22 @@ def mha_decode(q, k_cache, v_cache, *, page_table, cache_seqlens, window_left, s
     _, page_size, num_kv_heads, _ = k_cache.shape
     if batch == 0:
         return
-    arch, sm_count = device_info(q.device)
-    config, block_m, splits = _plan(arch, sm_count, batch, q_len, num_q_heads, num_kv_heads,
-                                    head_dim, page_size, page_table.shape[1], window_left,
-                                    _pinned)
+    arch, sm_count, smem = device_info(q.device)
+    config, block_m, splits = plan_decode(
+        arch,
+        sm_count,
+        smem,
+        k_cache.element_size(),
+        batch,
+        q_len,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        page_table.shape[1],
+        window_left,
+        pinned_config(),
+    )
     group = num_q_heads // num_kv_heads
     m_tiles = -(-q_len * group // block_m)
     if splits > 1:
@@ -312,27 +297,29 @@ def mha_decode(q, k_cache, v_cache, *, page_table, cache_seqlens, window_left, s
     lse_t = lse if lse is not None else out
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     grid = (batch * num_kv_heads * m_tiles, splits)
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    q_prescale = 2.0**-8 if kv_fp8 and q.dtype == torch.bfloat16 else 1.0
     # fmt: off
     _decode_split_kernel[grid](
         q, k_cache, v_cache, page_table, cache_seqlens, sinks if sinks is not None else q,
         out, lse_t, mid_o, mid_lse,
-        softmax_scale * k_scale * LOG2E, v_scale, window_left, num_kv_heads,
+        softmax_scale * k_scale * LOG2E / q_prescale, v_scale, window_left, num_kv_heads,
+        cache_seqlens.stride(0),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        page_table.stride(0),
+        page_table.stride(0), page_table.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         *lse_strides,
         Q_LEN=q_len, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m,
         BLOCK_N=config.block_n, NUM_SPLITS=splits, HAS_WINDOW=window_left >= 0,
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
-        BLOCK_IN_PAGE=page_size % config.block_n == 0,
+        BLOCK_IN_PAGE=page_size % config.block_n == 0, KV_FP8=kv_fp8, Q_PRESCALE=q_prescale,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     # fmt: on
     if splits > 1:
-        decode_reduce(mid_o, mid_lse, sinks, out, lse, batch, q_len, num_q_heads, head_dim,
-                      splits)
+        decode_reduce(mid_o, mid_lse, sinks, out, lse, batch, q_len, num_q_heads, head_dim, splits)
 
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -346,35 +333,102 @@ def aot_specs(kind) -> list:
     from ..aot import AotSpec
     from .decode_reduce import _decode_reduce_kernel
 
-    strides = ("stride_qb", "stride_qt", "stride_qh", "stride_kp", "stride_ks", "stride_kh",
-               "stride_vp", "stride_vs", "stride_vh", "stride_ptb", "stride_ob", "stride_ot",
-               "stride_oh", "stride_lb", "stride_lt", "stride_lh")
+    strides = (
+        "stride_qb",
+        "stride_qt",
+        "stride_qh",
+        "stride_kp",
+        "stride_ks",
+        "stride_kh",
+        "stride_vp",
+        "stride_vs",
+        "stride_vh",
+        "stride_ptb",
+        "stride_ptp",
+        "stride_sb",
+        "stride_ob",
+        "stride_ot",
+        "stride_oh",
+        "stride_lb",
+        "stride_lt",
+        "stride_lh",
+    )
     specs = []
     for kv, head_dim, page_size, window, splits in (
-        ("bf16", 64, 64, False, 1), ("bf16", 64, 64, False, 16), ("bf16", 64, 16, True, 1),
-        ("fp8e4nv", 64, 64, False, 4), ("bf16", 128, 1, False, 8),
+        ("bf16", 64, 64, False, 1),
+        ("bf16", 64, 64, False, 16),
+        ("bf16", 64, 16, True, 1),
+        ("fp8e4nv", 64, 64, False, 4),
+        ("bf16", 128, 1, False, 8),
     ):
         config = heuristic_config(kind.arch, head_dim)
         signature = {
-            "Q": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "PageTable": "*i32", "SeqLens": "*i32",
-            "Sinks": "*fp32", "Out": "*bf16", "Lse": "*fp32", "MidO": "*fp32",
-            "MidLse": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", "window_left": "i32",
-            "num_kv_heads": "i32", **dict.fromkeys(strides, "i32"),
+            "Q": "*bf16",
+            "K": f"*{kv}",
+            "V": f"*{kv}",
+            "PageTable": "*i32",
+            "SeqLens": "*i32",
+            "Sinks": "*fp32",
+            "Out": "*bf16",
+            "Lse": "*fp32",
+            "MidO": "*fp32",
+            "MidLse": "*fp32",
+            "qk_scale": "fp32",
+            "v_scale": "fp32",
+            "window_left": "i32",
+            "num_kv_heads": "i32",
+            **dict.fromkeys(strides, "i32"),
         }
-        constexprs = dict(Q_LEN=1, GROUP=8, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=16,
-                          BLOCK_N=config.block_n, NUM_SPLITS=splits, HAS_WINDOW=window,
-                          HAS_SINKS=True, HAS_LSE=True,
-                          BLOCK_IN_PAGE=page_size % config.block_n == 0)
-        name = (f"decode_{kv}_hd{head_dim}_page{page_size}_splits{splits}"
-                f"{'_window' if window else ''}")
-        specs.append(AotSpec(name, _decode_split_kernel, signature, constexprs,
-                             config.num_warps, config.num_stages))
+        # Parameter order, as the compiler binds them.
+        names = _decode_split_kernel.arg_names
+        signature = {n: signature[n] for n in names if n in signature}
+        constexprs = dict(
+            Q_LEN=1,
+            GROUP=8,
+            HEAD_DIM=head_dim,
+            PAGE_SIZE=page_size,
+            BLOCK_M=16,
+            BLOCK_N=config.block_n,
+            NUM_SPLITS=splits,
+            HAS_WINDOW=window,
+            HAS_SINKS=True,
+            HAS_LSE=True,
+            BLOCK_IN_PAGE=page_size % config.block_n == 0,
+            KV_FP8=kv == "fp8e4nv",
+            Q_PRESCALE=2.0**-8 if kv == "fp8e4nv" else 1.0,
+        )
+        name = (
+            f"decode_{kv}_hd{head_dim}_page{page_size}_splits{splits}{'_window' if window else ''}"
+        )
+        specs.append(
+            AotSpec(
+                name,
+                _decode_split_kernel,
+                signature,
+                constexprs,
+                config.num_warps,
+                config.num_stages,
+            )
+        )
     reduce_signature = {
-        "MidO": "*fp32", "MidLse": "*fp32", "Sinks": "*fp32", "Out": "*bf16", "Lse": "*fp32",
-        "num_q_heads": "i32", **dict.fromkeys(("stride_ob", "stride_ot", "stride_oh",
-                                               "stride_lb", "stride_lt", "stride_lh"), "i32"),
+        "MidO": "*fp32",
+        "MidLse": "*fp32",
+        "Sinks": "*fp32",
+        "Out": "*bf16",
+        "Lse": "*fp32",
+        "num_q_heads": "i32",
+        **dict.fromkeys(
+            ("stride_ob", "stride_ot", "stride_oh", "stride_lb", "stride_lt", "stride_lh"), "i32"
+        ),
     }
-    specs.append(AotSpec("decode_reduce_hd64_splits16", _decode_reduce_kernel, reduce_signature,
-                         dict(Q_LEN=1, HEAD_DIM=64, NUM_SPLITS=16, BLOCK_S=16, HAS_SINKS=True,
-                              HAS_LSE=True), 1, 1))
+    specs.append(
+        AotSpec(
+            "decode_reduce_hd64_splits16",
+            _decode_reduce_kernel,
+            reduce_signature,
+            dict(Q_LEN=1, HEAD_DIM=64, NUM_SPLITS=16, BLOCK_S=16, HAS_SINKS=True, HAS_LSE=True),
+            1,
+            1,
+        )
+    )
     return specs

@@ -41,6 +41,7 @@ def _kvcache_store_kernel(
     k_scale,
     v_scale,
     num_kv_heads,
+    stride_st,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -60,7 +61,7 @@ def _kvcache_store_kernel(
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    slot = tl.load(Slots + token)
+    slot = tl.load(Slots + token * stride_st)
     page = slot // PAGE_SIZE
     offset = slot % PAGE_SIZE
     mask = (slot >= 0) & (heads[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
@@ -91,6 +92,7 @@ def kvcache_store(k, v, k_cache, v_cache, *, slot_mapping, k_scale, v_scale) -> 
         float(k_scale),
         float(v_scale),
         num_kv_heads,
+        slot_mapping.stride(0),
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -139,6 +141,7 @@ def aot_specs(kind) -> list:
             "k_scale": "fp32",
             "v_scale": "fp32",
             "num_kv_heads": "i32",
+            "stride_st": "i32",
             **dict.fromkeys(strides, "i32"),
         }
         constexprs = dict(HEAD_DIM=64, PAGE_SIZE=64, BLOCK_H=8, BLOCK_D=64, IS_FP8=cache != "bf16")

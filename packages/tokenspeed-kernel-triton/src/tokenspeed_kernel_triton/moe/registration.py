@@ -2,6 +2,102 @@
 
 from __future__ import annotations
 
+import os
+
+KERNEL_NAME = "triton.moe"
+WEIGHT_LAYOUT = "triton-padded"
+
+
+class TritonMoE:
+    """The registered "moe" kernel object: padded checkpoint layout, grouped GEMMs with
+    in-kernel MXFP4/FP8 dequantization, bf16 or FP8 activations."""
+
+    name = KERNEL_NAME
+    weight_layout = WEIGHT_LAYOUT
+
+    def padded_sizes(self, config) -> tuple[int, int]:
+        from .layout import padded_sizes
+
+        return padded_sizes(config.hidden_size, config.intermediate_size)
+
+    def prepare_weights(self, plan, weights):
+        from tokenspeed_kernel.ops.moe.types import PreparedMoEWeights
+
+        from .layout import prepare_weights
+
+        config = plan.config
+        tensors = prepare_weights(
+            config.weight_format,
+            config.hidden_size,
+            config.intermediate_size,
+            w13=weights.w13,
+            w2=weights.w2,
+            w13_scale=weights.w13_scale,
+            w2_scale=weights.w2_scale,
+            w13_bias=weights.w13_bias,
+            w2_bias=weights.w2_bias,
+        )
+        tensors["w13_input_scale"] = _as_float(weights.w13_input_scale)
+        tensors["w2_input_scale"] = _as_float(weights.w2_input_scale)
+        return PreparedMoEWeights(kernel=KERNEL_NAME, config=config, tensors=tensors)
+
+    def apply(
+        self, plan, x, prepared, *, router_logits=None, topk_weights=None, topk_ids=None, out
+    ) -> None:
+        from .kernel import moe_forward
+
+        config = plan.config
+        t = prepared.tensors
+        moe_forward(
+            x,
+            t,
+            top_k=config.top_k,
+            out=out,
+            router_logits=router_logits,
+            topk_weights=topk_weights,
+            topk_ids=topk_ids,
+            activation_format=config.activation_format,
+            w13_input_scale=t["w13_input_scale"],
+            w2_input_scale=t["w2_input_scale"],
+            alpha=config.activation.alpha,
+            limit=config.activation.limit,
+        )
+
+
+def _as_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def _supports(request, platform):
+    from tokenspeed_kernel.platform import arch_number
+    from tokenspeed_kernel.registry import Support
+
+    fp8 = "fp8" in (request.weight_format, request.activation_format)
+    if fp8 and platform.vendor == "nvidia" and (arch_number(platform.arch) or 0) < 89:
+        return Support.no(f"FP8 e4m3 conversion needs sm_89+, this is {platform.arch}")
+    return Support.yes()
+
 
 def register_moe_kernels() -> None:
-    """Owned by the MoE kernels."""
+    from tokenspeed_kernel.registry import register_kernel
+
+    platforms = ["nvidia:sm_80+", "amd:gfx942,gfx950"]
+    # The CPU runs these kernels only through the Triton interpreter (tests, debugging).
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        platforms.append("cpu")
+    register_kernel(
+        "moe",
+        name=KERNEL_NAME,
+        backend="triton",
+        platforms=platforms,
+        traits={
+            "weight_format": {"mxfp4", "fp8", "bf16"},
+            "activation_format": {"bf16", "fp8"},
+            "routing": {"topk_softmax"},
+            "bias": True,
+        },
+        priority=100,
+        supports=_supports,
+        description="expert-sorted grouped GEMMs, in-kernel MXFP4/FP8 dequant, fused "
+        "bias+SwiGLU, one-launch decode routing",
+    )(TritonMoE())

@@ -1,0 +1,182 @@
+"""Triton MoE on GPT-OSS-120B shapes (E=128, top-4, H=I=2880, MXFP4 weights with e8m0 scales).
+
+Floors and ceilings are measured in the same run:
+- decode (small M) is bound by reading the distinct selected experts' weights once
+  (W13 8.81 MB + W2 4.41 MB per expert, scales included, unpadded): floor = bytes / the
+  device-to-device copy bandwidth (torch copy_, bytes read + written, as GPU.md counts it);
+- prefill (large M) is bound by matmul throughput: M*k*2*(H*2I + I*H) FLOPs against the bf16
+  dense rate of torch.matmul 8192^3.
+
+    PYTHONPATH=packages/tokenspeed-kernel-core/src:packages/tokenspeed-kernel-triton/src \
+        python3 benchmarks/bench_moe.py [--sweep] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench, do_bench_cudagraph
+
+from tokenspeed_kernel_triton.moe._common import MoETileConfig, pin_config
+from tokenspeed_kernel_triton.moe.kernel import moe_forward
+from tokenspeed_kernel_triton.moe.layout import prepare_weights
+
+E, TOP_K, H, I = 128, 4, 2880, 2880  # noqa: E741
+EXPERT_BYTES = (2 * I * H // 2 + 2 * I * H // 32) + (H * I // 2 + H * I // 32)
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def bf16_matmul_rate() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: torch.matmul(a, b), warmup=50, rep=300)
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
+def gpt_oss_tensors(static: bool):
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def mx(rows, cols):
+        packed = torch.randint(
+            0, 256, (E, rows, cols // 2), generator=g, device="cuda", dtype=torch.uint8
+        )
+        scales = torch.randint(
+            119, 122, (E, rows, cols // 32), generator=g, device="cuda", dtype=torch.uint8
+        )
+        return packed, scales
+
+    w13, s13 = mx(2 * I, H)
+    w2, s2 = mx(H, I)
+    prepared = prepare_weights(
+        "mxfp4",
+        H,
+        I,
+        w13=w13,
+        w2=w2,
+        w13_scale=s13,
+        w2_scale=s2,
+        w13_bias=0.5 * torch.randn(E, 2 * I, generator=g, device="cuda"),
+        w2_bias=0.5 * torch.randn(E, H, generator=g, device="cuda"),
+    )
+    scales = (3.5 / 448, 24.0 / 448) if static else (None, None)
+    return prepared, scales
+
+
+def run_case(prepared, m, act, scales, *, graph: bool, config=None):
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, H, generator=g, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(m, E, generator=g, device="cuda")
+    out = torch.empty_like(x)
+
+    def fn():
+        moe_forward(
+            x,
+            prepared,
+            top_k=TOP_K,
+            out=out,
+            router_logits=logits,
+            activation_format=act,
+            w13_input_scale=scales[0],
+            w2_input_scale=scales[1],
+        )
+
+    if config is not None:
+        with pin_config(config):
+            fn()
+            ms = do_bench_cudagraph(fn, rep=200) if graph else do_bench(fn, warmup=25, rep=200)
+    else:
+        fn()
+        ms = do_bench_cudagraph(fn, rep=200) if graph else do_bench(fn, warmup=25, rep=200)
+    distinct = int(torch.topk(logits, TOP_K, dim=-1).indices.unique().numel())
+    return ms * 1e3, distinct
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true", help="also time alternative tiles")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    name = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    dense = bf16_matmul_rate()
+    lines = [
+        f"# Triton MoE, GPT-OSS-120B shapes, {name}, {datetime.date.today()}",
+        "",
+        f"- copy bandwidth (torch d2d, read+write): {bw / 1e12:.2f} TB/s",
+        f"- bf16 dense matmul 8192^3: {dense / 1e12:.0f} TFLOP/s",
+        f"- expert bytes (MXFP4 + scales, unpadded): {EXPERT_BYTES / 1e6:.2f} MB",
+        "",
+        "| M | act | distinct experts | floor us | eager us | graph us | x floor (graph) "
+        "| TFLOP/s | % bf16 dense |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    sweep: list[str] = []
+    for act, static in (("bf16", False), ("fp8", False), ("fp8", True)):
+        prepared, scales = gpt_oss_tensors(static)
+        label = act if act == "bf16" else f"fp8-{'static' if static else 'dynamic'}"
+        ms_list = (1, 4, 16, 64, 4096, 8192) if act == "bf16" else (1, 4096)
+        for m in ms_list:
+            eager, distinct = run_case(prepared, m, act, scales, graph=False)
+            graph = run_case(prepared, m, act, scales, graph=True)[0] if m <= 64 else eager
+            floor = distinct * EXPERT_BYTES / bw * 1e6
+            flops = m * TOP_K * 2 * (H * 2 * I + I * H)
+            rate = flops / (min(eager, graph) * 1e-6)
+            lines.append(
+                f"| {m} | {label} | {distinct} | {floor:.1f} | {eager:.1f} | "
+                f"{graph if m <= 64 else float('nan'):.1f} | {min(eager, graph) / floor:.2f} | "
+                f"{rate / 1e12:.0f} | {100 * rate / dense:.0f}% |"
+            )
+            print(lines[-1], flush=True)
+        if args.sweep and act == "bf16":
+            sweep += ["", "Tile sweep (bf16 act, us; graph-timed for M <= 64):", ""]
+            for m, configs in (
+                (
+                    1,
+                    [
+                        MoETileConfig(16, 64, 64, 256, 4, 4),
+                        MoETileConfig(16, 32, 32, 256, 4, 4),
+                        MoETileConfig(16, 64, 64, 128, 4, 6),
+                        MoETileConfig(16, 128, 64, 128, 4, 4),
+                    ],
+                ),
+                (
+                    4096,
+                    [
+                        MoETileConfig(128, 128, 128, 64, 8, 3),
+                        MoETileConfig(128, 256, 128, 64, 8, 3),
+                        MoETileConfig(64, 128, 128, 64, 4, 4),
+                        MoETileConfig(128, 128, 128, 128, 8, 2),
+                    ],
+                ),
+            ):
+                for config in configs:
+                    try:
+                        us = run_case(prepared, m, act, scales, graph=m <= 64, config=config)[0]
+                        sweep.append(f"- M={m} {config}: {us:.1f} us")
+                    except Exception as exc:  # noqa: BLE001 - a tile that does not fit is reported
+                        sweep.append(
+                            f"- M={m} {config}: failed {type(exc).__name__}: {str(exc)[:120]}"
+                        )
+                    print(sweep[-1], flush=True)
+        del prepared
+        torch.cuda.empty_cache()
+    text = "\n".join(lines + sweep) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

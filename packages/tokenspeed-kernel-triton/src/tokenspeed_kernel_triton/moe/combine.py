@@ -1,0 +1,61 @@
+"""Weighted combine: out[t] = sum_j y[t * top_k + j] over a token's top-k pairs.
+
+GEMM2 already added the second bias and multiplied by the routing weight (bias first, as the
+contract says); this sums the k fp32 rows in a fixed order (deterministic) and rounds once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import interpreting, round_to_bf16
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr,
+    out_ptr,
+    H,
+    stride_y,
+    stride_o,
+    TOPK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(y_ptr + (token * TOPK + j) * stride_y + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + token * stride_o + offs, round_to_bf16(acc, INTERPRETED), mask=mask)
+
+
+def combine(y, out, *, top_k: int) -> None:
+    """y [M * top_k, H] float32 -> out [M, H] bfloat16."""
+    M, H = out.shape
+    if M == 0:
+        return
+    # 1024 columns per program: 4 KB fp32 per row load, enough for full-width vector loads.
+    block_h = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(M, triton.cdiv(H, block_h))](
+        y,
+        out,
+        H,
+        y.stride(0),
+        out.stride(0),
+        TOPK=top_k,
+        BLOCK_H=block_h,
+        INTERPRETED=interpreting(),
+        num_warps=4,
+    )
+
+
+def aot_specs(kind) -> list:
+    """GPT-OSS combine (top-4, H=2880), for the ahead-of-time compile check."""
+    from ..aot import AotSpec
+
+    signature = dict(y_ptr="*fp32", out_ptr="*bf16", H="i32", stride_y="i32", stride_o="i32")
+    constexprs = dict(TOPK=4, BLOCK_H=1024, INTERPRETED=False)
+    return [AotSpec("moe_combine", _combine_kernel, signature, constexprs, 4, 1)]

@@ -1,0 +1,381 @@
+"""Grouped GEMM over experts, one kernel for both MoE GEMMs.
+
+Program (tile t, N block): tile t holds up to BLOCK_M sorted (token, expert) rows of one expert
+(see routing.py). The weight tile is dequantized in registers to bf16 (exact for MXFP4, FP8 and
+bf16) and fed to the matrix units with an fp32 accumulator:
+- MXFP4: two e2m1 codes per byte (low nibble = even K element), one e8m0 scale per 32 K
+  elements. A code's magnitude bits shifted into an fp16 exponent/mantissa (`(c & 7) << 9`) are
+  exactly `value * 2^-14` (code 1, 0.5, lands on the fp16 subnormal 2^-15), so the element is
+  `fp16_bits * 2^(scale - 113)`, the power of two built from its exponent bits.
+- FP8 weights: the per-output-channel scale multiplies the accumulator.
+Activations are bf16, or FP8 e4m3 upcast exactly to bf16 with a per-tensor or per-row scale
+applied to the accumulator (the FP8 codes times their scale, as the reference dequantizes them).
+
+GEMM1 (SWIGLU): A rows are gathered by token from x; the N block spans interleaved gate (even)
+and up (odd) rows of w13, so the epilogue adds the bias, splits the pairs and writes
+`a = min(g, L) * sigmoid(alpha * min(g, L)) * (clamp(u, -L, L) + 1)` to the sorted rows as float32
+(FP8 directly when a static scale is given; a dynamic per-row FP8 scale quantizes them later).
+GEMM2: A rows are the sorted rows of `a`; float32 rows are split into bf16 hi + lo halves (two
+MMAs on the one dequantized weight tile), keeping the reference's float32 intermediate; the
+epilogue adds the bias, multiplies by the routing weight and writes fp32 rows indexed by pair
+for the combine.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import (
+    W_FP8,
+    W_MXFP4,
+    WEIGHT_FORMAT_CODES,
+    MoETileConfig,
+    round_to_bf16,
+    round_to_fp8,
+)
+
+FP8_MAX = tl.constexpr(448.0)
+_MXFP4 = WEIGHT_FORMAT_CODES["mxfp4"]
+
+
+@triton.jit
+def _mxfp4_tile(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """packed [BLOCK_N, BLOCK_K/2] uint8, scale [BLOCK_N, BLOCK_K/32] uint8 -> [BLOCK_N, BLOCK_K]
+    bf16, exactly e2m1 * 2^(scale - 127) (scale bytes <= 240, checked when weights are laid out)."""
+    codes = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.int16)
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    value = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    factor = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    factor = tl.broadcast_to(factor[:, :, None], (BLOCK_N, BLOCK_K // 32, 32))
+    return (value * factor.reshape(BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+
+
+@triton.jit
+def _weight_tile(
+    w_ptr,
+    ws_ptr,
+    w_base,
+    ws_base,
+    offs_n,
+    k0,
+    stride_wn,
+    stride_sn,
+    W_FORMAT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Weight rows offs_n, columns k0..k0+BLOCK_K of one expert as [BLOCK_K, BLOCK_N] bf16."""
+    if W_FORMAT == W_MXFP4:
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_ptr + w_base + offs_n[:, None] * stride_wn + offs_b[None, :])
+        offs_s = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        scale = tl.load(ws_ptr + ws_base + offs_n[:, None] * stride_sn + offs_s[None, :])
+        w = _mxfp4_tile(packed, scale, BLOCK_N, BLOCK_K)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + w_base + offs_n[:, None] * stride_wn + offs_k[None, :])
+        w = w.to(tl.bfloat16)
+    return tl.trans(w)
+
+
+@triton.jit
+def _mma(a, b, acc, INTERPRETED: tl.constexpr):
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _swiglu_store(
+    out_ptr,
+    acc,
+    offs_m,
+    row_ok,
+    pid_n,
+    stride_om,
+    out_scale,
+    alpha,
+    limit,
+    QUANT_OUT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    act = g * tl.sigmoid(alpha * g) * (u + 1.0)
+    if QUANT_OUT:
+        act = tl.minimum(tl.maximum(tl.math.div_rn(act, out_scale), -FP8_MAX), FP8_MAX)
+        act = round_to_fp8(act, INTERPRETED)
+    offs_o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_o[None, :]
+    tl.store(ptrs, act, mask=row_ok[:, None])
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    a_scale,
+    w_ptr,
+    ws_ptr,
+    bias_ptr,
+    out_ptr,
+    route_w_ptr,
+    sorted_ptr,
+    tiles_ptr,
+    num_tiles_ptr,
+    N,
+    K,
+    K_VALID,
+    N_VALID,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_be,
+    stride_om,
+    out_scale,
+    alpha,
+    limit,
+    TOPK: tl.constexpr,
+    W_FORMAT: tl.constexpr,
+    A_SCALE: tl.constexpr,
+    GATHER_A: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """A_SCALE: 0 none, 1 per tensor (a_scale), 2 per A row (a_scale_ptr). INTERPRETED (the
+    Triton 3.6 interpreter, whose bf16 tl.dot multiplies raw bits and whose bf16 cast truncates)
+    feeds the dot the same exact operand values as float32 and rounds bf16 stores on the bits."""
+    pid = tl.program_id(0)
+    num_n = N // BLOCK_N
+    tile = pid // num_n
+    pid_n = pid % num_n
+    if tile >= tl.load(num_tiles_ptr):
+        return
+    expert = tl.load(tiles_ptr + 2 * tile).to(tl.int64)
+    row_end = tl.load(tiles_ptr + 2 * tile + 1)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < row_end
+    pair = tl.load(sorted_ptr + offs_m, mask=row_ok, other=0)
+    a_rows = pair // TOPK if GATHER_A else offs_m
+    a_rows = a_rows.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = expert * stride_we
+    ws_base = expert * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a_mask = row_ok[:, None] & (k0 + offs_k < K_VALID)[None, :]
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + (k0 + offs_k)[None, :], mask=a_mask, other=0.0
+        )
+        b = _weight_tile(
+            w_ptr,
+            ws_ptr,
+            w_base,
+            ws_base,
+            offs_n,
+            k0,
+            stride_wn,
+            stride_sn,
+            W_FORMAT,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        if a_ptr.dtype.element_ty == tl.float32:
+            # float32 SwiGLU rows: hi + lo bf16 halves carry 16 mantissa bits, two MMAs on the
+            # one dequantized weight tile, so GEMM2 sees `a` at float32-like precision.
+            hi = round_to_bf16(a, INTERPRETED)
+            lo = round_to_bf16(a - hi.to(tl.float32), INTERPRETED)
+            acc = _mma(hi, b, acc, INTERPRETED)
+            acc = _mma(lo, b, acc, INTERPRETED)
+        else:
+            acc = _mma(a.to(tl.bfloat16), b, acc, INTERPRETED)
+    if W_FORMAT == W_FP8:
+        acc *= tl.load(ws_ptr + ws_base + offs_n)[None, :]
+    if A_SCALE == 1:
+        acc *= a_scale
+    elif A_SCALE == 2:
+        acc *= tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_be + offs_n)[None, :]
+    if SWIGLU:
+        _swiglu_store(
+            out_ptr,
+            acc,
+            offs_m,
+            row_ok,
+            pid_n,
+            stride_om,
+            out_scale,
+            alpha,
+            limit,
+            QUANT_OUT,
+            INTERPRETED,
+            BLOCK_M,
+            BLOCK_N,
+        )
+    else:
+        acc *= tl.load(route_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+        ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(ptrs, acc, mask=row_ok[:, None] & (offs_n < N_VALID)[None, :])
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def grouped_gemm(
+    a,
+    a_scale,
+    w,
+    w_scale,
+    bias,
+    out,
+    routing,
+    *,
+    w_format: int,
+    gemm1: bool,
+    k_valid: int,
+    n_valid: int,
+    config: MoETileConfig,
+    interpreted: bool,
+    out_scale: float | None = None,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+):
+    """One grouped GEMM over the tiles of `routing` (see routing.route).
+
+    a [rows, K] (x [M, H] gathered by token for GEMM1, the sorted `a` rows for GEMM2); a_scale
+    None, a float (per tensor) or [rows] float32; w [E, N, K] (mxfp4: [E, N, K/2] uint8 with
+    w_scale [E, N, K/32]; fp8: w_scale [E, N] float32); bias [E, N] float32 or None.
+    GEMM1 writes the SwiGLU rows to out [sorted rows, N/2]; GEMM2 writes routing-weighted rows
+    to out [M * top_k, n_valid] float32.
+    """
+    topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
+    N = w.shape[1]
+    K = w.shape[2] * (2 if w_format == _MXFP4 else 1)
+    block_n = config.block_n1 if gemm1 else config.block_n2
+    a_scale_mode = 0 if a_scale is None else (1 if isinstance(a_scale, float) else 2)
+    scale_ptr = a_scale if a_scale_mode == 2 else a
+    ws = w_scale if w_scale is not None else w
+    grid = (max_tiles * (N // block_n),)
+    _grouped_gemm_kernel[grid](
+        a,
+        scale_ptr,
+        a_scale if a_scale_mode == 1 else 1.0,
+        w,
+        ws,
+        bias if bias is not None else ws,
+        out,
+        topk_weights,
+        sorted_pairs,
+        tiles,
+        num_tiles,
+        N,
+        K,
+        k_valid,
+        n_valid,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        ws.stride(0) if w_scale is not None else 0,
+        ws.stride(1) if w_format == _MXFP4 else 0,
+        bias.stride(0) if bias is not None else 0,
+        out.stride(0),
+        1.0 if out_scale is None else out_scale,
+        alpha,
+        limit,
+        TOPK=top_k,
+        W_FORMAT=w_format,
+        A_SCALE=a_scale_mode,
+        GATHER_A=gemm1,
+        SWIGLU=gemm1,
+        QUANT_OUT=out_scale is not None,
+        HAS_BIAS=bias is not None,
+        INTERPRETED=interpreted,
+        BLOCK_M=config.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def aot_specs(kind) -> list:
+    """GPT-OSS-120B MXFP4 GEMM1 (gather + SwiGLU) and GEMM2 (weighted scatter) at the decode and
+    prefill configs of `kind`, bf16 and FP8 (dynamic per-row) activations, for the
+    ahead-of-time compile check (tokenspeed_kernel_triton.aot)."""
+    from ..aot import AotSpec
+    from ._common import pick_config
+
+    ints = (
+        "N",
+        "K",
+        "K_VALID",
+        "N_VALID",
+        "stride_am",
+        "stride_we",
+        "stride_wn",
+        "stride_se",
+        "stride_sn",
+        "stride_be",
+        "stride_om",
+    )
+    specs = []
+    for label, pairs in (("decode", 4), ("prefill", 4096 * 4)):
+        config = pick_config(pairs, kind)
+        for act in ("bf16", "fp8e4nv"):
+            for gemm1 in (True, False):
+                a_type = act if gemm1 or act == "fp8e4nv" else "fp32"
+                signature = {
+                    "a_ptr": f"*{a_type}",
+                    "a_scale_ptr": "*fp32",
+                    "a_scale": "fp32",
+                    "w_ptr": "*u8",
+                    "ws_ptr": "*u8",
+                    "bias_ptr": "*fp32",
+                    "out_ptr": "*fp32",
+                    "route_w_ptr": "*fp32",
+                    "sorted_ptr": "*i32",
+                    "tiles_ptr": "*i32",
+                    "num_tiles_ptr": "*i32",
+                    **dict.fromkeys(ints, "i32"),
+                    "out_scale": "fp32",
+                    "alpha": "fp32",
+                    "limit": "fp32",
+                }
+                constexprs = dict(
+                    TOPK=4,
+                    W_FORMAT=_MXFP4,
+                    A_SCALE=2 if act != "bf16" else 0,
+                    GATHER_A=gemm1,
+                    SWIGLU=gemm1,
+                    QUANT_OUT=False,
+                    HAS_BIAS=True,
+                    INTERPRETED=False,
+                    BLOCK_M=config.block_m,
+                    BLOCK_N=config.block_n1 if gemm1 else config.block_n2,
+                    BLOCK_K=config.block_k,
+                )
+                name = f"moe_{'gemm1' if gemm1 else 'gemm2'}_mxfp4_{act}_{label}"
+                specs.append(
+                    AotSpec(
+                        name,
+                        _grouped_gemm_kernel,
+                        signature,
+                        constexprs,
+                        config.num_warps,
+                        config.num_stages,
+                    )
+                )
+    return specs

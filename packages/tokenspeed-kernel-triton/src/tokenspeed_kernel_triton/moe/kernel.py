@@ -1,0 +1,100 @@
+"""GPT-OSS MoE forward with the Triton kernels: route -> GEMM1 + bias + SwiGLU -> GEMM2 + bias,
+routing weight -> combine. Imports no core: an engine can call `moe_forward` directly with the
+tensors from `layout.prepare_weights`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import WEIGHT_FORMAT_CODES, device_info, interpreting, pick_config
+from .combine import combine
+from .grouped_gemm import grouped_gemm
+from .quant import quantize_rows
+from .routing import route
+
+
+def moe_forward(
+    x: torch.Tensor,
+    prepared: dict,
+    *,
+    top_k: int,
+    out: torch.Tensor,
+    router_logits: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    topk_ids: torch.Tensor | None = None,
+    activation_format: str = "bf16",
+    w13_input_scale: float | None = None,
+    w2_input_scale: float | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """out [M, H] = sum_e r_e (W2[e] swiglu(W13[e] x + b13[e]) + b2[e]) for x [M, H] bf16.
+
+    Routing from router_logits [M, E] (top-k, ties to the lower index, softmax over the k) or
+    precomputed topk_weights [M, k] float32 + topk_ids [M, k] int32. FP8 activations: static
+    per-tensor input scales when given, else dynamic per-token (per pair for the second GEMM).
+    """
+    M = x.shape[0]
+    if M == 0:
+        return out
+    config = pick_config(M * top_k, device_info(x.device))
+    weights, ids, sorted_pairs, tiles, num_tiles, max_tiles = route(
+        router_logits,
+        topk_weights,
+        topk_ids,
+        top_k=top_k,
+        num_experts=prepared["num_experts"],
+        block_m=config.block_m,
+    )
+    routing = (weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k)
+    w_format = WEIGHT_FORMAT_CODES[prepared["weight_format"]]
+    H = prepared["hidden_size"]
+    Ip = prepared["padded_intermediate_size"]
+    interpreted = interpreting()
+    fp8 = activation_format == "fp8"
+    a_in, a_in_scale = quantize_rows(x, w13_input_scale) if fp8 else (x, None)
+    # The SwiGLU rows stay float32 (GEMM2 splits them into two bf16 halves, keeping the
+    # reference's float32 intermediate); FP8 straight from the epilogue with a static scale.
+    static_fp8 = fp8 and w2_input_scale is not None
+    a_dtype = torch.float8_e4m3fn if static_fp8 else torch.float32
+    act = torch.empty(max_tiles * config.block_m, Ip, dtype=a_dtype, device=x.device)
+    grouped_gemm(
+        a_in,
+        a_in_scale,
+        prepared["w13"],
+        prepared["w13_scale"],
+        prepared["w13_bias"],
+        act,
+        routing,
+        w_format=w_format,
+        gemm1=True,
+        k_valid=H,
+        n_valid=2 * Ip,
+        config=config,
+        interpreted=interpreted,
+        out_scale=w2_input_scale if fp8 else None,
+        alpha=alpha,
+        limit=limit,
+    )
+    act_scale = w2_input_scale if fp8 else None
+    if fp8 and w2_input_scale is None:
+        act, act_scale = quantize_rows(act, None)
+    y = torch.empty(M * top_k, H, dtype=torch.float32, device=x.device)
+    grouped_gemm(
+        act,
+        act_scale,
+        prepared["w2"],
+        prepared["w2_scale"],
+        prepared["w2_bias"],
+        y,
+        routing,
+        w_format=w_format,
+        gemm1=False,
+        k_valid=Ip,
+        n_valid=H,
+        config=config,
+        interpreted=interpreted,
+    )
+    combine(y, out, top_k=top_k)
+    return out

@@ -1,0 +1,93 @@
+"""FP8 e4m3 activation quantization per row (dynamic, per token) or per tensor (static).
+
+Matches core's `quantize_fp8`: dynamic scale = max(amax, 1e-12) / 448 with IEEE division, then
+q = clamp(x / scale, -448, 448) rounded to nearest even.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import interpreting, round_to_fp8
+
+FP8_MAX = tl.constexpr(448.0)
+AMAX_FLOOR = tl.constexpr(1e-12)
+
+
+@triton.jit
+def _quant_rows_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    static_scale,
+    n_cols,
+    stride_x,
+    stride_q,
+    DYNAMIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if DYNAMIC:
+        amax = tl.maximum(tl.max(tl.abs(x), axis=0), AMAX_FLOOR)
+        scale = tl.math.div_rn(amax, FP8_MAX)
+        tl.store(scale_ptr + row, scale)
+    else:
+        scale = static_scale
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * stride_q + offs, round_to_fp8(q, INTERPRETED), mask=mask)
+
+
+def quantize_rows(x, static_scale: float | None):
+    """x [rows, n] -> (q [rows, n] float8_e4m3fn, scale): a float for a static scale, else
+    [rows] float32 (one per row)."""
+    rows, n = x.shape
+    q = torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = static_scale
+    if static_scale is None:
+        scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        # One program holds a whole row: the dynamic scale needs the row's amax before any store.
+        block = triton.next_power_of_2(n)
+        _quant_rows_kernel[(rows,)](
+            x,
+            q,
+            scale if static_scale is None else x,
+            1.0 if static_scale is None else static_scale,
+            n,
+            x.stride(0),
+            q.stride(0),
+            DYNAMIC=static_scale is None,
+            BLOCK=block,
+            INTERPRETED=interpreting(),
+            num_warps=4 if block <= 4096 else 8,
+        )
+    return q, scale
+
+
+def aot_specs(kind) -> list:
+    """FP8 row quantization of x (bf16, H=2880) and of the SwiGLU rows (fp32, I=2944), dynamic
+    and static, for the ahead-of-time compile check."""
+    from ..aot import AotSpec
+
+    specs = []
+    for src in ("bf16", "fp32"):
+        for dynamic in (True, False):
+            signature = dict(
+                x_ptr=f"*{src}",
+                q_ptr="*fp8e4nv",
+                scale_ptr="*fp32",
+                static_scale="fp32",
+                n_cols="i32",
+                stride_x="i32",
+                stride_q="i32",
+            )
+            constexprs = dict(DYNAMIC=dynamic, BLOCK=4096, INTERPRETED=False)
+            name = f"moe_quant_{src}_{'dynamic' if dynamic else 'static'}"
+            specs.append(AotSpec(name, _quant_rows_kernel, signature, constexprs, 4, 1))
+    return specs

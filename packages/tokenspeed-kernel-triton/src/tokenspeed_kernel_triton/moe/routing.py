@@ -1,0 +1,349 @@
+"""MoE routing and grouping: top-k softmax over the router logits, then the (token, expert) pairs
+sorted by expert into BLOCK_M-row tiles for the grouped GEMMs.
+
+Pair p = token * top_k + j. The sorted layout gives expert e the rows
+[tile_begin[e] * BLOCK_M, tile_begin[e] * BLOCK_M + count[e]) of every grouped buffer, padded to
+whole tiles, so tile t covers rows t * BLOCK_M .. and one expert. Per tile the kernels read
+`tiles[t] = (expert, row_end)`; `num_tiles` is on the device (no host sync, CUDA-graph safe).
+
+Small batches (decode) run everything in one program, with a deterministic stable rank; large
+batches use a top-k kernel over token blocks, a one-program histogram/align kernel and a scatter
+kernel whose atomics order rows within an expert arbitrarily (every GEMM row is computed
+independently of its neighbours, so results do not depend on that order).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Pairs (tokens x top_k) that one program routes and ranks on its own: the stable rank compares
+# every pair of a chunk, [CHUNK, CHUNK] elements, cheap at 256.
+FUSED_MAX_PAIRS = 256
+_CHUNK = 1024
+_TILE_CHUNK = 128
+
+
+@triton.jit
+def _topk_softmax(
+    logits_ptr,
+    rows,
+    M,
+    E,
+    stride_lm,
+    TOPK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Rows' top-k experts (ties to the lower index) and the softmax of their logits.
+
+    Returns (ids [BLOCK_T, BLOCK_K] int32, weights [BLOCK_T, BLOCK_K] float32); columns >= TOPK
+    are padding."""
+    cols = tl.arange(0, BLOCK_E)
+    kcols = tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < E)[None, :]
+    vals = tl.load(
+        logits_ptr + rows[:, None] * stride_lm + cols[None, :], mask=mask, other=float("-inf")
+    ).to(tl.float32)
+    avail = mask
+    top_v = tl.full([rows.shape[0], BLOCK_K], float("-inf"), tl.float32)
+    top_i = tl.zeros([rows.shape[0], BLOCK_K], tl.int32)
+    for j in tl.static_range(TOPK):
+        m = tl.max(tl.where(avail, vals, float("-inf")), axis=1)
+        # `avail` (not a -inf sentinel) retires picked experts, so -inf logits are never re-picked.
+        idx = tl.min(tl.where(avail & (vals >= m[:, None]), cols[None, :], BLOCK_E), axis=1)
+        top_v = tl.where(kcols[None, :] == j, m[:, None], top_v)
+        top_i = tl.where(kcols[None, :] == j, idx[:, None], top_i)
+        avail = avail & (cols[None, :] != idx[:, None])
+    # Picked in descending order: column 0 holds the row maximum.
+    p = tl.exp(top_v - tl.max(top_v, axis=1)[:, None])
+    p = tl.where(kcols[None, :] < TOPK, p, 0.0)
+    return top_i, p / tl.sum(p, axis=1)[:, None]
+
+
+@triton.jit
+def _topk_kernel(
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    M,
+    E,
+    stride_lm,
+    TOPK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ids, weights = _topk_softmax(logits_ptr, rows, M, E, stride_lm, TOPK, BLOCK_E, BLOCK_K)
+    kcols = tl.arange(0, BLOCK_K)
+    offs = rows[:, None] * TOPK + kcols[None, :]
+    mask = (rows < M)[:, None] & (kcols < TOPK)[None, :]
+    tl.store(ids_ptr + offs, ids, mask=mask)
+    tl.store(weights_ptr + offs, weights, mask=mask)
+
+
+@triton.jit
+def _write_tiles(
+    tiles_ptr,
+    num_tiles_ptr,
+    counts,
+    max_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    TILE_CHUNK: tl.constexpr,
+):
+    """Tile table from per-expert counts; returns each expert's first sorted row."""
+    experts = tl.arange(0, BLOCK_E)
+    ntiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(ntiles, 0)
+    tile_begin = tile_end - ntiles
+    total = tl.sum(ntiles, 0)
+    tl.store(num_tiles_ptr, total)
+    for t0 in range(0, max_tiles, TILE_CHUNK):
+        t = t0 + tl.arange(0, TILE_CHUNK)
+        # Expert of tile t: how many experts' tile ranges end at or before t.
+        e = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), axis=1)
+        hit = experts[None, :] == e[:, None]
+        row_end = tl.sum(tl.where(hit, (tile_begin * BLOCK_M + counts)[None, :], 0), axis=1)
+        ok = t < total
+        tl.store(tiles_ptr + 2 * t, e, mask=ok)
+        tl.store(tiles_ptr + 2 * t + 1, row_end, mask=ok)
+    return tile_begin * BLOCK_M
+
+
+@triton.jit
+def _route_small_kernel(
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    sorted_ptr,
+    tiles_ptr,
+    num_tiles_ptr,
+    M,
+    E,
+    stride_lm,
+    max_tiles,
+    TOPK: tl.constexpr,
+    HAS_LOGITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_CHUNK: tl.constexpr,
+):
+    """Everything for M <= BLOCK_T tokens in one program (decode: one launch instead of three)."""
+    rows = tl.arange(0, BLOCK_T)
+    kcols = tl.arange(0, BLOCK_K)
+    offs = rows[:, None] * TOPK + kcols[None, :]
+    valid = (rows < M)[:, None] & (kcols < TOPK)[None, :]
+    if HAS_LOGITS:
+        ids, weights = _topk_softmax(logits_ptr, rows, M, E, stride_lm, TOPK, BLOCK_E, BLOCK_K)
+        tl.store(ids_ptr + offs, ids, mask=valid)
+        tl.store(weights_ptr + offs, weights, mask=valid)
+    else:
+        ids = tl.load(ids_ptr + offs, mask=valid, other=0)
+    ids = tl.reshape(ids, [BLOCK_T * BLOCK_K])
+    pairs = tl.reshape(offs, [BLOCK_T * BLOCK_K])
+    valid = tl.reshape(valid, [BLOCK_T * BLOCK_K])
+    experts = tl.arange(0, BLOCK_E)
+    hit = (ids[:, None] == experts[None, :]) & valid[:, None]
+    counts = tl.sum(hit.to(tl.int32), axis=0)
+    row_begin = _write_tiles(
+        tiles_ptr, num_tiles_ptr, counts, max_tiles, BLOCK_M, BLOCK_E, TILE_CHUNK
+    )
+    # Stable rank within the expert: earlier pairs (lower index) of the same expert come first.
+    same = (ids[:, None] == ids[None, :]) & valid[None, :] & (pairs[None, :] < pairs[:, None])
+    rank = tl.sum(same.to(tl.int32), axis=1)
+    base = tl.sum(tl.where(hit, row_begin[None, :], 0), axis=1)
+    tl.store(sorted_ptr + base + rank, pairs, mask=valid)
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr,
+    num_pairs,
+    tiles_ptr,
+    num_tiles_ptr,
+    cursor_ptr,
+    max_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TILE_CHUNK: tl.constexpr,
+):
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ok = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+        counts += tl.histogram(ids, BLOCK_E, mask=ok)
+    row_begin = _write_tiles(
+        tiles_ptr, num_tiles_ptr, counts, max_tiles, BLOCK_M, BLOCK_E, TILE_CHUNK
+    )
+    tl.store(cursor_ptr + tl.arange(0, BLOCK_E), row_begin)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, num_pairs, cursor_ptr, sorted_ptr, CHUNK: tl.constexpr):
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+    pos = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
+    tl.store(sorted_ptr + pos, offs, mask=ok)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on tiles: each active expert wastes at most block_m - 1 rows."""
+    active = min(num_experts, num_pairs)
+    return max(1, (num_pairs + active * (block_m - 1)) // block_m)
+
+
+def route(router_logits, topk_weights, topk_ids, *, top_k: int, num_experts: int, block_m: int):
+    """Route M tokens and group the pairs by expert.
+
+    router_logits [M, E] (or None with precomputed topk_weights [M, k] float32 and topk_ids
+    [M, k] int32). Returns (topk_weights, topk_ids, sorted_pairs [max_tiles * block_m] int32,
+    tiles [max_tiles, 2] int32 (expert, row_end), num_tiles [1] int32, max_tiles).
+    """
+    has_logits = router_logits is not None
+    M = router_logits.shape[0] if has_logits else topk_ids.shape[0]
+    device = router_logits.device if has_logits else topk_ids.device
+    num_pairs = M * top_k
+    n_tiles = max_tiles(num_pairs, num_experts, block_m)
+    if has_logits:
+        topk_ids = torch.empty(M, top_k, dtype=torch.int32, device=device)
+        topk_weights = torch.empty(M, top_k, dtype=torch.float32, device=device)
+    sorted_pairs = torch.empty(n_tiles * block_m, dtype=torch.int32, device=device)
+    tiles = torch.empty(n_tiles, 2, dtype=torch.int32, device=device)
+    num_tiles = torch.empty(1, dtype=torch.int32, device=device)
+    block_e = triton.next_power_of_2(num_experts)
+    block_k = triton.next_power_of_2(top_k)
+    stride = router_logits.stride(0) if has_logits else 0
+    logits = router_logits if has_logits else topk_ids
+    if num_pairs <= FUSED_MAX_PAIRS:
+        block_t = triton.next_power_of_2(M)
+        _route_small_kernel[(1,)](
+            logits,
+            topk_ids,
+            topk_weights,
+            sorted_pairs,
+            tiles,
+            num_tiles,
+            M,
+            num_experts,
+            stride,
+            n_tiles,
+            TOPK=top_k,
+            HAS_LOGITS=has_logits,
+            BLOCK_T=block_t,
+            BLOCK_E=block_e,
+            BLOCK_K=block_k,
+            BLOCK_M=block_m,
+            TILE_CHUNK=_TILE_CHUNK,
+        )
+        return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
+    if has_logits:
+        # Keep one program's [BLOCK_T, BLOCK_E] logits tile near 4K elements.
+        block_t = max(1, min(64, 4096 // block_e))
+        _topk_kernel[(triton.cdiv(M, block_t),)](
+            router_logits,
+            topk_ids,
+            topk_weights,
+            M,
+            num_experts,
+            stride,
+            TOPK=top_k,
+            BLOCK_T=block_t,
+            BLOCK_E=block_e,
+            BLOCK_K=block_k,
+        )
+    cursor = torch.empty(block_e, dtype=torch.int32, device=device)
+    _align_kernel[(1,)](
+        topk_ids,
+        num_pairs,
+        tiles,
+        num_tiles,
+        cursor,
+        n_tiles,
+        BLOCK_M=block_m,
+        BLOCK_E=block_e,
+        CHUNK=_CHUNK,
+        TILE_CHUNK=_TILE_CHUNK,
+    )
+    _scatter_kernel[(triton.cdiv(num_pairs, _CHUNK),)](
+        topk_ids, num_pairs, cursor, sorted_pairs, CHUNK=_CHUNK
+    )
+    return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
+
+
+def aot_specs(kind) -> list:
+    """GPT-OSS routing (E=128, top-4): the one-program decode router and the three large-batch
+    kernels, for the ahead-of-time compile check (tokenspeed_kernel_triton.aot)."""
+    from ..aot import AotSpec
+
+    common = dict(BLOCK_E=128, BLOCK_K=4)
+    small = dict(
+        logits_ptr="*fp32",
+        ids_ptr="*i32",
+        weights_ptr="*fp32",
+        sorted_ptr="*i32",
+        tiles_ptr="*i32",
+        num_tiles_ptr="*i32",
+        M="i32",
+        E="i32",
+        stride_lm="i32",
+        max_tiles="i32",
+    )
+    return [
+        AotSpec(
+            "moe_route_small",
+            _route_small_kernel,
+            small,
+            dict(TOPK=4, HAS_LOGITS=True, BLOCK_T=16, BLOCK_M=16, TILE_CHUNK=_TILE_CHUNK, **common),
+            4,
+            1,
+        ),
+        AotSpec(
+            "moe_topk",
+            _topk_kernel,
+            dict(
+                logits_ptr="*fp32",
+                ids_ptr="*i32",
+                weights_ptr="*fp32",
+                M="i32",
+                E="i32",
+                stride_lm="i32",
+            ),
+            dict(TOPK=4, BLOCK_T=32, **common),
+            4,
+            1,
+        ),
+        AotSpec(
+            "moe_align",
+            _align_kernel,
+            dict(
+                ids_ptr="*i32",
+                num_pairs="i32",
+                tiles_ptr="*i32",
+                num_tiles_ptr="*i32",
+                cursor_ptr="*i32",
+                max_tiles="i32",
+            ),
+            dict(BLOCK_M=128, BLOCK_E=128, CHUNK=_CHUNK, TILE_CHUNK=_TILE_CHUNK),
+            4,
+            1,
+        ),
+        AotSpec(
+            "moe_scatter",
+            _scatter_kernel,
+            dict(ids_ptr="*i32", num_pairs="i32", cursor_ptr="*i32", sorted_ptr="*i32"),
+            dict(CHUNK=_CHUNK),
+            4,
+            1,
+        ),
+    ]

@@ -1,0 +1,152 @@
+"""CPU checks of the AMD MoE host side: registration and traits on faked gfx942/gfx950, weight
+preparation against tokenspeed_kernel.formats.mxfp4, routing and grouping helpers, and the
+vendor-only import (no tokenspeed_kernel needed by the kernel modules)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tokenspeed_kernel.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from tokenspeed_kernel.ops.moe import MoEConfig, MoEWeights, moe_plan, moe_prepare_weights
+from tokenspeed_kernel.ops.moe.api import request_for
+from tokenspeed_kernel.ops.moe.reference import topk_softmax as reference_topk
+from tokenspeed_kernel.platform import fake_platform
+from tokenspeed_kernel.registry import get_kernel
+from tokenspeed_kernel.selector import select
+from tokenspeed_kernel_amd.moe._common import group_by_expert, topk_softmax
+from tokenspeed_kernel_amd.moe.mxfp4_moe import grouped_config, tiny_config
+
+
+def _weights(config: MoEConfig, seed: int = 0) -> MoEWeights:
+    g = torch.Generator().manual_seed(seed)
+    E, H, I = config.num_experts, config.hidden_size, config.intermediate_size  # noqa: E741
+    w13, s13 = quantize_mxfp4(torch.randn(E, 2 * I, H, generator=g))
+    w2, s2 = quantize_mxfp4(torch.randn(E, H, I, generator=g))
+    return MoEWeights(
+        w13=w13, w2=w2, w13_scale=s13, w2_scale=s2,
+        w13_bias=torch.randn(E, 2 * I, generator=g), w2_bias=torch.randn(E, H, generator=g),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("platform", ["mi300x", "mi355x"])
+@pytest.mark.parametrize("activation", ["bf16", "fp8"])
+def test_selected_on_cdna_for_mxfp4(platform, activation):
+    config = MoEConfig(128, 4, 2880, 2880, "mxfp4", activation)
+    with fake_platform(platform) as p:
+        assert select("moe", request_for(config, 8192), p).name == "amd.moe"
+        plan = moe_plan(config, device="cpu")
+    assert plan.kernel == "amd.moe"
+    assert (plan.padded_hidden_size, plan.padded_intermediate_size) == (2944, 2944)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_declines_other_weight_formats(fmt):
+    spec = get_kernel("moe", "amd.moe")
+    with fake_platform("mi355x") as p:
+        verdict = spec.supports(request_for(MoEConfig(8, 2, 128, 128, fmt), 64), p)
+    assert not verdict.ok and "weight_format" in verdict.reason
+
+
+@pytest.mark.parametrize("platform", ["h100", "cpu"])
+def test_declines_other_platforms(platform):
+    spec = get_kernel("moe", "amd.moe")
+    with fake_platform(platform) as p:
+        verdict = spec.supports(request_for(MoEConfig(8, 2, 128, 128), 64), p)
+    assert not verdict.ok and "gfx942" in verdict.reason
+
+
+def test_traits_are_only_what_is_tested():
+    spec = get_kernel("moe", "amd.moe")
+    assert spec.priority == 200 and spec.backend == "amd"
+    assert dict(spec.traits) == {
+        "weight_format": frozenset({"mxfp4"}),
+        "activation_format": frozenset({"bf16", "fp8"}),
+        "routing": frozenset({"topk_softmax"}),
+        "bias": True,
+    }
+
+
+def test_prepare_weights_matches_core_format_and_leaves_inputs_alone():
+    config = MoEConfig(3, 2, 160, 96, "mxfp4", "fp8")
+    w = _weights(config)
+    w = MoEWeights(**{**w.__dict__, "w13_input_scale": 0.01, "w2_input_scale": 0.05})
+    before = {k: v.clone() for k, v in w.__dict__.items() if isinstance(v, torch.Tensor)}
+    with fake_platform("mi355x"):
+        plan = moe_plan(config, device="cpu")
+    t = moe_prepare_weights(plan, w).tensors
+    for name, value in before.items():
+        assert torch.equal(getattr(w, name), value), f"{name} was modified"
+        assert all(getattr(w, name).data_ptr() != p.data_ptr() for p in t.values()
+                   if isinstance(p, torch.Tensor)), f"{name} is aliased"  # fmt: skip
+    E, H, I = 3, 160, 96  # noqa: E741
+    h_pad, i_pad = 256, 128
+    assert t["w13"].shape == (E, 2, i_pad, h_pad // 2) and t["w2"].shape == (E, h_pad, i_pad // 2)
+    planes = dequantize_mxfp4(t["w13"], t["w13_scale"])
+    want = dequantize_mxfp4(w.w13, w.w13_scale)
+    assert torch.equal(planes[:, 0, :I, :H], want[:, 0::2])  # gate = even rows
+    assert torch.equal(planes[:, 1, :I, :H], want[:, 1::2])  # up = odd rows
+    assert not planes[:, :, I:].any() and not planes[..., H:].any()
+    w2 = dequantize_mxfp4(t["w2"], t["w2_scale"])
+    assert torch.equal(w2[:, :H, :I], dequantize_mxfp4(w.w2, w.w2_scale))
+    assert not w2[:, H:].any() and not w2[..., I:].any()
+    assert torch.equal(t["w13_bias"][:, 0, :I], w.w13_bias[:, 0::2])
+    assert torch.equal(t["w13_bias"][:, 1, :I], w.w13_bias[:, 1::2])
+    assert torch.equal(t["w2_bias"][:, :H], w.w2_bias) and not t["w2_bias"][:, H:].any()
+    # Static scales as float32, exactly as the reference's quantize_fp8 rounds them.
+    assert torch.equal(t["x_scale"], torch.tensor([0.01], dtype=torch.float32))
+    assert torch.equal(t["a_scale"], torch.tensor([0.05], dtype=torch.float32))
+
+
+def test_routing_matches_reference_including_ties():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randint(0, 3, (33, 16), generator=g).float()
+    got_w, got_ids = topk_softmax(logits, 4)
+    want_w, want_ids = reference_topk(logits, 4)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_group_by_expert_covers_every_pair_once(block_m):
+    g = torch.Generator().manual_seed(2)
+    ids = torch.stack([torch.randperm(12, generator=g)[:3] for _ in range(37)]).int()
+    rows, block_expert = group_by_expert(ids, 12, block_m)
+    assert rows.numel() == block_expert.numel() * block_m
+    pairs = rows[rows >= 0].long()
+    assert torch.equal(pairs.sort().values, torch.arange(37 * 3))
+    for b, e in enumerate(block_expert.tolist()):
+        chunk = rows[b * block_m : (b + 1) * block_m]
+        chunk = chunk[chunk >= 0].long()
+        if e < 0:
+            assert chunk.numel() == 0
+        else:
+            assert chunk.numel() > 0 and (ids.reshape(-1)[chunk] == e).all()
+
+
+def test_configs_follow_rows_per_expert_and_cu_count():
+    assert grouped_config("gfx942", 4 * 128, 128).block_m == 16
+    assert grouped_config("gfx950", 4 * 4096, 128).block_m == 64
+    assert (
+        tiny_config("gfx942", 4, 2944, 2944, 304).split
+        > tiny_config("gfx942", 16, 2944, 2944, 304).split
+    )
+
+
+def test_kernel_modules_import_without_core():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'tokenspeed_kernel':\n"
+        "            raise ImportError('core blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import tokenspeed_kernel_amd.moe.mxfp4_moe as m\n"
+        "print(m.AmdMxfp4MoE('x').padded_sizes(type('C', (), dict(hidden_size=2880, "
+        "intermediate_size=2880))()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "(2944, 2944)"

@@ -1,0 +1,216 @@
+"""Triton MoE: the shared conformance cases (CPU through the Triton interpreter), routing and
+grouping invariants, weight preparation (never mutates or aliases the caller's tensors, padding
+never leaks), and GPT-OSS-120B shapes on the GPU.
+
+Interpreter workarounds (CPU only, in the kernels under their INTERPRETED constexpr, set when
+TRITON_INTERPRET=1): Triton 3.6's interpreter multiplies raw bits in a bf16 tl.dot, truncates
+float32 -> bf16 casts and misrounds float32 -> fp8 just below powers of two. There the dots take
+the same exact operand values as float32, and bf16/fp8 roundings are done to nearest even on
+the bits before the cast. Compiled kernels use the hardware paths; no tolerance is changed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenspeed_kernel import moe_apply, moe_plan, moe_prepare_weights
+from tokenspeed_kernel.ops.moe.reference import topk_softmax
+from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEWeights
+from tokenspeed_kernel.registry import get_kernel
+from tokenspeed_kernel.selector import use_kernel
+from tokenspeed_kernel.testing import (
+    assert_close,
+    assert_conformance,
+    conformance_params,
+    moe_plan_for,
+)
+from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_weights
+from tokenspeed_kernel_triton.moe._common import MoETileConfig, pin_config
+from tokenspeed_kernel_triton.moe.routing import route
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+KERNEL = "triton.moe"
+
+
+@pytest.mark.parametrize("kernel,case", conformance_params(op="moe", backend="triton"))
+def test_conformance(kernel, case):
+    assert_conformance(kernel, case)
+
+
+def _check_grouping(ids, sorted_pairs, tiles, num_tiles, block_m):
+    """Every pair appears once, in a tile of its own expert, tiles in expert order."""
+    flat = ids.reshape(-1).long()
+    n = int(num_tiles)
+    seen = []
+    last_expert = -1
+    for t in range(n):
+        expert, row_end = (int(v) for v in tiles[t])
+        assert expert >= last_expert
+        last_expert = expert
+        rows = sorted_pairs[t * block_m : min((t + 1) * block_m, row_end)].long()
+        assert len(rows) > 0
+        assert torch.all(flat[rows] == expert)
+        seen += rows.tolist()
+    assert sorted(seen) == list(range(flat.numel()))
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(5, 8, 2), (70, 16, 4)])
+def test_routing_matches_reference_with_ties(tokens, experts, top_k):
+    """Integer logits force ties (lower index wins); 70 x 4 pairs take the multi-kernel path."""
+    gen = generator("moe-routing", tokens, experts, top_k)
+    logits = torch.randint(0, 3, (tokens, experts), generator=gen).float().to(DEVICE)
+    weights, ids, sorted_pairs, tiles, num_tiles, _ = route(
+        logits, None, None, top_k=top_k, num_experts=experts, block_m=16
+    )
+    ref_w, ref_ids = topk_softmax(logits, top_k)
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    assert_close(weights, ref_w, dtype=torch.float32, name="topk_weights")
+    _check_grouping(ids.cpu(), sorted_pairs.cpu(), tiles.cpu(), num_tiles.cpu(), 16)
+
+
+def _layer(shape: MoEShape, device=DEVICE):
+    weights = moe_weights(shape, generator("moe-layer", shape))
+    weights = MoEWeights(
+        **{
+            name: value.to(device) if isinstance(value, torch.Tensor) else value
+            for name, value in vars(weights).items()
+        }
+    )
+    return shape.config(), weights
+
+
+def test_prepare_never_mutates_or_aliases_and_padding_does_not_leak():
+    shape = MoEShape(5, 8, 2, 96, 160, bias_dtype=torch.bfloat16)
+    config, weights = _layer(shape)
+    before = {k: v.clone() for k, v in vars(weights).items() if isinstance(v, torch.Tensor)}
+    with use_kernel("moe", KERNEL):
+        plan = moe_plan(config, device=DEVICE)
+        assert plan.kernel == KERNEL
+        assert (plan.padded_hidden_size, plan.padded_intermediate_size) == (128, 256)
+        prepared = moe_prepare_weights(plan, weights)
+    for name, value in before.items():
+        assert torch.equal(getattr(weights, name), value), f"{name} was modified"
+    ours = [t for t in prepared.tensors.values() if isinstance(t, torch.Tensor)]
+    theirs = [
+        t.untyped_storage().data_ptr()
+        for t in vars(weights).values()
+        if isinstance(t, torch.Tensor)
+    ]
+    assert not {t.untyped_storage().data_ptr() for t in ours} & set(theirs)
+
+    # out is a view into a NaN-filled buffer: nothing outside [M, H] may be written.
+    gen = generator("moe-leak")
+    x = torch.randn(5, 96, generator=gen).to(torch.bfloat16).to(DEVICE)
+    logits = torch.randn(5, 8, generator=gen).to(DEVICE)
+    buffer = torch.full((7, 130), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out = buffer[1:6, 2:98]
+    result = moe_apply(plan, x, prepared, logits, out=out)
+    assert result.shape == (5, 96) and result.data_ptr() == out.data_ptr()
+    assert torch.isnan(buffer[0]).all() and torch.isnan(buffer[6]).all()
+    assert torch.isnan(buffer[:, :2]).all() and torch.isnan(buffer[:, 98:]).all()
+    reference = get_kernel("moe", "reference.moe")
+    ref_plan = moe_plan_for(reference, config, plan.max_num_tokens, DEVICE)
+    ref_out = torch.empty_like(x)
+    reference.fn.apply(
+        ref_plan,
+        x,
+        reference.fn.prepare_weights(ref_plan, weights),
+        router_logits=logits,
+        out=ref_out,
+    )
+    assert_close(out, ref_out, dtype=torch.bfloat16, name="out")
+
+
+def test_scale_bytes_beyond_kernel_range_are_refused():
+    config, weights = _layer(MoEShape(1, 4, 2, 64, 64))
+    scale = weights.w2_scale.clone()
+    scale[0, 0, 0] = 250
+    bad = MoEWeights(**{**vars(weights), "w2_scale": scale})
+    plan = moe_plan_for(get_kernel("moe", KERNEL), config, 16, DEVICE)
+    with pytest.raises(ValueError, match="w2_scale holds e8m0 byte 250"):
+        get_kernel("moe", KERNEL).fn.prepare_weights(plan, bad)
+
+
+def test_pinned_config_gives_the_same_result():
+    """Every tile config is an exact reorganization: a pinned 32-row config (two experts'
+    rows padded differently) reproduces the default's output bit for bit."""
+    shape = MoEShape(9, 8, 2, 64, 64)
+    config, weights = _layer(shape)
+    spec = get_kernel("moe", KERNEL)
+    plan = moe_plan_for(spec, config, 16, DEVICE)
+    prepared = spec.fn.prepare_weights(plan, weights)
+    gen = generator("moe-pin")
+    x = torch.randn(9, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    logits = torch.randn(9, 8, generator=gen).to(DEVICE)
+    default = torch.empty_like(x)
+    spec.fn.apply(plan, x, prepared, router_logits=logits, out=default)
+    pinned = torch.empty_like(x)
+    with pin_config(MoETileConfig(32, 64, 32, 64, 4, 1)):
+        spec.fn.apply(plan, x, prepared, router_logits=logits, out=pinned)
+    assert torch.equal(default, pinned)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+GPT_OSS_120B = dict(num_experts=128, top_k=4, hidden_size=2880, intermediate_size=2880)
+
+
+def gpt_oss_weights(activation_format="bf16", static=False, seed=0, device="cuda"):
+    """GPT-OSS-120B MXFP4 expert weights built on the GPU from random bytes (1.7 GB)."""
+    E, H, I = 128, 2880, 2880  # noqa: E741
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def mx(rows, cols):
+        packed = torch.randint(
+            0, 256, (E, rows, cols // 2), generator=g, device=device, dtype=torch.uint8
+        )
+        # Random codes have RMS ~2.9: aim entries at 1/sqrt(cols) (+-1 octave) as core's cases.
+        center = 127 - 6 - 1
+        scales = torch.randint(
+            center - 1,
+            center + 2,
+            (E, rows, cols // 32),
+            generator=g,
+            device=device,
+            dtype=torch.uint8,
+        )
+        return packed, scales
+
+    w13, s13 = mx(2 * I, H)
+    w2, s2 = mx(H, I)
+    static_scales = dict(w13_input_scale=3.5 / 448, w2_input_scale=24.0 / 448) if static else {}
+    return MoEWeights(
+        w13=w13,
+        w2=w2,
+        w13_scale=s13,
+        w2_scale=s2,
+        w13_bias=0.5 * torch.randn(E, 2 * I, generator=g, device=device),
+        w2_bias=0.5 * torch.randn(E, H, generator=g, device=device),
+        **static_scales,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["bf16", "fp8-dynamic", "fp8-static"])
+def test_gpt_oss_120b_shapes(act):
+    activation_format = "fp8" if act.startswith("fp8") else "bf16"
+    config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format=activation_format)
+    weights = gpt_oss_weights(activation_format, static=act == "fp8-static")
+    spec = get_kernel("moe", KERNEL)
+    plan = moe_plan_for(spec, config, 4096, "cuda")
+    prepared = spec.fn.prepare_weights(plan, weights)
+    reference = get_kernel("moe", "reference.moe")
+    ref_plan = moe_plan_for(reference, config, 4096, "cuda")
+    ref_prepared = reference.fn.prepare_weights(ref_plan, weights)
+    dtype = torch.float8_e4m3fn if activation_format == "fp8" else torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for m in (1, 4, 64, 4096):
+        x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
+        logits = torch.randn(m, 128, generator=g, device="cuda")
+        out = torch.empty_like(x)
+        spec.fn.apply(plan, x, prepared, router_logits=logits, out=out)
+        expected = torch.empty_like(x)
+        reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
+        assert_close(out, expected, dtype=dtype, name=f"out (M={m}, {act})")
