@@ -7,9 +7,9 @@ import json
 import os
 import platform as _pyplatform
 import sys
-from importlib import metadata
 import time
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
