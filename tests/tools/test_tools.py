@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tokenspeed_kernel as tk
-from tokenspeed_kernel import capture
+from tokenspeed_kernel import capture, env
 from tokenspeed_kernel.cli import main
 from tokenspeed_kernel.testing import MoEShape, conformance_cases, reference_spec, temporary_kernel
 from tokenspeed_kernel.testing.inputs import moe_weights
@@ -29,6 +29,7 @@ def cache_home(tmp_path, monkeypatch):
     """The roofline cache goes to a temporary directory, never the user's."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv(capture.CAPTURE_ENV, raising=False)
+    env.reload()
 
 
 @pytest.fixture
@@ -263,12 +264,14 @@ def _captured_calls():
 def test_capture_then_replay_round_trips(tmp_path, monkeypatch, capsys):
     path = tmp_path / "calls.jsonl"
     monkeypatch.setenv(capture.CAPTURE_ENV, str(path))
+    env.reload()  # settings are read once; re-read them after changing the variable
     # The reference kernels serve (and replay) fast on the CPU whatever else is registered.
     with contextlib.ExitStack() as stack:
         for op in tk.OPS:
             stack.enter_context(tk.use_kernel(op, f"reference.{op}"))
         _captured_calls()
     monkeypatch.delenv(capture.CAPTURE_ENV)
+    env.reload()
     records = load_capture(path)
     assert [(r["op"], n) for r, n in records] == [
         ("mha_prefill", 1),
