@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from tokenspeed_kernel.ops.attention import reference
 from tokenspeed_kernel.ops.attention.reference import (
     reference_decode,

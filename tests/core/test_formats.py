@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from tokenspeed_kernel.formats import (
     E2M1_VALUES,
     FP8_DTYPE,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from tokenspeed_kernel.ops.moe.reference import (
     ReferenceMoE,
     dequantize_expert_weights,
