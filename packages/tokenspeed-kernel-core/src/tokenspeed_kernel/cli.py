@@ -19,7 +19,6 @@ from .errors import UnsupportedError
 from .platform import KNOWN_PLATFORMS, Platform, default_device, fake_platform, platform_of
 from .presets import PRESETS, ModelPreset, get_preset, report_calls
 from .selector import explain
-from .validation import dtype_name
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 
@@ -139,7 +138,7 @@ def _list(args: argparse.Namespace, traits: bool = True) -> int:
             print(f"    {spec.name:<40} priority {spec.priority:<4} platforms {where}")
             if traits:
                 shown = "; ".join(
-                    f"{k}={registry._show(v) if v is not True else 'yes'}"
+                    f"{k}={registry.describe_value(v) if v is not True else 'yes'}"
                     for k, v in sorted(spec.traits.items())
                 )
                 print(f"      traits: {shown}")
@@ -186,10 +185,6 @@ def _request_from_args(op: str, preset: ModelPreset, args: argparse.Namespace):
             overrides["num_q_heads"] = int(hq)
         overrides["num_kv_heads"] = int(hkv)
     return request._replace(**overrides)
-
-
-def dtype_label(dtype: torch.dtype) -> str:
-    return dtype_name(dtype)
 
 
 if __name__ == "__main__":

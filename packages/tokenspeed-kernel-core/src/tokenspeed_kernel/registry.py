@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,7 +77,6 @@ class KernelSpec:
     priority: int
     dynamic_supports: Callable[[Any, Platform], Support] | None = None
     description: str = ""
-    meta: Mapping[str, Any] = field(default_factory=dict)
 
     def supports(self, request: Any, platform: Platform) -> Support:
         """Platform, then declared traits, then the kernel's own dynamic check."""
@@ -92,10 +91,11 @@ class KernelSpec:
             if allowed is True:
                 continue
             if allowed is None or allowed is False:
-                shown = "" if value is True else f"={_show(value)}"
+                shown = "" if value is True else f"={describe_value(value)}"
                 return Support.no(f"does not declare {feature}{shown}")
             if value not in allowed:
-                return Support.no(f"{feature} {_show(value)} not in {_show(allowed)}")
+                shown, accepted = describe_value(value), describe_value(allowed)
+                return Support.no(f"{feature} {shown} not in {accepted}")
         if self.dynamic_supports is not None:
             verdict = self.dynamic_supports(request, platform)
             if not verdict.ok:
@@ -103,11 +103,12 @@ class KernelSpec:
         return Support.yes("supports this request")
 
 
-def _show(value: object) -> str:
+def describe_value(value: object) -> str:
+    """A trait value as people read it: dtype names, sorted sets."""
     if isinstance(value, torch.dtype):
         return dtype_name(value)
     if isinstance(value, (set, frozenset, tuple, list)):
-        return "{" + ", ".join(sorted(_show(v) for v in value)) + "}"
+        return "{" + ", ".join(sorted(describe_value(v) for v in value)) + "}"
     return repr(value) if isinstance(value, str) else str(value)
 
 

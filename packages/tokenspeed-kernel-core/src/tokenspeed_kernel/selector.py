@@ -134,7 +134,3 @@ def use_kernel(op: str, name: str) -> Iterator[KernelSpec]:
         yield spec
     finally:
         _scoped.reset(token)
-
-
-def clear_cache() -> None:
-    _cache.clear()

@@ -93,9 +93,3 @@ def check_scale(op: str, name: str, value: object) -> float:
     if not (value > 0.0 and value != float("inf")):
         raise ValueError(f"{op}: {name} is {value}, expected a finite float > 0")
     return value
-
-
-def check_choice(op: str, name: str, value: object, allowed: Collection[object]) -> None:
-    if value not in allowed:
-        choices = ", ".join(repr(a) for a in allowed)
-        raise ValueError(f"{op}: {name} is {value!r}, expected one of {choices}")
