@@ -3,6 +3,8 @@
 The oracle decodes e2m1/e8m0 from the bit definitions, routes with a Python sort (ties to the lower
 expert index) and loops over tokens and their experts one at a time. It shares no code with the
 reference beyond torch's own float8_e4m3fn cast (round to nearest even) for FP8 activations.
+It checks the shared conformance cases (`tokenspeed_kernel.testing`) and, below, local cases that
+sweep what only the reference is held to so far: clamp-saturating gains, fp16 outputs, zero rows.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tokenspeed_kernel.ops.moe.reference import (
     topk_softmax,
 )
 from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEPlan, MoEWeights, SwiGLU
+from tokenspeed_kernel.testing import conformance_cases
 
 FP8_MAX = 448.0
 
@@ -142,15 +145,15 @@ class OracleResult:
     clamped_up: int
 
 
-def oracle(case: Case, x, weights: MoEWeights, ids, route_w, act: SwiGLU) -> OracleResult:
-    w13 = decode_weight_f64(weights.w13, weights.w13_scale, case.weight_format)
-    w2 = decode_weight_f64(weights.w2, weights.w2_scale, case.weight_format)
-    b13 = weights.w13_bias.to(torch.float64) if case.has_bias else None
-    b2 = weights.w2_bias.to(torch.float64) if case.has_bias else None
-    fp8 = case.activation_format == "fp8"
-    out = torch.zeros(case.m, case.h, dtype=torch.float64)
+def oracle(config: MoEConfig, x, weights: MoEWeights, ids, route_w, act: SwiGLU) -> OracleResult:
+    w13 = decode_weight_f64(weights.w13, weights.w13_scale, config.weight_format)
+    w2 = decode_weight_f64(weights.w2, weights.w2_scale, config.weight_format)
+    b13 = weights.w13_bias.to(torch.float64) if config.has_bias else None
+    b2 = weights.w2_bias.to(torch.float64) if config.has_bias else None
+    fp8 = config.activation_format == "fp8"
+    out = torch.zeros(x.shape[0], config.hidden_size, dtype=torch.float64)
     clamped_gate = clamped_up = 0
-    for t in range(case.m):
+    for t in range(x.shape[0]):
         xt = x[t].to(torch.float64)
         if fp8:
             xt = fake_quant_fp8(xt.unsqueeze(0), weights.w13_input_scale)[0]
@@ -340,7 +343,7 @@ def run_case(case: Case, device: str = "cpu"):
     if logits is not None:
         assert torch.equal(logits, logits_before)
 
-    expected = oracle(case, x, weights, ids, route_w, config.activation)
+    expected = oracle(config, x, weights, ids, route_w, config.activation)
     assert_close(out.cpu(), expected.out, case.dtype)
     return out.cpu(), expected, (x, weights, ids, route_w)
 
@@ -350,6 +353,22 @@ def test_reference_matches_f64_oracle(case: Case):
     run_case(case)
 
 
+@pytest.mark.parametrize("case", conformance_cases("moe"), ids=str)
+def test_shared_conformance_cases_match_f64_oracle(case):
+    """The shared MoE cases every backend is checked on, anchored to the float64 oracle."""
+    (config, weights, x), routing = case.build("cpu")
+    if routing["router_logits"] is not None:
+        ids, route_w = route_f64(routing["router_logits"], config.top_k)
+    else:
+        ids = routing["topk_ids"].tolist()
+        route_w = routing["topk_weights"].double().tolist()
+    kernel, plan = ReferenceMoE(), make_plan(config, x.shape[0])
+    out = torch.full_like(x, float("nan"))
+    kernel.apply(plan, x, kernel.prepare_weights(plan, weights), out=out, **routing)
+    expected = oracle(config, x, weights, ids, route_w, config.activation).out
+    assert_close(out, expected, torch.bfloat16)
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c.gain_log2 > 0], ids=lambda c: c.name)
 def test_clamp_is_exercised_and_checked(case: Case):
     out, expected, (x, weights, ids, route_w) = run_case(case)
@@ -357,7 +376,7 @@ def test_clamp_is_exercised_and_checked(case: Case):
     assert expected.clamped_gate > 20 and expected.clamped_up > 20
     # ... and an oracle with a wrong limit (or none) disagrees with the reference.
     for wrong in (SwiGLU(limit=6.0), SwiGLU(limit=8.0), SwiGLU(limit=float("inf"))):
-        wrong_out = oracle(case, x, weights, ids, route_w, wrong).out
+        wrong_out = oracle(make_config(case), x, weights, ids, route_w, wrong).out
         with pytest.raises(AssertionError):
             assert_close(out, wrong_out, case.dtype)
 
