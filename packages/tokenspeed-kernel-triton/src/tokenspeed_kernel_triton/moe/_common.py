@@ -29,12 +29,13 @@ W_MXFP4 = tl.constexpr(2)
 
 @triton.jit
 def round_to_bf16(x, INTERPRETED: tl.constexpr):
-    """x float32 -> bfloat16, rounded to nearest even. The Triton 3.6 interpreter truncates in
-    its float32 -> bfloat16 cast, so there the rounding is done on the bits first (finite x)."""
+    """x float32 -> bfloat16, rounded to nearest even. The Triton 3.6 interpreter's float32 ->
+    bfloat16 cast truncates and garbles subnormals, so there the rounding is done on the bits and
+    the top half reinterpreted (finite x)."""
     if INTERPRETED:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(tl.bfloat16)
 
 
@@ -149,6 +150,14 @@ def pick_config(num_pairs: int, info: DeviceInfo) -> MoETileConfig:
         if limit is None or num_pairs <= limit:
             return config
     raise AssertionError("unreachable: every table ends with a catch-all row")
+
+
+def has_ptx_decode(info) -> bool:
+    """Whether the MXFP4 byte-permute decoder (inline PTX with mul.rn.bf16x2) runs on `info`'s
+    device: NVIDIA sm_90 and newer, compiled (the interpreter cannot run PTX)."""
+    if info.vendor != "nvidia" or not info.arch.startswith("sm_"):
+        return False
+    return int(info.arch[3:].rstrip("a")) >= 90
 
 
 def pin_config(config: MoETileConfig):

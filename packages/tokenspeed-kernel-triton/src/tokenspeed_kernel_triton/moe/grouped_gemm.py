@@ -3,26 +3,26 @@
 Program (tile t, N block): tile t holds up to BLOCK_M sorted (token, expert) rows of one expert
 (see routing.py). The weight tile is dequantized in registers to bf16 (exact for MXFP4, FP8 and
 bf16) and fed to the matrix units with an fp32 accumulator:
-- MXFP4: two e2m1 codes per byte (low nibble = even K element), one e8m0 scale per 32 K
-  elements. A code's magnitude bits shifted into an fp16 exponent/mantissa (`(c & 7) << 9`) are
-  exactly `value * 2^-14` (code 1, 0.5, lands on the fp16 subnormal 2^-15), so the element is
-  `fp16_bits * 2^(scale - 113)`, the power of two built from its exponent bits.
+- MXFP4: e2m1 codes re-encoded by moe_prepare_weights as int32 words of 8 K elements, one e8m0
+  scale per 32 K elements; see mxfp4_words.py for the word format and its two decoders
+  (byte-permute lookups on NVIDIA sm_90+, portable arithmetic elsewhere).
 - FP8 weights: the per-output-channel scale multiplies the accumulator.
 Activations are bf16, or FP8 e4m3 upcast exactly to bf16 with a per-tensor or per-row scale
 applied to the accumulator (the FP8 codes times their scale, as the reference dequantizes them).
 
 GEMM1 (SWIGLU): A rows are gathered by token from x; the N block spans interleaved gate (even)
 and up (odd) rows of w13, so the epilogue adds the bias, splits the pairs and writes
-`a = min(g, L) * sigmoid(alpha * min(g, L)) * (clamp(u, -L, L) + 1)` to the sorted rows as float32
-(FP8 directly when a static scale is given; a dynamic per-row FP8 scale quantizes them later).
-GEMM2: A rows are the sorted rows of `a`; float32 rows are split into bf16 hi + lo halves (two
-MMAs on the one dequantized weight tile), keeping the reference's float32 intermediate; the
-epilogue adds the bias, multiplies by the routing weight and writes fp32 rows indexed by pair
-for the combine.
+`a = min(g, L) * sigmoid(alpha * min(g, L)) * (clamp(u, -L, L) + 1)` to the sorted rows: as bf16
+hi + lo halves for bf16 activations (keeping the reference's float32 intermediate), FP8 directly
+when a static scale is given, float32 for a dynamic per-row FP8 scale quantized later.
+GEMM2: A rows are the sorted rows of `a` (hi and lo make two MMAs on the one dequantized weight
+tile); the epilogue adds the bias, multiplies by the routing weight and writes fp32 rows indexed
+by pair for the combine.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -34,21 +34,10 @@ from ._common import (
     round_to_bf16,
     round_to_fp8,
 )
+from .mxfp4_words import WORD_ELEMENTS, decode_words, decode_words_ptx
 
 FP8_MAX = tl.constexpr(448.0)
 _MXFP4 = WEIGHT_FORMAT_CODES["mxfp4"]
-
-
-@triton.jit
-def _mxfp4_tile(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """packed [BLOCK_N, BLOCK_K/2] uint8, scale [BLOCK_N, BLOCK_K/32] uint8 -> [BLOCK_N, BLOCK_K]
-    bf16, exactly e2m1 * 2^(scale - 127) (scale bytes <= 240, checked when weights are laid out)."""
-    codes = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.int16)
-    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
-    value = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    factor = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
-    factor = tl.broadcast_to(factor[:, :, None], (BLOCK_N, BLOCK_K // 32, 32))
-    return (value * factor.reshape(BLOCK_N, BLOCK_K)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -62,16 +51,21 @@ def _weight_tile(
     stride_wn,
     stride_sn,
     W_FORMAT: tl.constexpr,
+    PTX_DECODE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Weight rows offs_n, columns k0..k0+BLOCK_K of one expert as [BLOCK_K, BLOCK_N] bf16."""
     if W_FORMAT == W_MXFP4:
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_ptr + w_base + offs_n[:, None] * stride_wn + offs_b[None, :])
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + w_base + offs_n[:, None] * stride_wn + offs_w[None, :])
         offs_s = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         scale = tl.load(ws_ptr + ws_base + offs_n[:, None] * stride_sn + offs_s[None, :])
-        w = _mxfp4_tile(packed, scale, BLOCK_N, BLOCK_K)
+        if PTX_DECODE:
+            w = decode_words_ptx(words, scale, BLOCK_N, BLOCK_K)
+        else:
+            w = decode_words(words, scale, BLOCK_N, BLOCK_K, INTERPRETED)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + w_base + offs_n[:, None] * stride_wn + offs_k[None, :])
@@ -93,6 +87,7 @@ def _swiglu_store(
     offs_m,
     row_ok,
     pid_n,
+    N,
     stride_om,
     out_scale,
     alpha,
@@ -111,7 +106,16 @@ def _swiglu_store(
         act = round_to_fp8(act, INTERPRETED)
     offs_o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_o[None, :]
-    tl.store(ptrs, act, mask=row_ok[:, None])
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        # bf16 hi + lo halves carry 16 of float32's mantissa bits: GEMM2 multiplies both, so it
+        # sees `a` at float32-like precision (a single bf16 rounding costs ~1% RMS at large
+        # activations); the row is [hi (N/2 columns) | lo (N/2 columns)].
+        hi = round_to_bf16(act, INTERPRETED)
+        lo = round_to_bf16(act - hi.to(tl.float32), INTERPRETED)
+        tl.store(ptrs, hi, mask=row_ok[:, None])
+        tl.store(ptrs + N // 2, lo, mask=row_ok[:, None])
+    else:
+        tl.store(ptrs, act, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -143,8 +147,10 @@ def _grouped_gemm_kernel(
     limit,
     TOPK: tl.constexpr,
     W_FORMAT: tl.constexpr,
+    PTX_DECODE: tl.constexpr,
     A_SCALE: tl.constexpr,
     GATHER_A: tl.constexpr,
+    SPLIT_A: tl.constexpr,
     SWIGLU: tl.constexpr,
     QUANT_OUT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -189,15 +195,20 @@ def _grouped_gemm_kernel(
             stride_wn,
             stride_sn,
             W_FORMAT,
+            PTX_DECODE,
+            INTERPRETED,
             BLOCK_N,
             BLOCK_K,
         )
-        if a_ptr.dtype.element_ty == tl.float32:
-            # float32 SwiGLU rows: hi + lo bf16 halves carry 16 mantissa bits, two MMAs on the
-            # one dequantized weight tile, so GEMM2 sees `a` at float32-like precision.
-            hi = round_to_bf16(a, INTERPRETED)
-            lo = round_to_bf16(a - hi.to(tl.float32), INTERPRETED)
-            acc = _mma(hi, b, acc, INTERPRETED)
+        if SPLIT_A:
+            # GEMM1 stored the SwiGLU rows as [hi | lo] bf16 halves: two MMAs on the one
+            # dequantized weight tile.
+            lo = tl.load(
+                a_ptr + a_rows[:, None] * stride_am + (K + k0 + offs_k)[None, :],
+                mask=a_mask,
+                other=0.0,
+            )
+            acc = _mma(a, b, acc, INTERPRETED)
             acc = _mma(lo, b, acc, INTERPRETED)
         else:
             acc = _mma(a.to(tl.bfloat16), b, acc, INTERPRETED)
@@ -216,6 +227,7 @@ def _grouped_gemm_kernel(
             offs_m,
             row_ok,
             pid_n,
+            N,
             stride_om,
             out_scale,
             alpha,
@@ -249,6 +261,7 @@ def grouped_gemm(
     n_valid: int,
     config: MoETileConfig,
     interpreted: bool,
+    ptx_decode: bool = False,
     out_scale: float | None = None,
     alpha: float = 0.0,
     limit: float = 0.0,
@@ -263,7 +276,7 @@ def grouped_gemm(
     """
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
     N = w.shape[1]
-    K = w.shape[2] * (2 if w_format == _MXFP4 else 1)
+    K = w.shape[2] * (WORD_ELEMENTS if w_format == _MXFP4 else 1)
     block_n = config.block_n1 if gemm1 else config.block_n2
     a_scale_mode = 0 if a_scale is None else (1 if isinstance(a_scale, float) else 2)
     scale_ptr = a_scale if a_scale_mode == 2 else a
@@ -297,8 +310,10 @@ def grouped_gemm(
         limit,
         TOPK=top_k,
         W_FORMAT=w_format,
+        PTX_DECODE=ptx_decode,
         A_SCALE=a_scale_mode,
         GATHER_A=gemm1,
+        SPLIT_A=not gemm1 and a.dtype == torch.bfloat16,
         SWIGLU=gemm1,
         QUANT_OUT=out_scale is not None,
         HAS_BIAS=bias is not None,
@@ -316,7 +331,7 @@ def aot_specs(kind) -> list:
     prefill configs of `kind`, bf16 and FP8 (dynamic per-row) activations, for the
     ahead-of-time compile check (tokenspeed_kernel_triton.aot)."""
     from ..aot import AotSpec
-    from ._common import pick_config
+    from ._common import has_ptx_decode, pick_config
 
     ints = (
         "N",
@@ -336,15 +351,15 @@ def aot_specs(kind) -> list:
         config = pick_config(pairs, kind)
         for act in ("bf16", "fp8e4nv"):
             for gemm1 in (True, False):
-                a_type = act if gemm1 or act == "fp8e4nv" else "fp32"
+                a_type = act
                 signature = {
                     "a_ptr": f"*{a_type}",
                     "a_scale_ptr": "*fp32",
                     "a_scale": "fp32",
-                    "w_ptr": "*u8",
+                    "w_ptr": "*i32",
                     "ws_ptr": "*u8",
                     "bias_ptr": "*fp32",
-                    "out_ptr": "*fp32",
+                    "out_ptr": "*bf16" if gemm1 and act == "bf16" else "*fp32",
                     "route_w_ptr": "*fp32",
                     "sorted_ptr": "*i32",
                     "tiles_ptr": "*i32",
@@ -357,8 +372,10 @@ def aot_specs(kind) -> list:
                 constexprs = dict(
                     TOPK=4,
                     W_FORMAT=_MXFP4,
+                    PTX_DECODE=has_ptx_decode(kind),
                     A_SCALE=2 if act != "bf16" else 0,
                     GATHER_A=gemm1,
+                    SPLIT_A=not gemm1 and act == "bf16",
                     SWIGLU=gemm1,
                     QUANT_OUT=False,
                     HAS_BIAS=True,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import WEIGHT_FORMAT_CODES, device_info, interpreting, pick_config
+from ._common import WEIGHT_FORMAT_CODES, device_info, has_ptx_decode, interpreting, pick_config
 from .combine import combine
 from .grouped_gemm import grouped_gemm
 from .quant import quantize_rows
@@ -38,7 +38,9 @@ def moe_forward(
     M = x.shape[0]
     if M == 0:
         return out
-    config = pick_config(M * top_k, device_info(x.device))
+    info = device_info(x.device)
+    config = pick_config(M * top_k, info)
+    ptx_decode = has_ptx_decode(info)
     weights, ids, sorted_pairs, tiles, num_tiles, max_tiles = route(
         router_logits,
         topk_weights,
@@ -54,11 +56,16 @@ def moe_forward(
     interpreted = interpreting()
     fp8 = activation_format == "fp8"
     a_in, a_in_scale = quantize_rows(x, w13_input_scale) if fp8 else (x, None)
-    # The SwiGLU rows stay float32 (GEMM2 splits them into two bf16 halves, keeping the
-    # reference's float32 intermediate); FP8 straight from the epilogue with a static scale.
-    static_fp8 = fp8 and w2_input_scale is not None
-    a_dtype = torch.float8_e4m3fn if static_fp8 else torch.float32
-    act = torch.empty(max_tiles * config.block_m, Ip, dtype=a_dtype, device=x.device)
+    # SwiGLU rows: bf16 [hi | lo] halves (the reference's float32 intermediate, read by GEMM2
+    # without conversions); FP8 straight from the epilogue with a static scale; float32 for a
+    # dynamic FP8 scale, which needs each row's amax first.
+    rows = max_tiles * config.block_m
+    if not fp8:
+        act = torch.empty(rows, 2 * Ip, dtype=torch.bfloat16, device=x.device)
+    elif w2_input_scale is not None:
+        act = torch.empty(rows, Ip, dtype=torch.float8_e4m3fn, device=x.device)
+    else:
+        act = torch.empty(rows, Ip, dtype=torch.float32, device=x.device)
     grouped_gemm(
         a_in,
         a_in_scale,
@@ -73,6 +80,7 @@ def moe_forward(
         n_valid=2 * Ip,
         config=config,
         interpreted=interpreted,
+        ptx_decode=ptx_decode,
         out_scale=w2_input_scale if fp8 else None,
         alpha=alpha,
         limit=limit,
@@ -95,6 +103,7 @@ def moe_forward(
         n_valid=H,
         config=config,
         interpreted=interpreted,
+        ptx_decode=ptx_decode,
     )
     combine(y, out, top_k=top_k)
     return out

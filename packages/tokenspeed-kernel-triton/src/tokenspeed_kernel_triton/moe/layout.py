@@ -1,8 +1,8 @@
-"""Expert weights laid out for the Triton MoE kernels ("triton-padded" layout).
+"""Expert weights laid out for the Triton MoE kernels ("triton-mx4words-padded" layout).
 
-Checkpoint layout is kept (w13 rows interleave gate/up, MXFP4 stays packed two codes per byte
-with its e8m0 scales); only H and I are zero-padded to a multiple of PAD_MULTIPLE so the GEMM
-tiles are whole (see _common.PAD_MULTIPLE). Padded rows/columns are zeros: a padded intermediate
+Checkpoint row order is kept (w13 rows interleave gate/up; e8m0 scales unchanged); MXFP4 codes
+are re-encoded as int32 words of 8 K elements (mxfp4_words.py: same bytes, cheaper decode),
+and H and I are zero-padded to a multiple of PAD_MULTIPLE so the GEMM tiles are whole (see _common.PAD_MULTIPLE). Padded rows/columns are zeros: a padded intermediate
 channel has h = 0, so its SwiGLU output is 0 * sigmoid(0) * (0 + 1) = 0, and padded output
 columns are never stored. Biases become float32. Every returned tensor is a fresh copy: the
 caller's tensors are never written and never aliased.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._common import PAD_MULTIPLE, round_up
+from .mxfp4_words import encode_words
 
 # e8m0 bytes above this would overflow the kernel's 2^(scale - 113) float32 factor (elements of
 # 2^114 and beyond, far outside any trained weight); 255 is NaN in the format.
@@ -61,9 +62,9 @@ def prepare_weights(
                     f"most {MAX_SCALE_BYTE} (2^113) for the Triton MoE kernel"
                 )
         tensors = dict(
-            w13=_pad(w13, (E, 2 * Ip, Hp // 2)),
+            w13=encode_words(_pad(w13, (E, 2 * Ip, Hp // 2))),
             w13_scale=_pad(w13_scale, (E, 2 * Ip, Hp // 32), 127),
-            w2=_pad(w2, (E, Hp, Ip // 2)),
+            w2=encode_words(_pad(w2, (E, Hp, Ip // 2))),
             w2_scale=_pad(w2_scale, (E, Hp, Ip // 32), 127),
         )
     elif weight_format == "fp8":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 KERNEL_NAME = "triton.moe"
-WEIGHT_LAYOUT = "triton-padded"
+WEIGHT_LAYOUT = "triton-mx4words-padded"
 
 
 class TritonMoE:

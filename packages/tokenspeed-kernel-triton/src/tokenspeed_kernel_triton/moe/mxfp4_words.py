@@ -1,0 +1,142 @@
+"""MXFP4 weights re-encoded as 32-bit words that decode to bf16 in a few instructions.
+
+Checkpoint MXFP4 packs two e2m1 codes per byte (low nibble = even K element). Dequantizing that
+in Triton costs ~10 integer and conversion instructions per weight (nibble split, fp16 bit
+placement, fp16 -> fp32 -> bf16 conversions), which made the MoE GEMMs ALU-bound instead of
+HBM- or MMA-bound. `moe_prepare_weights` therefore rewrites each run of 8 consecutive K elements
+into one int32 word (same 4 bits per element, so the same bytes are read):
+
+- element i's magnitude (the code's low 3 bits) sits in bits 4i .. 4i+2 of the word;
+- element i's sign sits in bit SIGN_BITS[i] = 15, 31, 11, 27, 7, 23, 3, 19 (the top bits of the
+  nibbles, permuted).
+
+On NVIDIA sm_90+ (`decode_words_ptx`) the word becomes four bf16x2 registers [e0|e1], [e2|e3],
+[e4|e5], [e6|e7]: two byte-permute lookups (prmt) produce the low and high bytes of the bf16
+magnitudes, two more interleave them, and the permuted sign bits make each pair's signs one
+`(word << 4j) & 0x80008000` away (a single lop3 merges them). One packed bf16 multiply applies the
+e8m0 scale. That is about 2.6 instructions per weight instead of ~10. Elsewhere (AMD, the
+interpreter, sm_80/89) `decode_words` decodes the same words with portable Triton arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import round_to_bf16
+
+WORD_ELEMENTS = 8
+SIGN_BITS = (15, 31, 11, 27, 7, 23, 3, 19)
+
+
+def encode_words(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] uint8 checkpoint MXFP4 -> [..., K/8] int32 words (K a multiple of 8).
+
+    Returns a new tensor; `packed` is only read."""
+    if packed.shape[-1] % 4:
+        raise ValueError(f"encode_words: K/2 = {packed.shape[-1]} is not a multiple of 4")
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).to(torch.int64)
+    codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] // 4, WORD_ELEMENTS)
+    magnitude_shift = torch.arange(0, 4 * WORD_ELEMENTS, 4, device=packed.device)
+    sign_shift = torch.tensor(SIGN_BITS, device=packed.device)
+    word = ((codes & 7) << magnitude_shift).sum(-1) + ((codes >> 3) << sign_shift).sum(-1)
+    # Wrap the unsigned 32-bit value into int32's range (two's complement).
+    word = torch.where(word >= 2**31, word - 2**32, word)
+    return word.to(torch.int32)
+
+
+def decode_words_reference(words: torch.Tensor) -> torch.Tensor:
+    """[..., K/8] int32 words -> [..., K/2] uint8 checkpoint packing (the inverse, for tests)."""
+    word = words.to(torch.int64) & 0xFFFFFFFF
+    magnitude_shift = torch.arange(0, 4 * WORD_ELEMENTS, 4, device=words.device)
+    sign_shift = torch.tensor(SIGN_BITS, device=words.device)
+    codes = ((word[..., None] >> magnitude_shift) & 7) | (((word[..., None] >> sign_shift) & 1) << 3)
+    codes = codes.reshape(*words.shape[:-1], -1, 2)
+    return (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+
+
+@triton.jit
+def decode_words(
+    words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr
+):
+    """words [BLOCK_N, BLOCK_K/8] int32, scale [BLOCK_N, BLOCK_K/32] uint8 e8m0 ->
+    [BLOCK_N, BLOCK_K] bf16 = e2m1 * 2^(scale - 127), exactly (scale bytes <= 240).
+
+    Portable arithmetic: the magnitude shifted into an fp16's exponent/mantissa (`m << 9`) is
+    exactly value * 2^-14 (code 1, 0.5, lands on the fp16 subnormal 2^-15), so each element is
+    `fp16_bits * 2^(scale - 113)`, the power of two built from its float32 exponent bits.
+    Scale bytes 0 and 1 make float32-subnormal products (|w| < 2^-125), which devices that flush
+    denormals return as zeros; the PTX decoder works in bf16 and keeps them."""
+    lane = tl.arange(0, 8)
+    sign_bit = tl.where(lane % 2 == 0, 15 - 2 * lane, 33 - 2 * lane)
+    w = words.to(tl.uint32, bitcast=True)[:, :, None]
+    magnitude = (w >> (4 * lane)[None, None, :]) & 7
+    sign = (w >> sign_bit[None, None, :]) & 1
+    bits = ((magnitude << 9) | (sign << 15)).to(tl.uint16)
+    value = bits.to(tl.float16, bitcast=True).to(tl.float32).reshape(BLOCK_N, BLOCK_K)
+    factor = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    factor = tl.broadcast_to(factor[:, :, None], (BLOCK_N, BLOCK_K // 32, 32))
+    return round_to_bf16(value * factor.reshape(BLOCK_N, BLOCK_K), INTERPRETED)
+
+
+# One word -> 8 bf16 (outputs $0..$7 = elements 0..7); $8 = word, $9 = {factor, factor} bf16x2.
+# prmt tables: bf16 of the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 is 0000 3F00 3F80 3FC0 4000 4040
+# 4080 40C0; LO/HI hold their low/high bytes, indexed by the 3-bit magnitude (the selector
+# nibble's bit 3, prmt's sign-replicate flag, is cleared by the 0x77777777 mask).
+_PTX_DECODE = tl.constexpr(
+    """
+{
+.reg .b32 m, mh, lo, hi, r0, r1, r2, r3, s;
+and.b32 m, $8, 0x77777777;
+shr.u32 mh, m, 16;
+prmt.b32 lo, 0xC0800000, 0xC0804000, m;
+prmt.b32 hi, 0x3F3F3F00, 0x40404040, m;
+prmt.b32 r0, lo, hi, 0x5140;
+prmt.b32 r1, lo, hi, 0x7362;
+prmt.b32 lo, 0xC0800000, 0xC0804000, mh;
+prmt.b32 hi, 0x3F3F3F00, 0x40404040, mh;
+prmt.b32 r2, lo, hi, 0x5140;
+prmt.b32 r3, lo, hi, 0x7362;
+lop3.b32 r0, r0, $8, 0x80008000, 0xF8;
+shl.b32 s, $8, 4;
+lop3.b32 r1, r1, s, 0x80008000, 0xF8;
+shl.b32 s, $8, 8;
+lop3.b32 r2, r2, s, 0x80008000, 0xF8;
+shl.b32 s, $8, 12;
+lop3.b32 r3, r3, s, 0x80008000, 0xF8;
+mul.rn.bf16x2 r0, r0, $9;
+mul.rn.bf16x2 r1, r1, $9;
+mul.rn.bf16x2 r2, r2, $9;
+mul.rn.bf16x2 r3, r3, $9;
+mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}
+"""
+)
+
+
+@triton.jit
+def decode_words_ptx(words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`decode_words` for NVIDIA sm_90+ (mul.rn.bf16x2): the same values, via byte-permute
+    lookups. The e8m0 factor 2^(s - 127) is the bf16 with exponent byte s (s = 0: the
+    subnormal 2^-127, bits 0x0040), so the multiply is exact."""
+    s = scale.to(tl.int32)
+    factor = tl.where(s == 0, 0x0040, s << 7)
+    factor = factor | (factor << 16)
+    factor = tl.broadcast_to(factor[:, :, None], (BLOCK_N, BLOCK_K // 32, 4))
+    factor = factor.reshape(BLOCK_N, BLOCK_K // 8)
+    e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+        _PTX_DECODE,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        [words, factor],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+    # join appends a trailing axis of 2: three levels give axes (bit0, bit1, bit2) of the
+    # element index; permute them to (bit2, bit1, bit0) so the flattening is row-major.
+    pairs = tl.join(tl.join(tl.join(e0, e1), tl.join(e2, e3)), tl.join(tl.join(e4, e5), tl.join(e6, e7)))
+    return tl.permute(pairs, (0, 1, 4, 3, 2)).reshape(BLOCK_N, BLOCK_K)
