@@ -3,7 +3,8 @@
 Floors and ceilings are measured in the same run:
 - decode (small M) is bound by reading the distinct selected experts' weights once
   (W13 8.81 MB + W2 4.41 MB per expert, scales included, unpadded): floor = bytes / the
-  device-to-device copy bandwidth (torch copy_, bytes read + written, as the team GPU notes count it);
+  device-to-device copy bandwidth (torch copy_, bytes read + written, as the team GPU notes
+  count it);
 - prefill (large M) is bound by matmul throughput: M*k*2*(H*2I + I*H) FLOPs against the bf16
   dense rate of torch.matmul 8192^3.
 

@@ -2,10 +2,11 @@
 
 Checkpoint row order is kept (w13 rows interleave gate/up; e8m0 scales unchanged); MXFP4 codes
 are re-encoded as int32 words of 8 K elements (mxfp4_words.py: same bytes, cheaper decode),
-and H and I are zero-padded to a multiple of PAD_MULTIPLE so the GEMM tiles are whole (see _common.PAD_MULTIPLE). Padded rows/columns are zeros: a padded intermediate
-channel has h = 0, so its SwiGLU output is 0 * sigmoid(0) * (0 + 1) = 0, and padded output
-columns are never stored. Biases become float32. Every returned tensor is a fresh copy: the
-caller's tensors are never written and never aliased.
+and H and I are zero-padded to a multiple of PAD_MULTIPLE so the GEMM tiles are whole (see
+_common.PAD_MULTIPLE). Padded rows/columns are zeros: a padded intermediate channel has h = 0,
+so its SwiGLU output is 0 * sigmoid(0) * (0 + 1) = 0, and padded output columns are never
+stored. Biases become float32. Every returned tensor is a fresh copy: the caller's tensors are
+never written and never aliased.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ def decode_words_reference(words: torch.Tensor) -> torch.Tensor:
     word = words.to(torch.int64) & 0xFFFFFFFF
     magnitude_shift = torch.arange(0, 4 * WORD_ELEMENTS, 4, device=words.device)
     sign_shift = torch.tensor(SIGN_BITS, device=words.device)
-    codes = ((word[..., None] >> magnitude_shift) & 7) | (((word[..., None] >> sign_shift) & 1) << 3)
+    magnitude = (word[..., None] >> magnitude_shift) & 7
+    codes = magnitude | (((word[..., None] >> sign_shift) & 1) << 3)
     codes = codes.reshape(*words.shape[:-1], -1, 2)
     return (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
 
@@ -138,5 +139,7 @@ def decode_words_ptx(words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr)
     )
     # join appends a trailing axis of 2: three levels give axes (bit0, bit1, bit2) of the
     # element index; permute them to (bit2, bit1, bit0) so the flattening is row-major.
-    pairs = tl.join(tl.join(tl.join(e0, e1), tl.join(e2, e3)), tl.join(tl.join(e4, e5), tl.join(e6, e7)))
+    low = tl.join(tl.join(e0, e1), tl.join(e2, e3))
+    high = tl.join(tl.join(e4, e5), tl.join(e6, e7))
+    pairs = tl.join(low, high)
     return tl.permute(pairs, (0, 1, 4, 3, 2)).reshape(BLOCK_N, BLOCK_K)
