@@ -102,9 +102,57 @@ def run_case(prepared, m, act, scales, *, graph: bool, config=None):
     return ms * 1e3, distinct
 
 
+# Alternative tiles timed by --sweep, per M (the heuristic's pick is among them).
+SWEEP = {
+    1: [
+        MoETileConfig(1, 64, 64, 128, 4, 3),
+        MoETileConfig(1, 32, 32, 128, 4, 3),
+        MoETileConfig(1, 32, 32, 256, 4, 2),
+        MoETileConfig(1, 128, 128, 64, 4, 3),
+        MoETileConfig(1, 64, 64, 256, 8, 2),
+        MoETileConfig(1, 32, 32, 128, 2, 3),
+        MoETileConfig(16, 64, 64, 128, 4, 6),
+    ],
+    4: [MoETileConfig(1, 64, 64, 128, 4, 3), MoETileConfig(16, 64, 64, 128, 4, 6)],
+    16: [MoETileConfig(1, 64, 64, 128, 4, 3), MoETileConfig(16, 64, 64, 128, 4, 6)],
+    4096: [MoETileConfig(128, 128, 128, 64, 8, 3), MoETileConfig(64, 128, 128, 64, 4, 4)],
+    8192: [MoETileConfig(128, 128, 128, 64, 8, 3), MoETileConfig(64, 128, 128, 64, 4, 4)],
+}
+
+
+def profile_case(prepared, m: int) -> list[str]:
+    """Markdown rows of per-kernel device time (us per call) for M tokens, bf16 activations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, H, generator=g, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(m, E, generator=g, device="cuda")
+    out = torch.empty_like(x)
+    calls = 20
+
+    def fn():
+        moe_forward(x, prepared, top_k=TOP_K, out=out, router_logits=logits)
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = ["| kernel | us per call |", "| --- | --- |"]
+    for event in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+        if event.device_time_total > 0:
+            rows.append(f"| {event.key[:60]} | {event.device_time_total / calls:.1f} |")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="also time alternative tiles")
+    parser.add_argument("--profile", action="store_true", help="per-kernel device times")
+    parser.add_argument(
+        "--acts", default="bf16,fp8-dynamic,fp8-static", help="activation formats to time"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -124,8 +172,10 @@ def main() -> int:
     ]
     sweep: list[str] = []
     for act, static in (("bf16", False), ("fp8", False), ("fp8", True)):
-        prepared, scales = gpt_oss_tensors(static)
         label = act if act == "bf16" else f"fp8-{'static' if static else 'dynamic'}"
+        if label not in args.acts.split(","):
+            continue
+        prepared, scales = gpt_oss_tensors(static)
         ms_list = (1, 4, 16, 64, 4096, 8192) if act == "bf16" else (1, 4096)
         for m in ms_list:
             eager, distinct = run_case(prepared, m, act, scales, graph=False)
@@ -141,26 +191,7 @@ def main() -> int:
             print(lines[-1], flush=True)
         if args.sweep and act == "bf16":
             sweep += ["", "Tile sweep (bf16 act, us; graph-timed for M <= 64):", ""]
-            for m, configs in (
-                (
-                    1,
-                    [
-                        MoETileConfig(16, 64, 64, 256, 4, 4),
-                        MoETileConfig(16, 32, 32, 256, 4, 4),
-                        MoETileConfig(16, 64, 64, 128, 4, 6),
-                        MoETileConfig(16, 128, 64, 128, 4, 4),
-                    ],
-                ),
-                (
-                    4096,
-                    [
-                        MoETileConfig(128, 128, 128, 64, 8, 3),
-                        MoETileConfig(128, 256, 128, 64, 8, 3),
-                        MoETileConfig(64, 128, 128, 64, 4, 4),
-                        MoETileConfig(128, 128, 128, 128, 8, 2),
-                    ],
-                ),
-            ):
+            for m, configs in SWEEP.items():
                 for config in configs:
                     try:
                         us = run_case(prepared, m, act, scales, graph=m <= 64, config=config)[0]
@@ -170,6 +201,11 @@ def main() -> int:
                             f"- M={m} {config}: failed {type(exc).__name__}: {str(exc)[:120]}"
                         )
                     print(sweep[-1], flush=True)
+        if args.profile and act == "bf16":
+            for m in (1, 4096):
+                sweep += ["", f"Per-kernel device time, M={m} (torch.profiler, 20 calls):", ""]
+                sweep += profile_case(prepared, m)
+                print("\n".join(sweep[-8:]), flush=True)
         del prepared
         torch.cuda.empty_cache()
     text = "\n".join(lines + sweep) + "\n"

@@ -103,9 +103,12 @@ class MoETileConfig:
 
 # (max tokens x top_k, config), first match wins. One line of hardware reason each.
 _NVIDIA = (
-    # Decode: weight streaming. 16 rows is the smallest MMA tile; narrow N blocks give ~370
-    # CTAs per GEMM at M=1, and 6 stages of 4 KB weight loads hide HBM latency (measured on
-    # H200: 97 us at M=1 vs 108 us with BLOCK_K 256 x 4 stages).
+    # Decode, up to 4 tokens: one (token, expert) row per tile on the CUDA cores (no MMA), so
+    # the weight stream meets no shared-memory round trip.
+    (16, MoETileConfig(1, 64, 64, 128, 4, 3)),
+    # Small batches: weight streaming. 16 rows is the smallest MMA tile; narrow N blocks give
+    # ~370 CTAs per GEMM at M=1, and 6 stages of 4 KB weight loads hide HBM latency (measured
+    # on H200: 97 us at M=1 vs 108 us with BLOCK_K 256 x 4 stages).
     (64, MoETileConfig(16, 64, 64, 128, 4, 6)),
     # Mid batches: still mostly weight-bound; 64 rows amortize each weight tile over more tokens.
     (2048, MoETileConfig(64, 128, 128, 64, 4, 4)),
@@ -120,7 +123,10 @@ _AMD = (
     (None, MoETileConfig(128, 128, 128, 64, 8, 2)),
 )
 # The interpreter runs numpy per program: small tiles keep padding waste (and test time) low.
-_INTERPRETER = ((None, MoETileConfig(16, 64, 64, 128, 4, 1)),)
+_INTERPRETER = (
+    (16, MoETileConfig(1, 64, 64, 128, 4, 1)),
+    (None, MoETileConfig(16, 64, 64, 128, 4, 1)),
+)
 
 
 class ConfigPin:
