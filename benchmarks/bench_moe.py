@@ -105,16 +105,10 @@ def run_case(prepared, m, act, scales, *, graph: bool, config=None):
 # Alternative tiles timed by --sweep, per M (the heuristic's pick is among them).
 SWEEP = {
     1: [
-        MoETileConfig(1, 64, 64, 128, 4, 3),
-        MoETileConfig(1, 32, 32, 128, 4, 3),
-        MoETileConfig(1, 32, 32, 256, 4, 2),
-        MoETileConfig(1, 128, 128, 64, 4, 3),
-        MoETileConfig(1, 64, 64, 256, 8, 2),
-        MoETileConfig(1, 32, 32, 128, 2, 3),
         MoETileConfig(16, 64, 64, 128, 4, 6),
+        MoETileConfig(16, 32, 32, 128, 4, 6),
+        MoETileConfig(16, 64, 64, 128, 4, 8),
     ],
-    4: [MoETileConfig(1, 64, 64, 128, 4, 3), MoETileConfig(16, 64, 64, 128, 4, 6)],
-    16: [MoETileConfig(1, 64, 64, 128, 4, 3), MoETileConfig(16, 64, 64, 128, 4, 6)],
     4096: [MoETileConfig(128, 128, 128, 64, 8, 3), MoETileConfig(64, 128, 128, 64, 4, 4)],
     8192: [MoETileConfig(128, 128, 128, 64, 8, 3), MoETileConfig(64, 128, 128, 64, 4, 4)],
 }

@@ -53,28 +53,23 @@ def _weight_tile(
     W_FORMAT: tl.constexpr,
     PTX_DECODE: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    F32: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Weight rows offs_n, columns k0..k0+BLOCK_K of one expert as [BLOCK_K, BLOCK_N] bf16
-    (float32 if F32)."""
+    """Weight rows offs_n, columns k0..k0+BLOCK_K of one expert as [BLOCK_K, BLOCK_N] bf16."""
     if W_FORMAT == W_MXFP4:
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_ptr + w_base + offs_n[:, None] * stride_wn + offs_w[None, :])
         offs_s = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         scale = tl.load(ws_ptr + ws_base + offs_n[:, None] * stride_sn + offs_s[None, :])
         if PTX_DECODE:
-            w = decode_words_ptx(words, scale, BLOCK_N, BLOCK_K, F32)
+            w = decode_words_ptx(words, scale, BLOCK_N, BLOCK_K)
         else:
-            w = decode_words(words, scale, BLOCK_N, BLOCK_K, F32, INTERPRETED)
+            w = decode_words(words, scale, BLOCK_N, BLOCK_K, INTERPRETED)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + w_base + offs_n[:, None] * stride_wn + offs_k[None, :])
-        if F32:
-            w = w.to(tl.float32)
-        else:
-            w = w.to(tl.bfloat16)
+        w = w.to(tl.bfloat16)
     return tl.trans(w)
 
 
@@ -185,9 +180,6 @@ def _grouped_gemm_kernel(
     w_base = expert * stride_we
     ws_base = expert * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if BLOCK_M < 16:
-        tl.static_assert(BLOCK_M == 1, "below the 16-row MMA tile, tiles hold one row")
-        partial = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a_mask = row_ok[:, None] & (k0 + offs_k < K_VALID)[None, :]
         a = tl.load(
@@ -205,34 +197,21 @@ def _grouped_gemm_kernel(
             W_FORMAT,
             PTX_DECODE,
             INTERPRETED,
-            BLOCK_M < 16,
             BLOCK_N,
             BLOCK_K,
         )
         if SPLIT_A:
-            # GEMM1 stored the SwiGLU rows as [hi | lo] bf16 halves.
+            # GEMM1 stored the SwiGLU rows as [hi | lo] bf16 halves: two MMAs on the one
+            # dequantized weight tile.
             lo = tl.load(
                 a_ptr + a_rows[:, None] * stride_am + (K + k0 + offs_k)[None, :],
                 mask=a_mask,
                 other=0.0,
             )
-        if BLOCK_M >= 16:
-            if SPLIT_A:
-                # Two MMAs on the one dequantized weight tile.
-                acc = _mma(a, b, acc, INTERPRETED)
-                acc = _mma(lo, b, acc, INTERPRETED)
-            else:
-                acc = _mma(a.to(tl.bfloat16), b, acc, INTERPRETED)
+            acc = _mma(a, b, acc, INTERPRETED)
+            acc = _mma(lo, b, acc, INTERPRETED)
         else:
-            # Decode: one row per tile, so a 16-row MMA would be 15/16 padding and its operand
-            # shuffles through shared memory would cost more than the math. Multiply-add on the
-            # CUDA cores instead; the K reduction waits for the end of the loop.
-            row = a.to(tl.float32)
-            if SPLIT_A:
-                row += lo.to(tl.float32)
-            partial += tl.trans(row) * b
-    if BLOCK_M < 16:
-        acc = tl.sum(partial, axis=0)[None, :]
+            acc = _mma(a.to(tl.bfloat16), b, acc, INTERPRETED)
     if W_FORMAT == W_FP8:
         acc *= tl.load(ws_ptr + ws_base + offs_n)[None, :]
     if A_SCALE == 1:
@@ -368,7 +347,7 @@ def aot_specs(kind) -> list:
         "stride_om",
     )
     specs = []
-    for label, pairs in (("decode", 4), ("small", 64), ("prefill", 4096 * 4)):
+    for label, pairs in (("decode", 4), ("prefill", 4096 * 4)):
         config = pick_config(pairs, kind)
         for act in ("bf16", "fp8e4nv"):
             for gemm1 in (True, False):

@@ -59,16 +59,10 @@ def decode_words_reference(words: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def decode_words(
-    words,
-    scale,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    F32: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr
 ):
     """words [BLOCK_N, BLOCK_K/8] int32, scale [BLOCK_N, BLOCK_K/32] uint8 e8m0 ->
-    [BLOCK_N, BLOCK_K] bf16 (float32 if F32) = e2m1 * 2^(scale - 127), exactly (scale bytes
-    <= 240).
+    [BLOCK_N, BLOCK_K] bf16 = e2m1 * 2^(scale - 127), exactly (scale bytes <= 240).
 
     Portable arithmetic: the magnitude shifted into an fp16's exponent/mantissa (`m << 9`) is
     exactly value * 2^-14 (code 1, 0.5, lands on the fp16 subnormal 2^-15), so each element is
@@ -84,10 +78,7 @@ def decode_words(
     value = bits.to(tl.float16, bitcast=True).to(tl.float32).reshape(BLOCK_N, BLOCK_K)
     factor = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
     factor = tl.broadcast_to(factor[:, :, None], (BLOCK_N, BLOCK_K // 32, 32))
-    value = value * factor.reshape(BLOCK_N, BLOCK_K)
-    if F32:
-        return value
-    return round_to_bf16(value, INTERPRETED)
+    return round_to_bf16(value * factor.reshape(BLOCK_N, BLOCK_K), INTERPRETED)
 
 
 # One word -> 8 bf16 (outputs $0..$7 = elements 0..7); $8 = word, $9 = {factor, factor} bf16x2.
@@ -126,20 +117,10 @@ mov.b32 {$6, $7}, r3;
 }
 """
 )
-# The same, ending in float32 outputs: a bf16's bits are the top half of its float32, so the
-# split costs a shift or a mask instead of a conversion instruction.
-_PTX_DECODE_F32 = tl.constexpr(
-    _PTX_DECODE.value.replace(
-        "mov.b32 {$0, $1}, r0;", "shl.b32 $0, r0, 16;\nand.b32 $1, r0, 0xFFFF0000;"
-    )
-    .replace("mov.b32 {$2, $3}, r1;", "shl.b32 $2, r1, 16;\nand.b32 $3, r1, 0xFFFF0000;")
-    .replace("mov.b32 {$4, $5}, r2;", "shl.b32 $4, r2, 16;\nand.b32 $5, r2, 0xFFFF0000;")
-    .replace("mov.b32 {$6, $7}, r3;", "shl.b32 $6, r3, 16;\nand.b32 $7, r3, 0xFFFF0000;")
-)
 
 
 @triton.jit
-def decode_words_ptx(words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr):
+def decode_words_ptx(words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`decode_words` for NVIDIA sm_90+ (mul.rn.bf16x2): the same values, via byte-permute
     lookups. The e8m0 factor 2^(s - 127) is the bf16 with exponent byte s (s = 0: the
     subnormal 2^-127, bits 0x0040), so the multiply is exact."""
@@ -148,24 +129,14 @@ def decode_words_ptx(words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     factor = factor | (factor << 16)
     factor = tl.broadcast_to(factor[:, :, None], (BLOCK_N, BLOCK_K // 32, 4))
     factor = factor.reshape(BLOCK_N, BLOCK_K // 8)
-    if F32:
-        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
-            _PTX_DECODE_F32,
-            "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-            [words, factor],
-            dtype=(tl.float32,) * 8,
-            is_pure=True,
-            pack=1,
-        )
-    else:
-        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
-            _PTX_DECODE,
-            "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
-            [words, factor],
-            dtype=(tl.bfloat16,) * 8,
-            is_pure=True,
-            pack=1,
-        )
+    e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+        _PTX_DECODE,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        [words, factor],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
     # join appends a trailing axis of 2: three levels give axes (bit0, bit1, bit2) of the
     # element index; permute them to (bit2, bit1, bit0) so the flattening is row-major.
     low = tl.join(tl.join(e0, e1), tl.join(e2, e3))

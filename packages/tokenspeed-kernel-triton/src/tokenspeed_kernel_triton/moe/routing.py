@@ -225,6 +225,9 @@ def route(router_logits, topk_weights, topk_ids, *, top_k: int, num_experts: int
     block_k = triton.next_power_of_2(top_k)
     stride = router_logits.stride(0) if has_logits else 0
     logits = router_logits if has_logits else topk_ids
+    # The tile table is written TILE_CHUNK tiles at a time, each against every expert: no wider
+    # than the table itself (a decode step has a handful of tiles).
+    tile_chunk = min(_TILE_CHUNK, triton.next_power_of_2(n_tiles))
     if num_pairs <= FUSED_MAX_PAIRS:
         block_t = triton.next_power_of_2(M)
         _route_small_kernel[(1,)](
@@ -244,7 +247,8 @@ def route(router_logits, topk_weights, topk_ids, *, top_k: int, num_experts: int
             BLOCK_E=block_e,
             BLOCK_K=block_k,
             BLOCK_M=block_m,
-            TILE_CHUNK=_TILE_CHUNK,
+            TILE_CHUNK=tile_chunk,
+            num_warps=2 if num_pairs <= 16 else 4,
         )
         return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
     if has_logits:
@@ -273,7 +277,7 @@ def route(router_logits, topk_weights, topk_ids, *, top_k: int, num_experts: int
         BLOCK_M=block_m,
         BLOCK_E=block_e,
         CHUNK=_CHUNK,
-        TILE_CHUNK=_TILE_CHUNK,
+        TILE_CHUNK=tile_chunk,
     )
     _scatter_kernel[(triton.cdiv(num_pairs, _CHUNK),)](
         topk_ids, num_pairs, cursor, sorted_pairs, CHUNK=_CHUNK
