@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from tokenspeed_kernel.formats.mxfp4 import dequantize_mxfp4
+from tokenspeed_kernel_triton.moe._common import DeviceInfo, has_ptx_decode
 from tokenspeed_kernel_triton.moe.layout import MAX_SCALE_BYTE
 from tokenspeed_kernel_triton.moe.mxfp4_words import (
     decode_words,
@@ -94,3 +95,17 @@ def test_ptx_decoder_matches_core_dequantizer_bit_for_bit():
     expected = dequantize_mxfp4(packed, scale).to(torch.bfloat16)
     got = _decode(packed, scale, ptx=True)
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    "vendor,arch,expected",
+    [
+        ("nvidia", "sm_90", True),
+        ("nvidia", "sm_100a", True),
+        ("nvidia", "sm_89", False),
+        ("amd", "gfx942", False),
+        ("interpreter", "cpu", False),
+    ],
+)
+def test_ptx_decoder_is_chosen_only_where_it_compiles(vendor, arch, expected):
+    assert has_ptx_decode(DeviceInfo(vendor, arch, 1)) is expected
