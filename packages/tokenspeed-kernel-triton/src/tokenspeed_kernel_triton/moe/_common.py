@@ -154,9 +154,11 @@ def pick_config(num_pairs: int, info: DeviceInfo) -> MoETileConfig:
     raise AssertionError("unreachable: every table ends with a catch-all row")
 
 
+@functools.cache
 def has_ptx_decode(info) -> bool:
     """Whether the MXFP4 byte-permute decoder (inline PTX with mul.rn.bf16x2) runs on `info`'s
-    device: NVIDIA sm_90 and newer, compiled (the interpreter cannot run PTX)."""
+    device: NVIDIA sm_90 and newer, compiled (the interpreter cannot run PTX). Cached: every
+    moe_apply asks."""
     if info.vendor != "nvidia" or not info.arch.startswith("sm_"):
         return False
     return int(info.arch[3:].rstrip("a")) >= 90
