@@ -25,6 +25,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 from tokenspeed_kernel_triton.moe._common import MoETileConfig, pin_config
 from tokenspeed_kernel_triton.moe.kernel import moe_forward
 from tokenspeed_kernel_triton.moe.layout import prepare_weights
+from tokenspeed_kernel_triton.moe.wgmma_gemm import FRAGMENT_PIN, FragmentConfig
 
 E, TOP_K, H, I = 128, 4, 2880, 2880  # noqa: E741
 EXPERT_BYTES = (2 * I * H // 2 + 2 * I * H // 32) + (H * I // 2 + H * I // 32)
@@ -44,7 +45,7 @@ def bf16_matmul_rate() -> float:
     return 2 * 8192**3 / (ms * 1e-3)
 
 
-def gpt_oss_tensors(static: bool):
+def gpt_oss_tensors(static: bool, word_order: str = "natural"):
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def mx(rows, cols):
@@ -68,6 +69,7 @@ def gpt_oss_tensors(static: bool):
         w2_scale=s2,
         w13_bias=0.5 * torch.randn(E, 2 * I, generator=g, device="cuda"),
         w2_bias=0.5 * torch.randn(E, H, generator=g, device="cuda"),
+        word_order=word_order,
     )
     scales = (3.5 / 448, 24.0 / 448) if static else (None, None)
     return prepared, scales
@@ -92,7 +94,8 @@ def run_case(prepared, m, act, scales, *, graph: bool, config=None):
         )
 
     if config is not None:
-        with pin_config(config):
+        pin = FRAGMENT_PIN.pin if isinstance(config, FragmentConfig) else pin_config
+        with pin(config):
             fn()
             ms = do_bench_cudagraph(fn, rep=200) if graph else do_bench(fn, warmup=25, rep=200)
     else:
@@ -111,6 +114,19 @@ SWEEP = {
     ],
     4096: [MoETileConfig(128, 128, 128, 64, 8, 3), MoETileConfig(64, 128, 128, 64, 4, 4)],
     8192: [MoETileConfig(128, 128, 128, 64, 8, 3), MoETileConfig(64, 128, 128, 64, 4, 4)],
+}
+
+
+# The same for triton.moe.wgmma (bf16-wgmma).
+FRAGMENT_SWEEP = {
+    1: [FragmentConfig(64, 8, 4, 4), FragmentConfig(64, 8, 4, 6), FragmentConfig(128, 8, 8, 4)],
+    4096: [
+        FragmentConfig(128, 64, 4, 4),
+        FragmentConfig(128, 128, 8, 3),
+        FragmentConfig(128, 128, 4, 3),
+        FragmentConfig(256, 128, 8, 3),
+    ],
+    8192: [FragmentConfig(128, 128, 8, 3), FragmentConfig(256, 128, 8, 3)],
 }
 
 
@@ -145,7 +161,10 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also time alternative tiles")
     parser.add_argument("--profile", action="store_true", help="per-kernel device times")
     parser.add_argument(
-        "--acts", default="bf16,fp8-dynamic,fp8-static", help="activation formats to time"
+        "--acts",
+        default="bf16-wgmma,bf16,fp8-dynamic,fp8-static",
+        help="variants to time: bf16-wgmma (triton.moe.wgmma, sm_90) and triton.moe's bf16, "
+        "fp8-dynamic, fp8-static",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -165,11 +184,16 @@ def main() -> int:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     sweep: list[str] = []
-    for act, static in (("bf16", False), ("fp8", False), ("fp8", True)):
-        label = act if act == "bf16" else f"fp8-{'static' if static else 'dynamic'}"
+    variants = (
+        ("bf16-wgmma", "bf16", False, "fragment"),
+        ("bf16", "bf16", False, "natural"),
+        ("fp8-dynamic", "fp8", False, "natural"),
+        ("fp8-static", "fp8", True, "natural"),
+    )
+    for label, act, static, word_order in variants:
         if label not in args.acts.split(","):
             continue
-        prepared, scales = gpt_oss_tensors(static)
+        prepared, scales = gpt_oss_tensors(static, word_order)
         ms_list = (1, 4, 16, 64, 4096, 8192) if act == "bf16" else (1, 4096)
         for m in ms_list:
             eager, distinct = run_case(prepared, m, act, scales, graph=False)
@@ -183,9 +207,10 @@ def main() -> int:
                 f"{rate / 1e12:.0f} | {100 * rate / dense:.0f}% |"
             )
             print(lines[-1], flush=True)
-        if args.sweep and act == "bf16":
-            sweep += ["", "Tile sweep (bf16 act, us; graph-timed for M <= 64):", ""]
-            for m, configs in SWEEP.items():
+        if args.sweep and label in ("bf16", "bf16-wgmma"):
+            sweep += ["", f"Tile sweep ({label}, us; graph-timed for M <= 64):", ""]
+            table = SWEEP if label == "bf16" else FRAGMENT_SWEEP
+            for m, configs in table.items():
                 for config in configs:
                     try:
                         us = run_case(prepared, m, act, scales, graph=m <= 64, config=config)[0]
@@ -195,7 +220,7 @@ def main() -> int:
                             f"- M={m} {config}: failed {type(exc).__name__}: {str(exc)[:120]}"
                         )
                     print(sweep[-1], flush=True)
-        if args.profile and act == "bf16":
+        if args.profile and label in ("bf16", "bf16-wgmma"):
             for m in (1, 4096):
                 sweep += ["", f"Per-kernel device time, M={m} (torch.profiler, 20 calls):", ""]
                 sweep += profile_case(prepared, m)

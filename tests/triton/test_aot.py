@@ -64,3 +64,14 @@ def test_matrix_instructions_and_shared_memory(aot_rows, target):
             assert row["wgmma"] or row["mma"], f"{row['name']}: no wgmma/mma in the PTX"
         else:
             assert row["mfma"], f"{row['name']}: no v_mfma in the AMDGCN"
+
+
+def test_hopper_moe_keeps_weight_fragments_in_registers(aot_rows):
+    """triton.moe.wgmma's point: MXFP4 words decode straight into wgmma's register A operand,
+    so no specialization moves data between registers and shared memory (activations arrive by
+    cp.async and wgmma reads them in place)."""
+    rows = [row for row in aot_rows["sm_90"] if row["name"].startswith("moe_wgmma_")]
+    assert len(rows) == 6, [row["name"] for row in rows]
+    for row in rows:
+        assert row["ok"] and row["wgmma"], row
+        assert not row["shared_loads_stores"], row

@@ -17,6 +17,7 @@ import torch
 from tokenspeed_kernel import moe_apply, moe_plan, moe_prepare_weights
 from tokenspeed_kernel.ops.moe.reference import topk_softmax
 from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEWeights
+from tokenspeed_kernel.platform import platform_of
 from tokenspeed_kernel.registry import get_kernel
 from tokenspeed_kernel.selector import use_kernel
 from tokenspeed_kernel.testing import (
@@ -193,12 +194,23 @@ def gpt_oss_weights(activation_format="bf16", static=False, seed=0, device="cuda
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act", ["bf16", "fp8-dynamic", "fp8-static"])
-def test_gpt_oss_120b_shapes(act):
+@pytest.mark.parametrize(
+    "kernel,act",
+    [
+        (KERNEL, "bf16"),
+        (KERNEL, "fp8-dynamic"),
+        (KERNEL, "fp8-static"),
+        ("triton.moe.wgmma", "bf16"),
+    ],
+)
+def test_gpt_oss_120b_shapes(kernel, act):
     activation_format = "fp8" if act.startswith("fp8") else "bf16"
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format=activation_format)
     weights = gpt_oss_weights(activation_format, static=act == "fp8-static")
-    spec = get_kernel("moe", KERNEL)
+    spec = get_kernel("moe", kernel)
+    mismatches = [p.mismatch(platform_of(torch.device("cuda"))) for p in spec.platforms]
+    if all(mismatches):
+        pytest.skip(f"{kernel}: {mismatches[0]}")
     plan = moe_plan_for(spec, config, 4096, "cuda")
     prepared = spec.fn.prepare_weights(plan, weights)
     reference = get_kernel("moe", "reference.moe")
@@ -206,7 +218,8 @@ def test_gpt_oss_120b_shapes(act):
     ref_prepared = reference.fn.prepare_weights(ref_plan, weights)
     dtype = torch.float8_e4m3fn if activation_format == "fp8" else torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(1)
-    for m in (1, 4, 64, 4096):
+    # 1 and 4 take the decode tiles, 64 and 4096 the mid ones, 4500 (18000 pairs) the prefill.
+    for m in (1, 4, 64, 4096, 4500):
         x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
         logits = torch.randn(m, 128, generator=g, device="cuda")
         out = torch.empty_like(x)

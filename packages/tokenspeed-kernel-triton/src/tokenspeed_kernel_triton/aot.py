@@ -26,6 +26,7 @@ AOT_KERNELS: list[str] = [
     "attention.kvcache_store",
     "moe.routing",
     "moe.grouped_gemm",
+    "moe.wgmma_gemm",
     "moe.quant",
     "moe.combine",
 ]
@@ -52,6 +53,9 @@ class AotSpec:
     num_warps: int
     num_stages: int
     options: dict[str, Any] = field(default_factory=dict)
+    # Integer/pointer arguments the launcher guarantees divisible by 16 (Triton's JIT specializes
+    # on that at run time; AOT has to be told).
+    divisible: tuple[str, ...] = ()
 
 
 def compile_for(
@@ -62,6 +66,7 @@ def compile_for(
     *,
     num_warps: int = 4,
     num_stages: int = 2,
+    divisible: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Compile one specialization for `target` ("sm_90", "gfx942", "gfx950").
 
@@ -69,6 +74,7 @@ def compile_for(
     shared memory) and `n_regs`/`n_spills` where the backend reports them.
     """
     import triton
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     if target not in TARGETS:
         raise ValueError(f"compile_for: target is {target!r}, expected one of {', '.join(TARGETS)}")
@@ -76,9 +82,14 @@ def compile_for(
     full_signature = dict(signature)
     for name in constexprs:
         full_signature[name] = "constexpr"
-    source = triton.compiler.ASTSource(
-        fn=kernel_jit_fn, signature=full_signature, constexprs=constexprs
-    )
+    names = list(signature)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    if isinstance(kernel_jit_fn, GluonJITFunction):
+        source = GluonASTSource(kernel_jit_fn, full_signature, constexprs, attrs)
+    else:
+        source = triton.compiler.ASTSource(
+            fn=kernel_jit_fn, signature=full_signature, constexprs=constexprs, attrs=attrs
+        )
     compiled = triton.compile(
         source, target=gpu_target, options={"num_warps": num_warps, "num_stages": num_stages}
     )
@@ -111,6 +122,7 @@ def check_target(target: str) -> list[dict[str, Any]]:
                 target,
                 num_warps=spec.num_warps,
                 num_stages=spec.num_stages,
+                divisible=spec.divisible,
             )
         except Exception as exc:  # noqa: BLE001 - reported per spec
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
@@ -121,12 +133,14 @@ def check_target(target: str) -> list[dict[str, Any]]:
             ok=True,
             # Kernels with a tl.dot must lower it to the matrix units; reductions and copies
             # have none to check.
-            has_dot="tt.dot" in asm.get("ttir", ""),
+            has_dot="tt.dot" in asm.get("ttir", "") or "warp_group_dot" in asm.get("ttir", ""),
             shared=asm["shared"],
             shared_limit=SHARED_LIMIT[target],
             wgmma="wgmma" in text,
             mma="mma.sync" in text or "wgmma" in text,
             mfma="v_mfma" in text,
+            # Register <-> shared-memory traffic (not cp.async/TMA copies nor wgmma's reads).
+            shared_loads_stores=any(op in text for op in ("ldmatrix", "ld.shared", "st.shared")),
         )
         rows.append(row)
     return rows

@@ -38,18 +38,19 @@ def moe_forward(
     M = x.shape[0]
     if M == 0:
         return out
+    if prepared.get("word_order") == "fragment":
+        if activation_format != "bf16":
+            raise ValueError(
+                f"moe_forward: weights prepared in fragment order take bf16 activations, got "
+                f"{activation_format}"
+            )
+        return _forward_fragment(
+            x, prepared, top_k, out, router_logits, topk_weights, topk_ids, alpha, limit
+        )
     info = device_info(x.device)
     config = pick_config(M * top_k, info)
     ptx_decode = has_ptx_decode(info)
-    weights, ids, sorted_pairs, tiles, num_tiles, max_tiles = route(
-        router_logits,
-        topk_weights,
-        topk_ids,
-        top_k=top_k,
-        num_experts=prepared["num_experts"],
-        block_m=config.block_m,
-    )
-    routing = (weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k)
+    routing = _route(prepared, top_k, config.block_m, router_logits, topk_weights, topk_ids)
     w_format = WEIGHT_FORMAT_CODES[prepared["weight_format"]]
     H = prepared["hidden_size"]
     Ip = prepared["padded_intermediate_size"]
@@ -59,7 +60,7 @@ def moe_forward(
     # SwiGLU rows: bf16 [hi | lo] halves (the reference's float32 intermediate, read by GEMM2
     # without conversions); FP8 straight from the epilogue with a static scale; float32 for a
     # dynamic FP8 scale, which needs each row's amax first.
-    rows = max_tiles * config.block_m
+    rows = routing[4] * config.block_m  # the tile-count bound
     if not fp8:
         act = torch.empty(rows, 2 * Ip, dtype=torch.bfloat16, device=x.device)
     elif w2_input_scale is not None:
@@ -104,6 +105,60 @@ def moe_forward(
         config=config,
         interpreted=interpreted,
         ptx_decode=ptx_decode,
+    )
+    combine(y, out, top_k=top_k)
+    return out
+
+
+def _route(prepared, top_k, block_m, router_logits, topk_weights, topk_ids) -> tuple:
+    """routing.route for the grouped GEMMs: (weights, sorted pairs, tiles, tile count on the
+    device, tile-count bound, top_k)."""
+    weights, _, sorted_pairs, tiles, num_tiles, max_tiles = route(
+        router_logits,
+        topk_weights,
+        topk_ids,
+        top_k=top_k,
+        num_experts=prepared["num_experts"],
+        block_m=block_m,
+    )
+    return weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k
+
+
+def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk_ids, alpha, limit):
+    """moe_forward on Hopper with weights prepared in fragment order (bf16 activations)."""
+    from .wgmma_gemm import fragment_gemm, pick_fragment_config
+
+    M = x.shape[0]
+    config = pick_fragment_config(M * top_k)
+    routing = _route(prepared, top_k, config.block_t, router_logits, topk_weights, topk_ids)
+    H = prepared["hidden_size"]
+    Ip = prepared["padded_intermediate_size"]
+    rows = routing[4] * config.block_t  # the tile-count bound
+    act = torch.empty(rows, 2 * Ip, dtype=torch.bfloat16, device=x.device)
+    fragment_gemm(
+        x,
+        prepared["w13"],
+        prepared["w13_scale"],
+        prepared["w13_bias"],
+        act,
+        routing,
+        gemm1=True,
+        n_valid=2 * Ip,
+        config=config,
+        alpha=alpha,
+        limit=limit,
+    )
+    y = torch.empty(M * top_k, H, dtype=torch.float32, device=x.device)
+    fragment_gemm(
+        act,
+        prepared["w2"],
+        prepared["w2_scale"],
+        prepared["w2_bias"],
+        y,
+        routing,
+        gemm1=False,
+        n_valid=H,
+        config=config,
     )
     combine(y, out, top_k=top_k)
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._common import PAD_MULTIPLE, round_up
+from .fragment_layout import fragment_order, group_gate_up
 from .mxfp4_words import encode_words
 
 # e8m0 bytes above this would overflow the kernel's 2^(scale - 113) float32 factor (elements of
@@ -47,10 +48,21 @@ def prepare_weights(
     w2_scale=None,
     w13_bias=None,
     w2_bias=None,
+    word_order: str = "natural",
 ) -> dict:
     """Checkpoint tensors (see the MoE contract) -> dict of padded tensors for `moe_forward`.
 
-    Raises ValueError for MXFP4 scale bytes above 240 (the kernel's exact range)."""
+    word_order "fragment" (MXFP4 only) lays the words and w13 rows out for the Hopper fragment
+    GEMM (fragment_layout.py). Raises ValueError for MXFP4 scale bytes above 240 (the kernel's
+    exact range)."""
+    if word_order not in ("natural", "fragment"):
+        raise ValueError(
+            f"prepare_weights: word_order is {word_order!r}, expected natural or fragment"
+        )
+    if word_order == "fragment" and weight_format != "mxfp4":
+        raise ValueError(
+            f"prepare_weights: fragment word order needs mxfp4 weights, got {weight_format}"
+        )
     E = w13.shape[0]
     H, I = hidden_size, intermediate_size  # noqa: E741
     Hp, Ip = padded_sizes(H, I)
@@ -63,11 +75,18 @@ def prepare_weights(
                     f"most {MAX_SCALE_BYTE} (2^113) for the Triton MoE kernel"
                 )
         tensors = dict(
-            w13=encode_words(_pad(w13, (E, 2 * Ip, Hp // 2))),
+            w13=_pad(w13, (E, 2 * Ip, Hp // 2)),
             w13_scale=_pad(w13_scale, (E, 2 * Ip, Hp // 32), 127),
-            w2=encode_words(_pad(w2, (E, Hp, Ip // 2))),
+            w2=_pad(w2, (E, Hp, Ip // 2)),
             w2_scale=_pad(w2_scale, (E, Hp, Ip // 32), 127),
         )
+        if word_order == "fragment":
+            tensors["w13"] = group_gate_up(tensors["w13"])
+            tensors["w13_scale"] = group_gate_up(tensors["w13_scale"])
+            for name in ("w13", "w2"):
+                tensors[name] = fragment_order(tensors[name])
+        for name in ("w13", "w2"):
+            tensors[name] = encode_words(tensors[name])
     elif weight_format == "fp8":
         tensors = dict(
             w13=_pad_fp8(w13, (E, 2 * Ip, Hp)),
@@ -80,6 +99,8 @@ def prepare_weights(
             w13=_pad(w13, (E, 2 * Ip, Hp)), w2=_pad(w2, (E, Hp, Ip)), w13_scale=None, w2_scale=None
         )
     tensors["w13_bias"] = None if w13_bias is None else _pad(w13_bias.float(), (E, 2 * Ip))
+    if word_order == "fragment" and w13_bias is not None:
+        tensors["w13_bias"] = group_gate_up(tensors["w13_bias"])
     tensors["w2_bias"] = None if w2_bias is None else _pad(w2_bias.float(), (E, Hp))
     tensors.update(
         weight_format=weight_format,
@@ -88,5 +109,6 @@ def prepare_weights(
         padded_hidden_size=Hp,
         padded_intermediate_size=Ip,
         num_experts=E,
+        word_order=word_order,
     )
     return tensors

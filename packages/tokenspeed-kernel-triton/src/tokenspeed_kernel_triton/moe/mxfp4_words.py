@@ -85,7 +85,7 @@ def decode_words(
 # prmt tables: bf16 of the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 is 0000 3F00 3F80 3FC0 4000 4040
 # 4080 40C0; LO/HI hold their low/high bytes, indexed by the 3-bit magnitude (the selector
 # nibble's bit 3, prmt's sign-replicate flag, is cleared by the 0x77777777 mask).
-_PTX_DECODE = tl.constexpr(
+PTX_DECODE_WORD = tl.constexpr(
     """
 {
 .reg .b32 m, mh, lo, hi, r0, r1, r2, r3, s;
@@ -120,6 +120,20 @@ mov.b32 {$6, $7}, r3;
 
 
 @triton.jit
+def decode_word_slots(words, factor):
+    """PTX_DECODE_WORD over int32 `words` and their bf16x2 scale `factor` (same shape):
+    returns the 8 element tensors (slot 0..7) as bf16. Also called from the Gluon kernel."""
+    return tl.inline_asm_elementwise(
+        PTX_DECODE_WORD,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        [words, factor],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
 def decode_words_ptx(words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`decode_words` for NVIDIA sm_90+ (mul.rn.bf16x2): the same values, via byte-permute
     lookups. The e8m0 factor 2^(s - 127) is the bf16 with exponent byte s (s = 0: the
@@ -129,14 +143,7 @@ def decode_words_ptx(words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr)
     factor = factor | (factor << 16)
     factor = tl.broadcast_to(factor[:, :, None], (BLOCK_N, BLOCK_K // 32, 4))
     factor = factor.reshape(BLOCK_N, BLOCK_K // 8)
-    e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
-        _PTX_DECODE,
-        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
-        [words, factor],
-        dtype=(tl.bfloat16,) * 8,
-        is_pure=True,
-        pack=1,
-    )
+    e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots(words, factor)
     # join appends a trailing axis of 2: three levels give axes (bit0, bit1, bit2) of the
     # element index; permute them to (bit2, bit1, bit0) so the flattening is row-major.
     low = tl.join(tl.join(e0, e1), tl.join(e2, e3))

@@ -6,14 +6,19 @@ import os
 
 KERNEL_NAME = "triton.moe"
 WEIGHT_LAYOUT = "triton-mx4words-padded"
+WGMMA_KERNEL_NAME = "triton.moe.wgmma"
+WGMMA_WEIGHT_LAYOUT = "triton-mx4fragment-padded"
 
 
 class TritonMoE:
-    """The registered "moe" kernel object: padded checkpoint layout, grouped GEMMs with
-    in-kernel MXFP4/FP8 dequantization, bf16 or FP8 activations."""
+    """A registered "moe" kernel object: padded checkpoint layout, grouped GEMMs with
+    in-kernel MXFP4/FP8 dequantization, bf16 or FP8 activations. word_order "fragment" is the
+    Hopper variant (wgmma_gemm.py: MXFP4 words decoded into wgmma register fragments)."""
 
-    name = KERNEL_NAME
-    weight_layout = WEIGHT_LAYOUT
+    def __init__(self, name: str, weight_layout: str, word_order: str) -> None:
+        self.name = name
+        self.weight_layout = weight_layout
+        self.word_order = word_order
 
     def padded_sizes(self, config) -> tuple[int, int]:
         from .layout import padded_sizes
@@ -36,10 +41,11 @@ class TritonMoE:
             w2_scale=weights.w2_scale,
             w13_bias=weights.w13_bias,
             w2_bias=weights.w2_bias,
+            word_order=self.word_order,
         )
         tensors["w13_input_scale"] = _as_float(weights.w13_input_scale)
         tensors["w2_input_scale"] = _as_float(weights.w2_input_scale)
-        return PreparedMoEWeights(kernel=KERNEL_NAME, config=config, tensors=tensors)
+        return PreparedMoEWeights(kernel=self.name, config=config, tensors=tensors)
 
     def apply(
         self, plan, x, prepared, *, router_logits=None, topk_weights=None, topk_ids=None, out
@@ -100,4 +106,20 @@ def register_moe_kernels() -> None:
         supports=_supports,
         description="expert-sorted grouped GEMMs, in-kernel MXFP4/FP8 dequant, fused "
         "bias+SwiGLU, one-launch decode routing",
-    )(TritonMoE())
+    )(TritonMoE(KERNEL_NAME, WEIGHT_LAYOUT, "natural"))
+    # wgmma (sm_90a only: Blackwell has no wgmma) with the weights as the register operand.
+    register_kernel(
+        "moe",
+        name=WGMMA_KERNEL_NAME,
+        backend="triton",
+        platforms=["nvidia:sm_90"],
+        traits={
+            "weight_format": {"mxfp4"},
+            "activation_format": {"bf16"},
+            "routing": {"topk_softmax"},
+            "bias": True,
+        },
+        priority=110,
+        description="Gluon wgmma grouped GEMMs, MXFP4 words decoded straight into register "
+        "fragments (no shared-memory pass), fused bias+SwiGLU",
+    )(TritonMoE(WGMMA_KERNEL_NAME, WGMMA_WEIGHT_LAYOUT, "fragment"))

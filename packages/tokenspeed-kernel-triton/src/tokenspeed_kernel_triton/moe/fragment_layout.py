@@ -1,0 +1,80 @@
+"""Weight order and register layouts of the Hopper fragment GEMM (wgmma_gemm.py).
+
+wgmma's A operand in registers (bf16, k_width 2) gives thread (warp w, lane l) of a
+[64 rows, 128 K] chunk the rows 16w + l/4 (+8) and, per row, the K elements
+2 * (l % 4) + {0, 1} (+8, +16, +32, +64). The prepared MXFP4 words are reordered so that a thread
+loads exactly those: within each 128-element K chunk, word j = 4 * jhi + jlo (16 words per row)
+holds the elements
+
+    k = 32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0   in slot  i = 4 * b2 + 2 * b1 + b0,
+
+so the lane's K pair index jhi picks 4 consecutive words (one 16-byte load), slot pairs (b0) are
+the bf16x2 register pairs, and every word stays inside one 32-element scale block (jlo). Each
+word still uses mxfp4_words' encoding, so the same byte-permute decoder applies.
+
+GEMM1's rows are regrouped too: each 16-row group holds the gate rows of 8 intermediate channels
+then their up rows, because the accumulator gives rows r and r + 8 to the same thread.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK_K = 128
+CHUNK_WORDS = CHUNK_K // 8
+
+
+def fragment_order(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] uint8 checkpoint MXFP4 (K a multiple of 128) -> the same codes, repacked
+    (low nibble first) in fragment order, ready for mxfp4_words.encode_words."""
+    K = packed.shape[-1] * 2
+    if K % CHUNK_K:
+        raise ValueError(f"fragment_order: K = {K} is not a multiple of {CHUNK_K}")
+    lead = packed.shape[:-1]
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1)
+    # k = 32 jlo + 16 b2 + 8 b1 + 2 jhi + b0  ->  order (jhi, jlo, b2, b1, b0).
+    codes = codes.reshape(*lead, K // CHUNK_K, 4, 2, 2, 4, 2)
+    n = codes.dim()
+    codes = codes.permute(*range(n - 5), n - 2, n - 5, n - 4, n - 3, n - 1)
+    codes = codes.reshape(*lead, K // 2, 2)
+    return codes[..., 0] | (codes[..., 1] << 4)
+
+
+def group_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] with interleaved gate (even) / up (odd) rows -> 16-row groups of 8 gate rows
+    then the matching 8 up rows (2I a multiple of 16)."""
+    E, rows = t.shape[:2]
+    if rows % 16:
+        raise ValueError(f"group_gate_up: {rows} rows is not a multiple of 16")
+    grouped = t.reshape(E, rows // 16, 8, 2, *t.shape[2:]).transpose(2, 3)
+    return grouped.reshape(t.shape)
+
+
+def kernel_layouts(block_w: int, block_t: int, num_warps: int) -> dict:
+    """The Gluon layouts the fragment GEMM is compiled with (constexpr arguments)."""
+    from triton.experimental.gluon import language as gl
+
+    rows_per_pass = 16 * num_warps
+    if block_w % rows_per_pass or block_t % 8 or not 8 <= block_t <= 256:
+        raise ValueError(
+            f"kernel_layouts: block_w {block_w} must be a multiple of {rows_per_pass} and "
+            f"block_t {block_t} a multiple of 8 in [8, 256]"
+        )
+    mma = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_t, 16]
+    )
+    repeats = [[rows_per_pass << i, 0] for i in range((block_w // rows_per_pass).bit_length() - 1)]
+    words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0], *repeats],
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << i, 0] for i in range(num_warps.bit_length() - 1)],
+        block_bases=[],
+        shape=[block_w, CHUNK_WORDS],
+    )
+    return dict(
+        mma=mma,
+        dot_a=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+        words_layout=words,
+        copy_layout=gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0]),
+        smem_layout=gl.NVMMASharedLayout.get_default_for([block_t, CHUNK_K], gl.bfloat16),
+    )

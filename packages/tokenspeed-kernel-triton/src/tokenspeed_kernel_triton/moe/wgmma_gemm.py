@@ -1,0 +1,366 @@
+"""Hopper grouped GEMM with MXFP4 weights decoded straight into wgmma register fragments (Gluon).
+
+The portable kernel (grouped_gemm.py) dequantizes a weight tile in registers, then Triton stores
+it to shared memory and reloads it with ldmatrix for the MMA: that round trip, not HBM, bounds
+decode. Here the operands are swapped: out^T = W x^T, the weight tile [BLOCK_W rows, 128 K] is
+wgmma's A operand, which may live in registers, and the activations [BLOCK_T tokens, 128 K] are
+the B operand in shared memory (cp.async ring). `fragment_layout.py` permutes the MXFP4 words at
+prepare time so that the words each thread loads decode, in place, to exactly its elements of the
+A fragment: no shuffle, no shared-memory pass for weights, 16-byte coalesced word loads.
+
+GEMM1 (SWIGLU): B rows are x gathered by token; the prepared w13 puts the gate row of 8
+intermediate channels in rows 0-7 of each 16-row group and their up rows in rows 8-15, which
+the accumulator layout hands to the same thread, so the SwiGLU epilogue needs no exchange. It
+writes `a` as bf16 [hi | lo] halves (as the portable kernel; see grouped_gemm.py).
+GEMM2: B rows are the sorted `a` rows (hi and lo: two wgmmas on one decoded fragment); the
+epilogue adds the bias, multiplies by the routing weight and writes fp32 rows by pair.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ._common import ConfigPin
+from .mxfp4_words import decode_word_slots
+
+
+@gluon.jit
+def _decode_fragment(words, scale, dot_a: gl.constexpr, BLOCK_W: gl.constexpr):
+    """words / scale [BLOCK_W, 16] (int32, uint8) in the words layout -> [BLOCK_W, 128] bf16
+    in wgmma's A-operand layout. Word j = 4 * jhi + jlo holds K elements
+    32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0 in slot 4 * b2 + 2 * b1 + b0 (fragment_layout)."""
+    s = scale.to(gl.int32)
+    factor = gl.where(s == 0, 0x0040, s << 7)
+    factor = factor | (factor << 16)
+    e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots(words, factor)
+    low = gl.join(gl.join(e0, e1), gl.join(e2, e3))
+    high = gl.join(gl.join(e4, e5), gl.join(e6, e7))
+    slots = gl.join(low, high)  # [W, 16, b0, b1, b2]
+    slots = gl.reshape(slots, [BLOCK_W, 4, 4, 2, 2, 2])  # [W, jhi, jlo, b0, b1, b2]
+    frag = gl.permute(slots, (0, 2, 5, 4, 1, 3))  # [W, jlo, b2, b1, jhi, b0]: K order
+    frag = gl.reshape(frag, [BLOCK_W, 128])
+    return gl.convert_layout(frag, dot_a, assert_trivial=True)
+
+
+@gluon.jit
+def _issue_act_step(
+    act, act_lo, a_ptr, a_rows, row_ok, step, K, stride_am, copy_layout: gl.constexpr, SPLIT_A
+):
+    """cp.async the activations of K step `step` into ring slot step % STAGES (and the lo
+    half, K columns further, for GEMM2)."""
+    cols = step * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, copy_layout))
+    ptrs = a_ptr + a_rows[:, None] * stride_am + cols[None, :]
+    slot = step % act.shape[0]
+    async_copy.async_copy_global_to_shared(act.index(slot), ptrs, mask=row_ok[:, None])
+    if SPLIT_A:
+        async_copy.async_copy_global_to_shared(act_lo.index(slot), ptrs + K, mask=row_ok[:, None])
+
+
+@gluon.jit
+def _fragment_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    ws_ptr,
+    bias_ptr,
+    out_ptr,
+    route_w_ptr,
+    sorted_ptr,
+    tiles_ptr,
+    num_tiles_ptr,
+    N,
+    K,
+    N_VALID,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_be,
+    stride_om,
+    alpha,
+    limit,
+    TOPK: gl.constexpr,
+    SWIGLU: gl.constexpr,
+    SPLIT_A: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BLOCK_W: gl.constexpr,
+    BLOCK_T: gl.constexpr,
+    STAGES: gl.constexpr,
+    mma: gl.constexpr,
+    dot_a: gl.constexpr,
+    words_layout: gl.constexpr,
+    copy_layout: gl.constexpr,
+    smem_layout: gl.constexpr,
+):
+    pid = gl.program_id(0)
+    num_w = N // BLOCK_W
+    tile = pid // num_w
+    pid_w = pid % num_w
+    if tile >= gl.load(num_tiles_ptr):
+        return
+    expert = gl.load(tiles_ptr + 2 * tile).to(gl.int64)
+    row_end = gl.load(tiles_ptr + 2 * tile + 1)
+
+    # Activation rows of this tile (B operand), in the copy layout.
+    offs_t = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, copy_layout))
+    t_ok = offs_t < row_end
+    if SWIGLU:
+        pair = gl.load(sorted_ptr + offs_t, mask=t_ok, other=0)
+        a_rows = (pair // TOPK).to(gl.int64)
+    else:
+        a_rows = offs_t.to(gl.int64)
+    num_k = K // 128
+    act = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 128], smem_layout)
+    act_lo = gl.allocate_shared_memory(
+        gl.bfloat16, [STAGES if SPLIT_A else 1, BLOCK_T, 128], smem_layout
+    )
+    # Ring of STAGES activation slots, filled STAGES - 1 steps ahead.
+    for s in gl.static_range(STAGES - 1):
+        if s < num_k:
+            _issue_act_step(act, act_lo, a_ptr, a_rows, t_ok, s, K, stride_am, copy_layout, SPLIT_A)
+        async_copy.commit_group()
+
+    # Weight words / scales of this CTA's rows, in the words layout (one 16-byte vector per
+    # row), prefetched one step ahead into registers.
+    offs_w = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, words_layout))
+    offs_j = gl.arange(0, 16, layout=gl.SliceLayout(0, words_layout))
+    w_ptrs = w_ptr + expert * stride_we + offs_w[:, None] * stride_wn + offs_j[None, :]
+    s_ptrs = ws_ptr + expert * stride_se + offs_w[:, None] * stride_sn + (offs_j % 4)[None, :]
+    words = gl.load(w_ptrs)
+    scale = gl.load(s_ptrs)
+
+    acc = gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=mma)
+    for step in range(num_k):
+        nxt = gl.minimum(step + 1, num_k - 1)  # the last step reloads itself
+        words_next = gl.load(w_ptrs + nxt * 16)
+        scale_next = gl.load(s_ptrs + nxt * 4)
+        frag = _decode_fragment(words, scale, dot_a, BLOCK_W)
+        # Activations of `step` landed (this thread's copies, then everyone's).
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        fence_async_shared()
+        slot = step % STAGES
+        acc = warpgroup_mma(frag, act.index(slot).permute((1, 0)), acc)
+        if SPLIT_A:
+            acc = warpgroup_mma(frag, act_lo.index(slot).permute((1, 0)), acc)
+        # Synchronous: Gluon cannot keep the packed A registers of a wgmma left in flight live
+        # across the next decode (tried: wrong results on H200, and no faster).
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        # Every warp passed step - 1's wait before the barrier above: its slot, which
+        # step + STAGES - 1 reuses, is free.
+        ahead = step + STAGES - 1
+        if ahead < num_k:
+            _issue_act_step(
+                act, act_lo, a_ptr, a_rows, t_ok, ahead, K, stride_am, copy_layout, SPLIT_A
+            )
+        async_copy.commit_group()
+        words = words_next
+        scale = scale_next
+    async_copy.wait_group(0)
+
+    # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
+    rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, mma))
+    cols = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, mma))
+    col_ok = cols < row_end
+    if HAS_BIAS:
+        acc += gl.load(bias_ptr + expert * stride_be + rows)[:, None]
+    if SWIGLU:
+        _swiglu_store(
+            out_ptr, acc, rows, cols, col_ok, N, stride_om, alpha, limit, BLOCK_W, BLOCK_T
+        )
+    else:
+        pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0)
+        acc *= gl.load(route_w_ptr + pair, mask=col_ok, other=0.0)[None, :]
+        ptrs = out_ptr + pair[None, :].to(gl.int64) * stride_om + rows[:, None]
+        gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < N_VALID)[:, None])
+
+
+@gluon.jit
+def _gate_up(x, BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr):
+    """[W, T] with rows (16-row group, gate|up, 8 channels) -> gate, up [W/16, 8, T]."""
+    x = gl.reshape(x, [BLOCK_W // 16, 2, 8, BLOCK_T])
+    return gl.split(gl.permute(x, (0, 2, 3, 1)))
+
+
+@gluon.jit
+def _swiglu_store(out_ptr, acc, rows, cols, col_ok, N, stride_om, alpha, limit, BLOCK_W, BLOCK_T):
+    g, u = _gate_up(acc, BLOCK_W, BLOCK_T)
+    # Index tensors go through the same reshape so that they share g's layout.
+    zero = gl.zeros_like(acc).to(gl.int32)
+    channel, _ = _gate_up((rows // 16 * 8 + rows % 8)[:, None] + zero, BLOCK_W, BLOCK_T)
+    row, _ = _gate_up(cols[None, :] + zero, BLOCK_W, BLOCK_T)
+    ok, _ = _gate_up(col_ok[None, :].to(gl.int32) + zero, BLOCK_W, BLOCK_T)
+    g = gl.minimum(g, limit)
+    u = gl.minimum(gl.maximum(u, -limit), limit)
+    act = g / (1.0 + gl.exp(-alpha * g)) * (u + 1.0)
+    hi = act.to(gl.bfloat16)
+    lo = (act - hi.to(gl.float32)).to(gl.bfloat16)
+    ptrs = out_ptr + row.to(gl.int64) * stride_om + channel
+    gl.store(ptrs, hi, mask=ok != 0)
+    gl.store(ptrs + N // 2, lo, mask=ok != 0)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@dataclass(frozen=True)
+class FragmentConfig:
+    """block_w weight rows x block_t tokens per CTA; stages of the activation ring."""
+
+    block_w: int
+    block_t: int
+    num_warps: int
+    stages: int
+
+
+# (max tokens x top_k, config), first match wins.
+_CONFIGS = (
+    # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup).
+    (64, FragmentConfig(64, 8, 4, 4)),
+    (16384, FragmentConfig(128, 64, 4, 4)),
+    (None, FragmentConfig(128, 128, 8, 3)),
+)
+
+
+FRAGMENT_PIN = ConfigPin()
+
+
+def pick_fragment_config(num_pairs: int) -> FragmentConfig:
+    """The tile config for `num_pairs` = tokens x top_k (or the pinned one)."""
+    if FRAGMENT_PIN.pinned is not None:
+        return FRAGMENT_PIN.pinned
+    for limit, config in _CONFIGS:
+        if limit is None or num_pairs <= limit:
+            return config
+    raise AssertionError("unreachable: the table ends with a catch-all row")
+
+
+@functools.cache
+def _layouts(block_w: int, block_t: int, num_warps: int) -> dict:
+    from .fragment_layout import kernel_layouts
+
+    return kernel_layouts(block_w, block_t, num_warps)
+
+
+def fragment_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    routing,
+    *,
+    gemm1: bool,
+    n_valid: int,
+    config,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+) -> None:
+    """One grouped GEMM over the tiles of `routing` (routing.route with block_m = block_t).
+
+    a [rows, K] bf16 (x for GEMM1, gathered by token; the sorted [hi | lo] rows for GEMM2);
+    w [E, N, K/8] int32 words in fragment order (fragment_layout.py), w_scale [E, N, K/32]
+    uint8; bias [E, N] float32 or None. Outputs as grouped_gemm.grouped_gemm."""
+    topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
+    N = w.shape[1]
+    K = w.shape[2] * 8
+    grid = (max_tiles * (N // config.block_w),)
+    _fragment_gemm_kernel[grid](
+        a,
+        w,
+        w_scale,
+        bias if bias is not None else w_scale,
+        out,
+        topk_weights,
+        sorted_pairs,
+        tiles,
+        num_tiles,
+        N,
+        K,
+        n_valid,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        w_scale.stride(0),
+        w_scale.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        out.stride(0),
+        alpha,
+        limit,
+        TOPK=top_k,
+        SWIGLU=gemm1,
+        SPLIT_A=not gemm1,
+        HAS_BIAS=bias is not None,
+        BLOCK_W=config.block_w,
+        BLOCK_T=config.block_t,
+        STAGES=config.stages,
+        num_warps=config.num_warps,
+        **_layouts(config.block_w, config.block_t, config.num_warps),
+    )
+
+
+def aot_specs(kind) -> list:
+    """GPT-OSS-120B GEMM1 and GEMM2 at every tile config, for the ahead-of-time compile check
+    (sm_90 only: wgmma exists nowhere else)."""
+    from ..aot import AotSpec
+
+    if kind.arch != "sm_90":
+        return []
+    pointers = dict(
+        a_ptr="*bf16",
+        w_ptr="*i32",
+        ws_ptr="*u8",
+        bias_ptr="*fp32",
+        out_ptr="*bf16",
+        route_w_ptr="*fp32",
+        sorted_ptr="*i32",
+        tiles_ptr="*i32",
+        num_tiles_ptr="*i32",
+    )
+    ints = ("N", "K", "N_VALID", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn")
+    ints += ("stride_be", "stride_om")
+    specs = []
+    for _, config in _CONFIGS:
+        for gemm1 in (True, False):
+            signature = {
+                **pointers,
+                "out_ptr": "*bf16" if gemm1 else "*fp32",
+                **dict.fromkeys(ints, "i32"),
+                "alpha": "fp32",
+                "limit": "fp32",
+            }
+            constexprs = dict(
+                TOPK=4,
+                SWIGLU=gemm1,
+                SPLIT_A=not gemm1,
+                HAS_BIAS=True,
+                BLOCK_W=config.block_w,
+                BLOCK_T=config.block_t,
+                STAGES=config.stages,
+                **_layouts(config.block_w, config.block_t, config.num_warps),
+            )
+            gemm = "gemm1" if gemm1 else "gemm2"
+            specs.append(
+                AotSpec(
+                    f"moe_wgmma_{gemm}_w{config.block_w}_t{config.block_t}",
+                    _fragment_gemm_kernel,
+                    signature,
+                    constexprs,
+                    config.num_warps,
+                    1,
+                    # At GPT-OSS sizes (padded to 128) every size and stride divides by 16.
+                    divisible=(*pointers, *(n for n in ints if n != "N_VALID")),
+                )
+            )
+    return specs

@@ -1,0 +1,144 @@
+"""The Hopper fragment GEMM's weight order (tokenspeed_kernel_triton.moe.fragment_layout): each
+word holds exactly the 8 K elements its thread's wgmma A fragment needs, inside one scale
+block; w13 rows regroup gate/up so one thread holds both halves of a SwiGLU pair; preparation
+is a pure re-layout (decodable back to the checkpoint, caller's tensors untouched).
+
+The kernel itself runs only on sm_90 (see test_moe.py's GPU cases and test_aot.py, which checks
+that its weight fragments never pass through shared memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenspeed_kernel_triton.moe.fragment_layout import (
+    fragment_order,
+    group_gate_up,
+    kernel_layouts,
+)
+from tokenspeed_kernel_triton.moe.layout import prepare_weights
+from tokenspeed_kernel_triton.moe.mxfp4_words import decode_words_reference
+
+
+def _codes(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] uint8 -> [..., K] 4-bit codes (low nibble = even element)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def _fragment_k(j: int, i: int) -> int:
+    """The K element (within a 128-element chunk) in slot i of word j, as the wgmma A fragment
+    of a bf16 m64k16 operand needs it: slot bit 0 is the bf16x2 pair element, word bits 2-3 the
+    lane's K pair (2 * (lane % 4)), slot bit 1 the +8 half, slot bit 2 and word bits 0-1 the
+    16-element steps."""
+    jhi, jlo = j >> 2, j & 3
+    b0, b1, b2 = i & 1, (i >> 1) & 1, i >> 2
+    return 32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0
+
+
+def test_fragment_order_puts_each_fragment_element_in_its_word():
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (3, 5, 128), generator=gen, dtype=torch.uint8)  # K = 256
+    original = _codes(packed)
+    ordered = _codes(fragment_order(packed)).reshape(3, 5, 2, 16, 8)  # chunk, word, slot
+    for chunk in range(2):
+        for j in range(16):
+            for i in range(8):
+                k = 128 * chunk + _fragment_k(j, i)
+                assert torch.equal(ordered[:, :, chunk, j, i], original[:, :, k]), (chunk, j, i)
+
+
+def test_every_word_stays_in_one_scale_block_and_the_order_is_a_permutation():
+    ks = [[_fragment_k(j, i) for i in range(8)] for j in range(16)]
+    assert sorted(k for word in ks for k in word) == list(range(128))
+    for j, word in enumerate(ks):
+        assert {k // 32 for k in word} == {j & 3}
+
+
+def test_fragment_order_refuses_a_partial_chunk():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fragment_order(torch.zeros(2, 3, 32, dtype=torch.uint8))
+
+
+def test_group_gate_up_gives_each_16_row_group_8_gates_then_their_ups():
+    E, rows = 2, 32
+    t = torch.arange(E * rows * 3).reshape(E, rows, 3)
+    grouped = group_gate_up(t)
+    for g in range(rows // 16):
+        for r in range(8):
+            channel = 8 * g + r
+            assert torch.equal(grouped[:, 16 * g + r], t[:, 2 * channel])  # gate
+            assert torch.equal(grouped[:, 16 * g + 8 + r], t[:, 2 * channel + 1])  # up
+    with pytest.raises(ValueError, match="multiple of 16"):
+        group_gate_up(torch.zeros(1, 24))
+
+
+def _checkpoint(E=2, H=96, I=80, seed=1):  # noqa: E741
+    gen = torch.Generator().manual_seed(seed)
+    return dict(
+        w13=torch.randint(0, 256, (E, 2 * I, H // 2), generator=gen, dtype=torch.uint8),
+        w13_scale=torch.randint(110, 130, (E, 2 * I, H // 32), generator=gen, dtype=torch.uint8),
+        w2=torch.randint(0, 256, (E, H, I // 2), generator=gen, dtype=torch.uint8),
+        w2_scale=torch.randint(110, 130, (E, H, I // 32), generator=gen, dtype=torch.uint8),
+        w13_bias=torch.randn(E, 2 * I, generator=gen),
+        w2_bias=torch.randn(E, H, generator=gen),
+    )
+
+
+def _undo_fragment_order(words: torch.Tensor) -> torch.Tensor:
+    """Prepared words [..., K/8] -> codes [..., K] in natural K order."""
+    codes = _codes(decode_words_reference(words))
+    lead, K = codes.shape[:-1], codes.shape[-1]
+    natural = torch.empty_like(codes)
+    chunks = codes.reshape(*lead, K // 128, 16, 8)
+    out = natural.reshape(*lead, K // 128, 128)
+    for j in range(16):
+        for i in range(8):
+            out[..., _fragment_k(j, i)] = chunks[..., j, i]
+    return natural
+
+
+def test_prepare_in_fragment_order_is_a_pure_relayout():
+    H, I = 96, 80  # noqa: E741 - padded to 128 each
+    ckpt = _checkpoint(H=H, I=I)
+    before = {name: t.clone() for name, t in ckpt.items()}
+    prepared = prepare_weights("mxfp4", H, I, word_order="fragment", **ckpt)
+    for name, t in ckpt.items():
+        assert torch.equal(t, before[name]), f"{name} was mutated"
+    assert prepared["word_order"] == "fragment"
+    E, Ip, Hp = 2, 128, 128
+    # w2: natural rows, fragment-ordered K, zero padding.
+    w2 = _undo_fragment_order(prepared["w2"])
+    assert torch.equal(w2[:, :H, :I], _codes(ckpt["w2"]))
+    assert not w2[:, H:].any() and not w2[:, :, I:].any()
+    # w13: rows regrouped (checkpoint row 2c = gate c, 2c + 1 = up c), scales and bias with them.
+    w13 = _undo_fragment_order(prepared["w13"])
+    natural_rows = group_gate_up(torch.arange(2 * Ip)[None])[0]
+    assert w13.shape == (E, 2 * Ip, Hp)
+    for new_row, old_row in enumerate(natural_rows.tolist()):
+        if old_row < 2 * I:
+            assert torch.equal(w13[:, new_row, :H], _codes(ckpt["w13"][:, old_row]))
+            assert torch.equal(
+                prepared["w13_scale"][:, new_row, : H // 32], ckpt["w13_scale"][:, old_row]
+            )
+            assert torch.equal(prepared["w13_bias"][:, new_row], ckpt["w13_bias"][:, old_row])
+        else:
+            assert not w13[:, new_row].any()
+
+
+def test_fragment_order_needs_mxfp4_weights():
+    bf16 = dict(
+        w13=torch.zeros(1, 32, 16, dtype=torch.bfloat16),
+        w2=torch.zeros(1, 16, 16, dtype=torch.bfloat16),
+    )
+    with pytest.raises(ValueError, match="needs mxfp4"):
+        prepare_weights("bf16", 16, 16, word_order="fragment", **bf16)
+    with pytest.raises(ValueError, match="word_order"):
+        prepare_weights("bf16", 16, 16, word_order="tiled", **bf16)
+
+
+def test_kernel_layouts_refuse_tiles_wgmma_cannot_run():
+    kernel_layouts(64, 8, 4)
+    with pytest.raises(ValueError, match="block_w"):
+        kernel_layouts(32, 8, 4)  # one warpgroup covers 64 rows
+    with pytest.raises(ValueError, match="block_t"):
+        kernel_layouts(64, 12, 4)  # wgmma N is a multiple of 8
