@@ -397,6 +397,26 @@ def test_moe_apply_errors():
             r"topk_weights has shape \[3, 4\], expected \[3, 2\]",
         ),
         (dict(out=torch.empty(3, 64)), ValueError, "out has dtype float32, expected bfloat16"),
+        (
+            dict(x=torch.randn(64, 3, dtype=BF16).t()),
+            ValueError,
+            "x has stride 3 in its last dim, expected 1",
+        ),
+        (
+            dict(router_logits=torch.randn(8, 3).t()),
+            ValueError,
+            "router_logits has stride 3 in its last dim",
+        ),
+        (
+            dict(out=torch.empty(64, 3, dtype=BF16).t()),
+            ValueError,
+            "out has stride 3 in its last dim",
+        ),
+        (
+            dict(router_logits=None, topk_ids=ids, topk_weights=torch.ones(2, 3).t()),
+            ValueError,
+            r"topk_weights has strides \[1, 3\], expected contiguous",
+        ),
         (dict(weights=w), TypeError, "weights is MoEWeights, expected the PreparedMoEWeights"),
         (dict(plan="reference.moe"), TypeError, "plan is str, expected MoEPlan"),
     ]

@@ -153,6 +153,29 @@ def test_pinned_config_gives_the_same_result():
     assert torch.equal(default, pinned)
 
 
+@pytest.mark.parametrize(
+    "act,hidden,expected",
+    [
+        ("bf16", 2880, "triton.moe.wgmma"),
+        ("fp8", 2880, KERNEL),  # the wgmma kernel takes bf16 activations only
+        ("bf16", 2888, KERNEL),  # x rows are copied in 16-byte vectors
+    ],
+)
+def test_hopper_selects_the_wgmma_kernel_where_it_applies(act, hidden, expected):
+    from tokenspeed_kernel.ops.moe.request import MoERequest
+    from tokenspeed_kernel.platform import KNOWN_PLATFORMS
+    from tokenspeed_kernel.selector import explain
+
+    request = MoERequest("mxfp4", act, True, "topk_softmax", 128, 4, hidden, 2880, 8192)
+    for gpu in ("h100", "h200"):
+        assert explain("moe", request, KNOWN_PLATFORMS[gpu]).selected == expected
+    # Blackwell has no wgmma.
+    assert explain("moe", request, KNOWN_PLATFORMS["b200"]).selected == KERNEL
+    if hidden % 16:
+        verdicts = {c.name: c for c in explain("moe", request, KNOWN_PLATFORMS["h200"]).candidates}
+        assert "not a multiple of 16" in verdicts["triton.moe.wgmma"].reason
+
+
 # ----------------------------------------------------------------------------- GPU
 
 GPT_OSS_120B = dict(num_experts=128, top_k=4, hidden_size=2880, intermediate_size=2880)

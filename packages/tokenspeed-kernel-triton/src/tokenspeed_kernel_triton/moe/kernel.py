@@ -143,6 +143,7 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         act,
         routing,
         gemm1=True,
+        k_valid=H,
         n_valid=2 * Ip,
         config=config,
         alpha=alpha,
@@ -157,6 +158,7 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         y,
         routing,
         gemm1=False,
+        k_valid=Ip,
         n_valid=H,
         config=config,
     )

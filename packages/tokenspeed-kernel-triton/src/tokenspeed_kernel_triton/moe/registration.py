@@ -84,6 +84,17 @@ def _supports(request, platform):
     return Support.yes()
 
 
+def _supports_wgmma(request, platform):
+    from tokenspeed_kernel.registry import Support
+
+    if request.hidden_size % 16:
+        return Support.no(
+            f"copies x rows in 16-byte cp.async vectors: hidden_size {request.hidden_size} is "
+            "not a multiple of 16"
+        )
+    return Support.yes()
+
+
 def register_moe_kernels() -> None:
     from tokenspeed_kernel.registry import register_kernel
 
@@ -120,6 +131,7 @@ def register_moe_kernels() -> None:
             "bias": True,
         },
         priority=110,
+        supports=_supports_wgmma,
         description="Gluon wgmma grouped GEMMs, MXFP4 words decoded straight into register "
         "fragments (no shared-memory pass), fused bias+SwiGLU",
     )(TritonMoE(WGMMA_KERNEL_NAME, WGMMA_WEIGHT_LAYOUT, "fragment"))

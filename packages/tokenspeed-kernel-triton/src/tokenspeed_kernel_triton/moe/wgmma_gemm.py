@@ -55,16 +55,28 @@ def _decode_fragment(words, scale, dot_a: gl.constexpr, BLOCK_W: gl.constexpr):
 
 @gluon.jit
 def _issue_act_step(
-    act, act_lo, a_ptr, a_rows, row_ok, step, K, stride_am, copy_layout: gl.constexpr, SPLIT_A
+    act,
+    act_lo,
+    a_ptr,
+    a_rows,
+    row_ok,
+    step,
+    K,
+    K_VALID,
+    stride_am,
+    copy_layout: gl.constexpr,
+    SPLIT_A: gl.constexpr,
 ):
     """cp.async the activations of K step `step` into ring slot step % STAGES (and the lo
-    half, K columns further, for GEMM2)."""
+    half, K columns further, for GEMM2). Columns from K_VALID on (x's row ends at H, the
+    weights are padded beyond it) are zero-filled, never read."""
     cols = step * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, copy_layout))
     ptrs = a_ptr + a_rows[:, None] * stride_am + cols[None, :]
+    mask = row_ok[:, None] & (cols < K_VALID)[None, :]
     slot = step % act.shape[0]
-    async_copy.async_copy_global_to_shared(act.index(slot), ptrs, mask=row_ok[:, None])
+    async_copy.async_copy_global_to_shared(act.index(slot), ptrs, mask=mask)
     if SPLIT_A:
-        async_copy.async_copy_global_to_shared(act_lo.index(slot), ptrs + K, mask=row_ok[:, None])
+        async_copy.async_copy_global_to_shared(act_lo.index(slot), ptrs + K, mask=mask)
 
 
 @gluon.jit
@@ -80,6 +92,7 @@ def _fragment_gemm_kernel(
     num_tiles_ptr,
     N,
     K,
+    K_VALID,
     N_VALID,
     stride_am,
     stride_we,
@@ -128,7 +141,9 @@ def _fragment_gemm_kernel(
     # Ring of STAGES activation slots, filled STAGES - 1 steps ahead.
     for s in gl.static_range(STAGES - 1):
         if s < num_k:
-            _issue_act_step(act, act_lo, a_ptr, a_rows, t_ok, s, K, stride_am, copy_layout, SPLIT_A)
+            _issue_act_step(
+                act, act_lo, a_ptr, a_rows, t_ok, s, K, K_VALID, stride_am, copy_layout, SPLIT_A
+            )
         async_copy.commit_group()
 
     # Weight words / scales of this CTA's rows, in the words layout (one 16-byte vector per
@@ -162,7 +177,7 @@ def _fragment_gemm_kernel(
         ahead = step + STAGES - 1
         if ahead < num_k:
             _issue_act_step(
-                act, act_lo, a_ptr, a_rows, t_ok, ahead, K, stride_am, copy_layout, SPLIT_A
+                act, act_lo, a_ptr, a_rows, t_ok, ahead, K, K_VALID, stride_am, copy_layout, SPLIT_A
             )
         async_copy.commit_group()
         words = words_next
@@ -262,6 +277,7 @@ def fragment_gemm(
     routing,
     *,
     gemm1: bool,
+    k_valid: int,
     n_valid: int,
     config,
     alpha: float = 0.0,
@@ -288,6 +304,7 @@ def fragment_gemm(
         num_tiles,
         N,
         K,
+        k_valid,
         n_valid,
         a.stride(0),
         w.stride(0),
@@ -328,7 +345,17 @@ def aot_specs(kind) -> list:
         tiles_ptr="*i32",
         num_tiles_ptr="*i32",
     )
-    ints = ("N", "K", "N_VALID", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn")
+    ints = (
+        "N",
+        "K",
+        "K_VALID",
+        "N_VALID",
+        "stride_am",
+        "stride_we",
+        "stride_wn",
+        "stride_se",
+        "stride_sn",
+    )
     ints += ("stride_be", "stride_om")
     specs = []
     for _, config in _CONFIGS:

@@ -7,7 +7,13 @@ import torch
 from ... import capture
 from ...platform import default_device, platform_of
 from ...selector import explain, select
-from ...validation import FP8_DTYPES, check_int, check_scale, check_tensor
+from ...validation import (
+    FP8_DTYPES,
+    check_contiguous_last_dim,
+    check_int,
+    check_scale,
+    check_tensor,
+)
 from .request import MoERequest
 from .types import MoEConfig, MoEPlan, MoEWeights, PreparedMoEWeights
 
@@ -150,6 +156,7 @@ def moe_apply(plan, x, weights, router_logits=None, *, topk_weights=None, topk_i
     config = plan.config
     device = plan.device
     check_tensor(op, "x", x, shape=(None, config.hidden_size), dtypes=_X_DTYPES, device=device)
+    check_contiguous_last_dim(op, "x", x)
     num_tokens = x.shape[0]
     if num_tokens > plan.max_num_tokens:
         raise ValueError(
@@ -171,6 +178,7 @@ def moe_apply(plan, x, weights, router_logits=None, *, topk_weights=None, topk_i
             dtypes=_ROUTER_DTYPES,
             device=device,
         )
+        check_contiguous_last_dim(op, "router_logits", router_logits)
     elif not all(routed):
         raise ValueError(
             f"{op}: router_logits is None, expected router_logits or both topk_weights and topk_ids"
@@ -188,10 +196,17 @@ def moe_apply(plan, x, weights, router_logits=None, *, topk_weights=None, topk_i
         check_tensor(
             op, "topk_ids", topk_ids, shape=(num_tokens, k), dtypes=(torch.int32,), device=device
         )
+        # Kernels index them by pair (token * top_k + j).
+        for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+            if not t.is_contiguous():
+                raise ValueError(
+                    f"{op}: {name} has strides {list(t.stride())}, expected contiguous"
+                )
     if out is None:
         out = torch.empty_like(x)
     else:
         check_tensor(op, "out", out, shape=x.shape, dtypes=_X_DTYPES, device=device)
+        check_contiguous_last_dim(op, "out", out)
     if capture.active():
         capture.record(
             "moe_apply",
