@@ -147,7 +147,12 @@ def pick_config(num_pairs: int, info: DeviceInfo) -> MoETileConfig:
     """The tile config for `num_pairs` = tokens x top_k on `info`'s device."""
     if PIN.pinned is not None:
         return PIN.pinned
-    table = {"nvidia": _NVIDIA, "amd": _AMD}.get(info.vendor, _INTERPRETER)
+    return first_match({"nvidia": _NVIDIA, "amd": _AMD}.get(info.vendor, _INTERPRETER), num_pairs)
+
+
+def first_match(table, num_pairs: int):
+    """The config of the first (max pairs or None, config) row of `table` that covers
+    `num_pairs`; every table ends with a catch-all (None) row."""
     for limit, config in table:
         if limit is None or num_pairs <= limit:
             return config

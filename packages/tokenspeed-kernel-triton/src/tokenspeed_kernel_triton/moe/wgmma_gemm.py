@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._common import ConfigPin
+from ._common import ConfigPin, first_match
 from .mxfp4_words import decode_word_slots
 
 
@@ -239,11 +239,17 @@ class FragmentConfig:
     stages: int
 
 
-# (max tokens x top_k, config), first match wins.
+# (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, measured on a
+# variant of this kernel (async wgmma, benchmarks/results/moe_h200_session3.md).
 _CONFIGS = (
-    # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup).
+    # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup); 128 rows
+    # with 8 warps halves the CTA count (M=1: 56.2 vs 51.7 us).
     (64, FragmentConfig(64, 8, 4, 4)),
+    # Up to ~128 rows per expert: 64-token tiles waste less padding (M=4096: 4058 us vs 4326
+    # with 128 tokens x 8 warps; 128 tokens x 4 warps spills).
     (16384, FragmentConfig(128, 64, 4, 4)),
+    # Prefill: each decoded fragment feeds 128 tokens (M=8192: 7326 us; 256 weight rows x
+    # 8 warps: 13367 us).
     (None, FragmentConfig(128, 128, 8, 3)),
 )
 
@@ -255,10 +261,7 @@ def pick_fragment_config(num_pairs: int) -> FragmentConfig:
     """The tile config for `num_pairs` = tokens x top_k (or the pinned one)."""
     if FRAGMENT_PIN.pinned is not None:
         return FRAGMENT_PIN.pinned
-    for limit, config in _CONFIGS:
-        if limit is None or num_pairs <= limit:
-            return config
-    raise AssertionError("unreachable: the table ends with a catch-all row")
+    return first_match(_CONFIGS, num_pairs)
 
 
 @functools.cache
