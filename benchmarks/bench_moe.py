@@ -119,14 +119,23 @@ SWEEP = {
 
 # The same for triton.moe.wgmma (bf16-wgmma).
 FRAGMENT_SWEEP = {
-    1: [FragmentConfig(64, 8, 4, 4), FragmentConfig(64, 8, 4, 6), FragmentConfig(128, 8, 8, 4)],
-    4096: [
-        FragmentConfig(128, 64, 4, 4),
-        FragmentConfig(128, 128, 8, 3),
-        FragmentConfig(128, 128, 4, 3),
-        FragmentConfig(256, 128, 8, 3),
+    1: [
+        FragmentConfig(64, 8, 4, 4),
+        FragmentConfig(64, 8, 4, 6, weight_ring=True),
+        FragmentConfig(64, 8, 4, 12, weight_ring=True),
+        FragmentConfig(128, 8, 8, 8, weight_ring=True),
     ],
-    8192: [FragmentConfig(128, 128, 8, 3), FragmentConfig(256, 128, 8, 3)],
+    4: [
+        FragmentConfig(64, 8, 4, 4),
+        FragmentConfig(64, 8, 4, 12, weight_ring=True),
+        FragmentConfig(64, 16, 4, 8, weight_ring=True),
+    ],
+    4096: [
+        FragmentConfig(128, 64, 4, 4, weight_ring=True),
+        FragmentConfig(128, 128, 8, 3),
+        FragmentConfig(128, 128, 8, 3, weight_ring=True),
+    ],
+    8192: [FragmentConfig(128, 128, 8, 3, weight_ring=True)],
 }
 
 

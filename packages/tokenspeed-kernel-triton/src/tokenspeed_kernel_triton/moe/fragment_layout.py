@@ -77,4 +77,10 @@ def kernel_layouts(block_w: int, block_t: int, num_warps: int) -> dict:
         words_layout=words,
         copy_layout=gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0]),
         smem_layout=gl.NVMMASharedLayout.get_default_for([block_t, CHUNK_K], gl.bfloat16),
+        # The weight ring: 16-byte cp.async per thread; a warp's 16-byte reads in the words
+        # layout cover 8 whole 64-byte rows, so the plain row-major tile has no bank conflicts.
+        words_copy=gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0]),
+        scales_copy=gl.BlockedLayout([1], [32], [num_warps], [0]),
+        words_smem_layout=gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
+        scales_smem_layout=gl.SwizzledSharedLayout(1, 1, 1, [0]),
     )

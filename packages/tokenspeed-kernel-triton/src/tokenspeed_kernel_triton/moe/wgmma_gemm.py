@@ -36,11 +36,14 @@ from .mxfp4_words import decode_word_slots
 
 
 @gluon.jit
-def _decode_fragment(words, scale, dot_a: gl.constexpr, BLOCK_W: gl.constexpr):
-    """words / scale [BLOCK_W, 16] (int32, uint8) in the words layout -> [BLOCK_W, 128] bf16
-    in wgmma's A-operand layout. Word j = 4 * jhi + jlo holds K elements
-    32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0 in slot 4 * b2 + 2 * b1 + b0 (fragment_layout)."""
-    s = scale.to(gl.int32)
+def _decode_fragment(words, scale_words, dot_a: gl.constexpr, BLOCK_W: gl.constexpr):
+    """words [BLOCK_W, 16] int32 in the words layout and scale_words [BLOCK_W] int32 (a row's
+    four e8m0 bytes of this K chunk, in the words layout's row slice) -> [BLOCK_W, 128] bf16 in
+    wgmma's A-operand layout. Word j = 4 * jhi + jlo holds K elements
+    32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0 in slot 4 * b2 + 2 * b1 + b0 (fragment_layout),
+    so it is scaled by byte jlo."""
+    jlo = gl.arange(0, 16, layout=gl.SliceLayout(0, words.type.layout)) % 4
+    s = (scale_words[:, None] >> (8 * jlo)[None, :]) & 0xFF
     factor = gl.where(s == 0, 0x0040, s << 7)
     factor = factor | (factor << 16)
     e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots(words, factor)
@@ -54,22 +57,28 @@ def _decode_fragment(words, scale, dot_a: gl.constexpr, BLOCK_W: gl.constexpr):
 
 
 @gluon.jit
-def _issue_act_step(
+def _issue_step(
     act,
     act_lo,
+    ring_words,
+    ring_scales,
     a_ptr,
     a_rows,
     row_ok,
+    w_ptrs,
+    s_ptrs,
     step,
     K,
     K_VALID,
     stride_am,
     copy_layout: gl.constexpr,
     SPLIT_A: gl.constexpr,
+    WEIGHT_RING: gl.constexpr,
 ):
-    """cp.async the activations of K step `step` into ring slot step % STAGES (and the lo
-    half, K columns further, for GEMM2). Columns from K_VALID on (x's row ends at H, the
-    weights are padded beyond it) are zero-filled, never read."""
+    """cp.async K step `step` into ring slot step % STAGES: the activations (and the lo half,
+    K columns further, for GEMM2) and, with WEIGHT_RING, the weight words and scale words.
+    Activation columns from K_VALID on (x's row ends at H, the weights are padded beyond it) are
+    zero-filled, never read."""
     cols = step * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, copy_layout))
     ptrs = a_ptr + a_rows[:, None] * stride_am + cols[None, :]
     mask = row_ok[:, None] & (cols < K_VALID)[None, :]
@@ -77,6 +86,9 @@ def _issue_act_step(
     async_copy.async_copy_global_to_shared(act.index(slot), ptrs, mask=mask)
     if SPLIT_A:
         async_copy.async_copy_global_to_shared(act_lo.index(slot), ptrs + K, mask=mask)
+    if WEIGHT_RING:
+        async_copy.async_copy_global_to_shared(ring_words.index(slot), w_ptrs + step * 16)
+        async_copy.async_copy_global_to_shared(ring_scales.index(slot), s_ptrs + step)
 
 
 @gluon.jit
@@ -110,11 +122,16 @@ def _fragment_gemm_kernel(
     BLOCK_W: gl.constexpr,
     BLOCK_T: gl.constexpr,
     STAGES: gl.constexpr,
+    WEIGHT_RING: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
     copy_layout: gl.constexpr,
     smem_layout: gl.constexpr,
+    words_copy: gl.constexpr,
+    scales_copy: gl.constexpr,
+    words_smem_layout: gl.constexpr,
+    scales_smem_layout: gl.constexpr,
 ):
     pid = gl.program_id(0)
     num_w = N // BLOCK_W
@@ -138,50 +155,102 @@ def _fragment_gemm_kernel(
     act_lo = gl.allocate_shared_memory(
         gl.bfloat16, [STAGES if SPLIT_A else 1, BLOCK_T, 128], smem_layout
     )
-    # Ring of STAGES activation slots, filled STAGES - 1 steps ahead.
+    RING: gl.constexpr = STAGES if WEIGHT_RING else 1
+    ring_words = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_W, 16], words_smem_layout)
+    ring_scales = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_W], scales_smem_layout)
+
+    # This CTA's weight rows: 16 words (one 128-element K chunk) and one scale word (its four
+    # e8m0 bytes) per row and K step. With WEIGHT_RING they travel through the cp.async ring
+    # with the activations (the ring keeps STAGES - 1 steps of HBM reads in flight, which small
+    # batches need: each CTA has little else to overlap); otherwise they are loaded into
+    # registers one step ahead.
+    if WEIGHT_RING:
+        ring_w = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, words_copy))
+        ring_j = gl.arange(0, 16, layout=gl.SliceLayout(0, words_copy))
+        ring_s = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=scales_copy)
+        w_copy_ptrs = w_ptr + expert * stride_we + ring_w[:, None] * stride_wn + ring_j[None, :]
+        s_copy_ptrs = ws_ptr + expert * stride_se + ring_s * stride_sn
+    else:
+        w_copy_ptrs = w_ptr
+        s_copy_ptrs = ws_ptr
+    # Fill the ring STAGES - 1 steps ahead.
     for s in gl.static_range(STAGES - 1):
         if s < num_k:
-            _issue_act_step(
-                act, act_lo, a_ptr, a_rows, t_ok, s, K, K_VALID, stride_am, copy_layout, SPLIT_A
+            _issue_step(
+                act,
+                act_lo,
+                ring_words,
+                ring_scales,
+                a_ptr,
+                a_rows,
+                t_ok,
+                w_copy_ptrs,
+                s_copy_ptrs,
+                s,
+                K,
+                K_VALID,
+                stride_am,
+                copy_layout,
+                SPLIT_A,
+                WEIGHT_RING,
             )
         async_copy.commit_group()
 
-    # Weight words / scales of this CTA's rows, in the words layout (one 16-byte vector per
-    # row), prefetched one step ahead into registers.
     offs_w = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, words_layout))
     offs_j = gl.arange(0, 16, layout=gl.SliceLayout(0, words_layout))
     w_ptrs = w_ptr + expert * stride_we + offs_w[:, None] * stride_wn + offs_j[None, :]
-    s_ptrs = ws_ptr + expert * stride_se + offs_w[:, None] * stride_sn + (offs_j % 4)[None, :]
-    words = gl.load(w_ptrs)
-    scale = gl.load(s_ptrs)
+    s_ptrs = ws_ptr + expert * stride_se + offs_w * stride_sn
+    if not WEIGHT_RING:
+        words = gl.load(w_ptrs)
+        scale_words = gl.load(s_ptrs)
 
     acc = gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=mma)
     for step in range(num_k):
-        nxt = gl.minimum(step + 1, num_k - 1)  # the last step reloads itself
-        words_next = gl.load(w_ptrs + nxt * 16)
-        scale_next = gl.load(s_ptrs + nxt * 4)
-        frag = _decode_fragment(words, scale, dot_a, BLOCK_W)
-        # Activations of `step` landed (this thread's copies, then everyone's).
+        slot = step % STAGES
+        if not WEIGHT_RING:
+            nxt = gl.minimum(step + 1, num_k - 1)  # the last step reloads itself
+            words_next = gl.load(w_ptrs + nxt * 16)
+            scale_words_next = gl.load(s_ptrs + nxt)
+        # Step `step` landed (this thread's copies, then everyone's). Past this barrier every
+        # warp is done with step - 1 (its reads, and its wgmma, which is waited on): that slot
+        # takes step + STAGES - 1 now, before this step's work, so no second barrier is needed.
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
+        ahead = step + STAGES - 1
+        if ahead < num_k:
+            _issue_step(
+                act,
+                act_lo,
+                ring_words,
+                ring_scales,
+                a_ptr,
+                a_rows,
+                t_ok,
+                w_copy_ptrs,
+                s_copy_ptrs,
+                ahead,
+                K,
+                K_VALID,
+                stride_am,
+                copy_layout,
+                SPLIT_A,
+                WEIGHT_RING,
+            )
+        async_copy.commit_group()
+        if WEIGHT_RING:
+            words = ring_words.index(slot).load(words_layout)
+            scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
+        frag = _decode_fragment(words, scale_words, dot_a, BLOCK_W)
         fence_async_shared()
-        slot = step % STAGES
         acc = warpgroup_mma(frag, act.index(slot).permute((1, 0)), acc)
         if SPLIT_A:
             acc = warpgroup_mma(frag, act_lo.index(slot).permute((1, 0)), acc)
         # Synchronous: Gluon cannot keep the packed A registers of a wgmma left in flight live
         # across the next decode (tried: wrong results on H200, and no faster).
         acc = warpgroup_mma_wait(0, deps=[acc])
-        # Every warp passed step - 1's wait before the barrier above: its slot, which
-        # step + STAGES - 1 reuses, is free.
-        ahead = step + STAGES - 1
-        if ahead < num_k:
-            _issue_act_step(
-                act, act_lo, a_ptr, a_rows, t_ok, ahead, K, K_VALID, stride_am, copy_layout, SPLIT_A
-            )
-        async_copy.commit_group()
-        words = words_next
-        scale = scale_next
+        if not WEIGHT_RING:
+            words = words_next
+            scale_words = scale_words_next
     async_copy.wait_group(0)
 
     # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
@@ -231,25 +300,30 @@ def _swiglu_store(out_ptr, acc, rows, cols, col_ok, N, stride_om, alpha, limit, 
 
 @dataclass(frozen=True)
 class FragmentConfig:
-    """block_w weight rows x block_t tokens per CTA; stages of the activation ring."""
+    """block_w weight rows x block_t tokens per CTA; stages of the cp.async ring, which holds
+    the activations and, with weight_ring, the weight words too (else they are loaded into
+    registers one step ahead)."""
 
     block_w: int
     block_t: int
     num_warps: int
     stages: int
+    weight_ring: bool = False
 
 
 # (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, measured on a
 # variant of this kernel (async wgmma, benchmarks/results/moe_h200_session3.md).
 _CONFIGS = (
-    # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup); 128 rows
-    # with 8 warps halves the CTA count (M=1: 56.2 vs 51.7 us).
-    (64, FragmentConfig(64, 8, 4, 4)),
-    # Up to ~128 rows per expert: 64-token tiles waste less padding (M=4096: 4058 us vs 4326
-    # with 128 tokens x 8 warps; 128 tokens x 4 warps spills).
-    (16384, FragmentConfig(128, 64, 4, 4)),
-    # Prefill: each decoded fragment feeds 128 tokens (M=8192: 7326 us; 256 weight rows x
-    # 8 warps: 13367 us).
+    # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup). The words
+    # go through the cp.async ring, which keeps 5 steps of reads in flight (M=1: 46.3 us vs
+    # 51.5 loading them into registers one step ahead; 12 stages: 47.0); 128 rows with 8 warps
+    # halves the CTA count (55.8 us).
+    (64, FragmentConfig(64, 8, 4, 6, weight_ring=True)),
+    # Up to ~128 rows per expert: 64-token tiles waste less padding (M=4096: 3851 us with the
+    # weight ring; 3949 with 128 tokens x 8 warps; 128 tokens x 4 warps spills).
+    (16384, FragmentConfig(128, 64, 4, 4, weight_ring=True)),
+    # Prefill: each decoded fragment feeds 128 tokens (M=8192: 6573 us; with the weight ring
+    # 6886; 256 weight rows x 8 warps: 13367 on an earlier variant).
     (None, FragmentConfig(128, 128, 8, 3)),
 )
 
@@ -294,12 +368,14 @@ def fragment_gemm(
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
     N = w.shape[1]
     K = w.shape[2] * 8
+    # A row's four e8m0 bytes of one 128-element K chunk, as one int32.
+    scale_words = w_scale.view(torch.int32)
     grid = (max_tiles * (N // config.block_w),)
     _fragment_gemm_kernel[grid](
         a,
         w,
-        w_scale,
-        bias if bias is not None else w_scale,
+        scale_words,
+        bias if bias is not None else scale_words,
         out,
         topk_weights,
         sorted_pairs,
@@ -312,8 +388,8 @@ def fragment_gemm(
         a.stride(0),
         w.stride(0),
         w.stride(1),
-        w_scale.stride(0),
-        w_scale.stride(1),
+        scale_words.stride(0),
+        scale_words.stride(1),
         bias.stride(0) if bias is not None else 0,
         out.stride(0),
         alpha,
@@ -325,6 +401,7 @@ def fragment_gemm(
         BLOCK_W=config.block_w,
         BLOCK_T=config.block_t,
         STAGES=config.stages,
+        WEIGHT_RING=config.weight_ring,
         num_warps=config.num_warps,
         **_layouts(config.block_w, config.block_t, config.num_warps),
     )
@@ -340,7 +417,7 @@ def aot_specs(kind) -> list:
     pointers = dict(
         a_ptr="*bf16",
         w_ptr="*i32",
-        ws_ptr="*u8",
+        ws_ptr="*i32",
         bias_ptr="*fp32",
         out_ptr="*bf16",
         route_w_ptr="*fp32",
@@ -378,6 +455,7 @@ def aot_specs(kind) -> list:
                 BLOCK_W=config.block_w,
                 BLOCK_T=config.block_t,
                 STAGES=config.stages,
+                WEIGHT_RING=config.weight_ring,
                 **_layouts(config.block_w, config.block_t, config.num_warps),
             )
             gemm = "gemm1" if gemm1 else "gemm2"
