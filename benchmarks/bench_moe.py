@@ -120,22 +120,22 @@ SWEEP = {
 # The same for triton.moe.wgmma (bf16-wgmma).
 FRAGMENT_SWEEP = {
     1: [
+        FragmentConfig(64, 8, 4, 4, weight_ring=True),
+        FragmentConfig(64, 8, 4, 8, weight_ring=True),
         FragmentConfig(64, 8, 4, 4),
-        FragmentConfig(64, 8, 4, 6, weight_ring=True),
-        FragmentConfig(64, 8, 4, 12, weight_ring=True),
-        FragmentConfig(128, 8, 8, 8, weight_ring=True),
     ],
-    4: [
-        FragmentConfig(64, 8, 4, 4),
-        FragmentConfig(64, 8, 4, 12, weight_ring=True),
-        FragmentConfig(64, 16, 4, 8, weight_ring=True),
-    ],
+    4: [FragmentConfig(64, 8, 4, 4, weight_ring=True), FragmentConfig(64, 8, 4, 4)],
     4096: [
-        FragmentConfig(128, 64, 4, 4, weight_ring=True),
+        FragmentConfig(128, 64, 4, 4),
+        FragmentConfig(128, 64, 4, 6, weight_ring=True),
         FragmentConfig(128, 128, 8, 3),
-        FragmentConfig(128, 128, 8, 3, weight_ring=True),
+        FragmentConfig(128, 128, 8, 4, weight_ring=True),
     ],
-    8192: [FragmentConfig(128, 128, 8, 3, weight_ring=True)],
+    8192: [
+        FragmentConfig(128, 128, 8, 4),
+        FragmentConfig(128, 128, 8, 4, weight_ring=True),
+        FragmentConfig(128, 64, 4, 4, weight_ring=True),
+    ],
 }
 
 
@@ -172,7 +172,8 @@ def main() -> int:
     parser.add_argument(
         "--acts",
         default="bf16-wgmma,bf16,fp8-dynamic,fp8-static",
-        help="variants to time: bf16-wgmma (triton.moe.wgmma, sm_90) and triton.moe's bf16, "
+        help="variants to time: bf16-wgmma (triton.moe.wgmma, sm_90; fp16 SwiGLU intermediate), "
+        "bf16-wgmma-hilo (the same with the bf16 hi + lo intermediate) and triton.moe's bf16, "
         "fp8-dynamic, fp8-static",
     )
     parser.add_argument("--out", type=Path, default=None)
@@ -195,6 +196,7 @@ def main() -> int:
     sweep: list[str] = []
     variants = (
         ("bf16-wgmma", "bf16", False, "fragment"),
+        ("bf16-wgmma-hilo", "bf16", False, "fragment"),
         ("bf16", "bf16", False, "natural"),
         ("fp8-dynamic", "fp8", False, "natural"),
         ("fp8-static", "fp8", True, "natural"),
@@ -203,6 +205,8 @@ def main() -> int:
         if label not in args.acts.split(","):
             continue
         prepared, scales = gpt_oss_tensors(static, word_order)
+        if label == "bf16-wgmma-hilo":
+            prepared["w2_f16_exact"] = False  # force the bf16 hi + lo SwiGLU intermediate
         ms_list = (1, 4, 16, 64, 4096, 8192) if act == "bf16" else (1, 4096)
         for m in ms_list:
             eager, distinct = run_case(prepared, m, act, scales, graph=False)
@@ -216,7 +220,7 @@ def main() -> int:
                 f"{rate / 1e12:.0f} | {100 * rate / dense:.0f}% |"
             )
             print(lines[-1], flush=True)
-        if args.sweep and label in ("bf16", "bf16-wgmma"):
+        if args.sweep and label in ("bf16", "bf16-wgmma", "bf16-wgmma-hilo"):
             sweep += ["", f"Tile sweep ({label}, us; graph-timed for M <= 64):", ""]
             table = SWEEP if label == "bf16" else FRAGMENT_SWEEP
             for m, configs in table.items():

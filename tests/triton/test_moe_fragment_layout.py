@@ -8,6 +8,8 @@ that its weight fragments never pass through shared memory)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -16,8 +18,9 @@ from tokenspeed_kernel_triton.moe.fragment_layout import (
     group_gate_up,
     kernel_layouts,
 )
+from tokenspeed_kernel_triton.moe.kernel import swiglu_fits_f16
 from tokenspeed_kernel_triton.moe.layout import prepare_weights
-from tokenspeed_kernel_triton.moe.mxfp4_words import decode_words_reference
+from tokenspeed_kernel_triton.moe.mxfp4_words import F16_EXACT_SCALE_BYTES, decode_words_reference
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
@@ -142,3 +145,43 @@ def test_kernel_layouts_refuse_tiles_wgmma_cannot_run():
         kernel_layouts(32, 8, 4)  # one warpgroup covers 64 rows
     with pytest.raises(ValueError, match="block_t"):
         kernel_layouts(64, 12, 4)  # wgmma N is a multiple of 8
+
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _f16_exact(scale_byte: int) -> bool:
+    """Whether 2^(s - 127) and every MXFP4 value times it survive a round trip through fp16."""
+    values = torch.tensor([1.0, *E2M1_MAGNITUDES], dtype=torch.float64) * 2.0 ** (scale_byte - 127)
+    return torch.equal(values.to(torch.float16).to(torch.float64), values)
+
+
+def test_f16_exact_scale_bytes_are_exactly_those_fp16_holds():
+    assert [s for s in range(256) if _f16_exact(s)] == list(F16_EXACT_SCALE_BYTES)
+
+
+@pytest.mark.parametrize("byte,exact", [(104, True), (140, True), (103, False), (141, False)])
+def test_prepare_records_whether_w2_decodes_exactly_to_fp16(byte, exact):
+    ckpt = _checkpoint()
+    ckpt["w2_scale"][1, 7, 1] = byte
+    prepared = prepare_weights("mxfp4", 96, 80, word_order="fragment", **ckpt)
+    assert prepared["w2_f16_exact"] is exact
+    # w13 feeds GEMM1, whose activations are bf16 x: its scales do not matter.
+    ckpt = _checkpoint()
+    ckpt["w13_scale"][0, 3, 1] = 141
+    assert prepare_weights("mxfp4", 96, 80, word_order="fragment", **ckpt)["w2_f16_exact"]
+
+
+@pytest.mark.parametrize(
+    "alpha,limit,fits",
+    [
+        (1.702, 7.0, True),  # GPT-OSS: |intermediate| <= 56
+        (1.702, 240.0, True),
+        (1.702, 250.0, False),  # 250 * 251 > 60000
+        (1.702, math.inf, False),
+        (1e-5, 7.0, False),  # g * sigmoid(alpha * g) reaches -0.28 / alpha
+        (0.0, 7.0, False),
+    ],
+)
+def test_fp16_intermediate_only_where_the_clamp_bounds_it(alpha, limit, fits):
+    assert swiglu_fits_f16(alpha, limit) is fits

@@ -5,6 +5,8 @@ tensors from `layout.prepare_weights`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._common import WEIGHT_FORMAT_CODES, device_info, has_ptx_decode, interpreting, pick_config
@@ -134,7 +136,13 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
     H = prepared["hidden_size"]
     Ip = prepared["padded_intermediate_size"]
     rows = routing[4] * config.block_t  # the tile-count bound
-    act = torch.empty(rows, 2 * Ip, dtype=torch.bfloat16, device=x.device)
+    # The SwiGLU intermediate: fp16 where GEMM2's weights decode exactly to fp16 and the clamp
+    # bounds it below fp16's max (one MMA per K step, and as accurate as bf16 hi + lo:
+    # scripts/moe_intermediate_precision.py); else bf16 [hi | lo] halves.
+    if prepared.get("w2_f16_exact") and swiglu_fits_f16(alpha, limit):
+        act = torch.empty(rows, Ip, dtype=torch.float16, device=x.device)
+    else:
+        act = torch.empty(rows, 2 * Ip, dtype=torch.bfloat16, device=x.device)
     fragment_gemm(
         x,
         prepared["w13"],
@@ -164,3 +172,12 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
     )
     combine(y, out, top_k=top_k)
     return out
+
+
+def swiglu_fits_f16(alpha: float, limit: float) -> bool:
+    """Whether |min(g, limit) * sigmoid(alpha * g) * (clamp(u, -limit, limit) + 1)| stays
+    below fp16's max for every g, u: the gate factor is at most max(limit, 0.2785 / alpha)
+    in size (g * sigmoid(alpha * g) >= -0.2785 / alpha), the up factor at most limit + 1."""
+    if not (alpha > 0 and 0 <= limit < math.inf):
+        return False
+    return max(limit, 0.2785 / alpha) * (limit + 1) < 60000

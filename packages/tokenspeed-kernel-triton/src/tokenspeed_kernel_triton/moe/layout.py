@@ -15,7 +15,7 @@ import torch
 
 from ._common import PAD_MULTIPLE, round_up
 from .fragment_layout import fragment_order, group_gate_up
-from .mxfp4_words import encode_words
+from .mxfp4_words import F16_EXACT_SCALE_BYTES, encode_words
 
 # e8m0 bytes above this would overflow the kernel's 2^(scale - 113) float32 factor (elements of
 # 2^114 and beyond, far outside any trained weight); 255 is NaN in the format.
@@ -81,6 +81,11 @@ def prepare_weights(
             w2_scale=_pad(w2_scale, (E, Hp, Ip // 32), 127),
         )
         if word_order == "fragment":
+            # GEMM2 may then decode its weights to fp16 and take an fp16 SwiGLU intermediate
+            # (one MMA instead of bf16 hi + lo) when that decode is exact.
+            s2 = tensors["w2_scale"]
+            fits = (s2 >= F16_EXACT_SCALE_BYTES.start) & (s2 < F16_EXACT_SCALE_BYTES.stop)
+            tensors["w2_f16_exact"] = bool(fits.all())
             tensors["w13"] = group_gate_up(tensors["w13"])
             tensors["w13_scale"] = group_gate_up(tensors["w13_scale"])
             for name in ("w13", "w2"):

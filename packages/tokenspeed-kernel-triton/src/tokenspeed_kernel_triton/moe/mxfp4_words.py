@@ -28,6 +28,10 @@ from ._common import round_to_bf16
 
 WORD_ELEMENTS = 8
 SIGN_BITS = (15, 31, 11, 27, 7, 23, 3, 19)
+# e8m0 bytes s for which every MXFP4 value times 2^(s - 127) is an exact finite fp16, and so is
+# the factor itself: 0.5 * 2^(s - 127) >= 2^-24 (fp16's least subnormal; 1.5 * 2^(s - 127) is
+# then a multiple of it) and 6 * 2^(s - 127) <= 65504.
+F16_EXACT_SCALE_BYTES = range(104, 141)
 
 
 def encode_words(packed: torch.Tensor) -> torch.Tensor:
@@ -128,6 +132,55 @@ def decode_word_slots(words, factor):
         "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
         [words, factor],
         dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+# The same word -> 8 fp16 (for the Hopper GEMM2, whose activations are fp16). The fp16 of every
+# magnitude has a zero low byte (0000 3800 3C00 3E00 4000 4200 4400 4600), so one high-byte
+# lookup per 4 elements is interleaved with zero bytes; $9 = {factor, factor} f16x2.
+PTX_DECODE_WORD_F16 = tl.constexpr(
+    """
+{
+.reg .b32 m, mh, hi, r0, r1, r2, r3, s;
+and.b32 m, $8, 0x77777777;
+shr.u32 mh, m, 16;
+prmt.b32 hi, 0x3E3C3800, 0x46444240, m;
+prmt.b32 r0, 0, hi, 0x5140;
+prmt.b32 r1, 0, hi, 0x7362;
+prmt.b32 hi, 0x3E3C3800, 0x46444240, mh;
+prmt.b32 r2, 0, hi, 0x5140;
+prmt.b32 r3, 0, hi, 0x7362;
+lop3.b32 r0, r0, $8, 0x80008000, 0xF8;
+shl.b32 s, $8, 4;
+lop3.b32 r1, r1, s, 0x80008000, 0xF8;
+shl.b32 s, $8, 8;
+lop3.b32 r2, r2, s, 0x80008000, 0xF8;
+shl.b32 s, $8, 12;
+lop3.b32 r3, r3, s, 0x80008000, 0xF8;
+mul.rn.f16x2 r0, r0, $9;
+mul.rn.f16x2 r1, r1, $9;
+mul.rn.f16x2 r2, r2, $9;
+mul.rn.f16x2 r3, r3, $9;
+mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}
+"""
+)
+
+
+@triton.jit
+def decode_word_slots_f16(words, factor):
+    """decode_word_slots to fp16: `factor` holds the f16x2 scale. Exact only for scale bytes in
+    F16_EXACT_SCALE_BYTES."""
+    return tl.inline_asm_elementwise(
+        PTX_DECODE_WORD_F16,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        [words, factor],
+        dtype=(tl.float16,) * 8,
         is_pure=True,
         pack=1,
     )

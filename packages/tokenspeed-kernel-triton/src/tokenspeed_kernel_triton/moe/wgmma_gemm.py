@@ -11,14 +11,19 @@ A fragment: no shuffle, no shared-memory pass for weights, 16-byte coalesced wor
 GEMM1 (SWIGLU): B rows are x gathered by token; the prepared w13 puts the gate row of 8
 intermediate channels in rows 0-7 of each 16-row group and their up rows in rows 8-15, which
 the accumulator layout hands to the same thread, so the SwiGLU epilogue needs no exchange. It
-writes `a` as bf16 [hi | lo] halves (as the portable kernel; see grouped_gemm.py).
-GEMM2: B rows are the sorted `a` rows (hi and lo: two wgmmas on one decoded fragment); the
-epilogue adds the bias, multiplies by the routing weight and writes fp32 rows by pair.
+writes `a` in fp16 where GEMM2's weights decode exactly to fp16 (every w2 scale byte in
+mxfp4_words.F16_EXACT_SCALE_BYTES) and the clamp bounds `a` (kernel.swiglu_fits_f16); else as
+bf16 [hi | lo] halves (as the portable kernel; see grouped_gemm.py). fp16 is as accurate here
+(scripts/moe_intermediate_precision.py) and halves GEMM2's MMAs and activation bytes.
+GEMM2: B rows are the sorted `a` rows (fp16: weights decoded to fp16; bf16: two wgmmas, hi and
+lo, on one decoded fragment); the epilogue adds the bias, multiplies by the routing weight and
+writes fp32 rows by pair.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -32,21 +37,31 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._common import ConfigPin, first_match
-from .mxfp4_words import decode_word_slots
+from .mxfp4_words import decode_word_slots, decode_word_slots_f16
 
 
 @gluon.jit
-def _decode_fragment(words, scale_words, dot_a: gl.constexpr, BLOCK_W: gl.constexpr):
+def _decode_fragment(
+    words, scale_words, dot_a: gl.constexpr, BLOCK_W: gl.constexpr, F16: gl.constexpr
+):
     """words [BLOCK_W, 16] int32 in the words layout and scale_words [BLOCK_W] int32 (a row's
-    four e8m0 bytes of this K chunk, in the words layout's row slice) -> [BLOCK_W, 128] bf16 in
-    wgmma's A-operand layout. Word j = 4 * jhi + jlo holds K elements
+    four e8m0 bytes of this K chunk, in the words layout's row slice) -> [BLOCK_W, 128] bf16
+    (fp16 with F16) in wgmma's A-operand layout. Word j = 4 * jhi + jlo holds K elements
     32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0 in slot 4 * b2 + 2 * b1 + b0 (fragment_layout),
     so it is scaled by byte jlo."""
     jlo = gl.arange(0, 16, layout=gl.SliceLayout(0, words.type.layout)) % 4
     s = (scale_words[:, None] >> (8 * jlo)[None, :]) & 0xFF
-    factor = gl.where(s == 0, 0x0040, s << 7)
-    factor = factor | (factor << 16)
-    e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots(words, factor)
+    if F16:
+        # 2^(s - 127) as fp16: exponent field s - 112, or the subnormal 2^-24 * 2^(s - 103)
+        # (prepare_weights allows F16 only for bytes 104..140).
+        factor = gl.where(s > 112, (s - 112) << 10, 1 << gl.maximum(s - 103, 0))
+        factor = factor | (factor << 16)
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots_f16(words, factor)
+    else:
+        # bf16 with exponent field s (s = 0: the subnormal 2^-127).
+        factor = gl.where(s == 0, 0x0040, s << 7)
+        factor = factor | (factor << 16)
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots(words, factor)
     low = gl.join(gl.join(e0, e1), gl.join(e2, e3))
     high = gl.join(gl.join(e4, e5), gl.join(e6, e7))
     slots = gl.join(low, high)  # [W, 16, b0, b1, b2]
@@ -151,9 +166,10 @@ def _fragment_gemm_kernel(
     else:
         a_rows = offs_t.to(gl.int64)
     num_k = K // 128
-    act = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 128], smem_layout)
+    a_dtype: gl.constexpr = a_ptr.dtype.element_ty
+    act = gl.allocate_shared_memory(a_dtype, [STAGES, BLOCK_T, 128], smem_layout)
     act_lo = gl.allocate_shared_memory(
-        gl.bfloat16, [STAGES if SPLIT_A else 1, BLOCK_T, 128], smem_layout
+        a_dtype, [STAGES if SPLIT_A else 1, BLOCK_T, 128], smem_layout
     )
     RING: gl.constexpr = STAGES if WEIGHT_RING else 1
     ring_words = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_W, 16], words_smem_layout)
@@ -240,7 +256,7 @@ def _fragment_gemm_kernel(
         if WEIGHT_RING:
             words = ring_words.index(slot).load(words_layout)
             scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
-        frag = _decode_fragment(words, scale_words, dot_a, BLOCK_W)
+        frag = _decode_fragment(words, scale_words, dot_a, BLOCK_W, a_dtype == gl.float16)
         fence_async_shared()
         acc = warpgroup_mma(frag, act.index(slot).permute((1, 0)), acc)
         if SPLIT_A:
@@ -261,7 +277,18 @@ def _fragment_gemm_kernel(
         acc += gl.load(bias_ptr + expert * stride_be + rows)[:, None]
     if SWIGLU:
         _swiglu_store(
-            out_ptr, acc, rows, cols, col_ok, N, stride_om, alpha, limit, BLOCK_W, BLOCK_T
+            out_ptr,
+            acc,
+            rows,
+            cols,
+            col_ok,
+            N,
+            stride_om,
+            alpha,
+            limit,
+            BLOCK_W,
+            BLOCK_T,
+            out_ptr.dtype.element_ty == gl.float16,
         )
     else:
         pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0)
@@ -278,7 +305,20 @@ def _gate_up(x, BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr):
 
 
 @gluon.jit
-def _swiglu_store(out_ptr, acc, rows, cols, col_ok, N, stride_om, alpha, limit, BLOCK_W, BLOCK_T):
+def _swiglu_store(
+    out_ptr,
+    acc,
+    rows,
+    cols,
+    col_ok,
+    N,
+    stride_om,
+    alpha,
+    limit,
+    BLOCK_W: gl.constexpr,
+    BLOCK_T: gl.constexpr,
+    F16: gl.constexpr,
+):
     g, u = _gate_up(acc, BLOCK_W, BLOCK_T)
     # Index tensors go through the same reshape so that they share g's layout.
     zero = gl.zeros_like(acc).to(gl.int32)
@@ -288,11 +328,15 @@ def _swiglu_store(out_ptr, acc, rows, cols, col_ok, N, stride_om, alpha, limit, 
     g = gl.minimum(g, limit)
     u = gl.minimum(gl.maximum(u, -limit), limit)
     act = g / (1.0 + gl.exp(-alpha * g)) * (u + 1.0)
-    hi = act.to(gl.bfloat16)
-    lo = (act - hi.to(gl.float32)).to(gl.bfloat16)
     ptrs = out_ptr + row.to(gl.int64) * stride_om + channel
-    gl.store(ptrs, hi, mask=ok != 0)
-    gl.store(ptrs + N // 2, lo, mask=ok != 0)
+    if F16:
+        # One fp16 row (the host checked that alpha and limit bound |act| below fp16's max).
+        gl.store(ptrs, act.to(gl.float16), mask=ok != 0)
+    else:
+        hi = act.to(gl.bfloat16)
+        lo = (act - hi.to(gl.float32)).to(gl.bfloat16)
+        gl.store(ptrs, hi, mask=ok != 0)
+        gl.store(ptrs + N // 2, lo, mask=ok != 0)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -311,20 +355,17 @@ class FragmentConfig:
     weight_ring: bool = False
 
 
-# (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, measured on a
-# variant of this kernel (async wgmma, benchmarks/results/moe_h200_session3.md).
+# (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, fp16 SwiGLU
+# intermediate, graph-timed end to end (benchmarks/results/moe_h200_session4.md).
 _CONFIGS = (
     # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup). The words
-    # go through the cp.async ring, which keeps 5 steps of reads in flight (M=1: 46.3 us vs
-    # 51.5 loading them into registers one step ahead; 12 stages: 47.0); 128 rows with 8 warps
-    # halves the CTA count (55.8 us).
-    (64, FragmentConfig(64, 8, 4, 6, weight_ring=True)),
-    # Up to ~128 rows per expert: 64-token tiles waste less padding (M=4096: 3851 us with the
-    # weight ring; 3949 with 128 tokens x 8 warps; 128 tokens x 4 warps spills).
-    (16384, FragmentConfig(128, 64, 4, 4, weight_ring=True)),
-    # Prefill: each decoded fragment feeds 128 tokens (M=8192: 6573 us; with the weight ring
-    # 6886; 256 weight rows x 8 warps: 13367 on an earlier variant).
-    (None, FragmentConfig(128, 128, 8, 3)),
+    # go through the cp.async ring with the activations (M=1: 41.5 us; 49.0 loading them into
+    # registers one step ahead; 8 stages: 42.8).
+    (64, FragmentConfig(64, 8, 4, 4, weight_ring=True)),
+    # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert, and
+    # at 8192 tokens are still the fastest measured (M=4096: 3001 us; 3202 without the weight
+    # ring; 128 tokens x 8 warps 3364. M=8192: 5439 us; 128 tokens x 8 warps: 5623).
+    (None, FragmentConfig(128, 64, 4, 4, weight_ring=True)),
 )
 
 
@@ -362,12 +403,22 @@ def fragment_gemm(
 ) -> None:
     """One grouped GEMM over the tiles of `routing` (routing.route with block_m = block_t).
 
-    a [rows, K] bf16 (x for GEMM1, gathered by token; the sorted [hi | lo] rows for GEMM2);
-    w [E, N, K/8] int32 words in fragment order (fragment_layout.py), w_scale [E, N, K/32]
-    uint8; bias [E, N] float32 or None. Outputs as grouped_gemm.grouped_gemm."""
+    a [rows, K]: x (bf16) for GEMM1, gathered by token; for GEMM2 the sorted SwiGLU rows,
+    either bf16 [hi | lo] halves or fp16 (the weights are then decoded to fp16, which
+    layout.prepare_weights allows only when it is exact: prepared["w2_f16_exact"]). GEMM1's
+    `out` dtype (bf16 [rows, 2 Ip] or fp16 [rows, Ip]) picks the form it writes. w [E, N, K/8]
+    int32 words in fragment order (fragment_layout.py), w_scale [E, N, K/32] uint8; bias
+    [E, N] float32 or None. Outputs as grouped_gemm.grouped_gemm."""
+    K = w.shape[2] * 8
+    if not gemm1:
+        width = {torch.float16: K, torch.bfloat16: 2 * K}.get(a.dtype)
+        if a.shape[1] != width:
+            raise ValueError(
+                f"fragment_gemm: GEMM2 rows are {a.dtype} x {a.shape[1]}, expected fp16 x {K} "
+                f"or bf16 x {2 * K} ([hi | lo])"
+            )
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
     N = w.shape[1]
-    K = w.shape[2] * 8
     # A row's four e8m0 bytes of one 128-element K chunk, as one int32.
     scale_words = w_scale.view(torch.int32)
     grid = (max_tiles * (N // config.block_w),)
@@ -396,7 +447,7 @@ def fragment_gemm(
         limit,
         TOPK=top_k,
         SWIGLU=gemm1,
-        SPLIT_A=not gemm1,
+        SPLIT_A=not gemm1 and a.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None,
         BLOCK_W=config.block_w,
         BLOCK_T=config.block_t,
@@ -408,8 +459,9 @@ def fragment_gemm(
 
 
 def aot_specs(kind) -> list:
-    """GPT-OSS-120B GEMM1 and GEMM2 at every tile config, for the ahead-of-time compile check
-    (sm_90 only: wgmma exists nowhere else)."""
+    """GPT-OSS-120B GEMM1 and GEMM2 at every tile config, with either SwiGLU intermediate (bf16
+    hi | lo or fp16), for the ahead-of-time compile check (sm_90 only: wgmma exists nowhere
+    else)."""
     from ..aot import AotSpec
 
     if kind.arch != "sm_90":
@@ -439,10 +491,11 @@ def aot_specs(kind) -> list:
     ints += ("stride_be", "stride_om")
     specs = []
     for _, config in _CONFIGS:
-        for gemm1 in (True, False):
+        for gemm1, intermediate in itertools.product((True, False), ("bf16", "fp16")):
             signature = {
                 **pointers,
-                "out_ptr": "*bf16" if gemm1 else "*fp32",
+                "a_ptr": "*bf16" if gemm1 else f"*{intermediate}",
+                "out_ptr": f"*{intermediate}" if gemm1 else "*fp32",
                 **dict.fromkeys(ints, "i32"),
                 "alpha": "fp32",
                 "limit": "fp32",
@@ -450,7 +503,7 @@ def aot_specs(kind) -> list:
             constexprs = dict(
                 TOPK=4,
                 SWIGLU=gemm1,
-                SPLIT_A=not gemm1,
+                SPLIT_A=not gemm1 and intermediate == "bf16",
                 HAS_BIAS=True,
                 BLOCK_W=config.block_w,
                 BLOCK_T=config.block_t,
@@ -461,7 +514,7 @@ def aot_specs(kind) -> list:
             gemm = "gemm1" if gemm1 else "gemm2"
             specs.append(
                 AotSpec(
-                    f"moe_wgmma_{gemm}_w{config.block_w}_t{config.block_t}",
+                    f"moe_wgmma_{gemm}_{intermediate}_w{config.block_w}_t{config.block_t}",
                     _fragment_gemm_kernel,
                     signature,
                     constexprs,
