@@ -120,22 +120,21 @@ SWEEP = {
 # The same for triton.moe.wgmma (bf16-wgmma).
 FRAGMENT_SWEEP = {
     1: [
-        FragmentConfig(64, 8, 4, 4, weight_ring=True),
-        FragmentConfig(64, 8, 4, 8, weight_ring=True),
-        FragmentConfig(64, 8, 4, 4),
+        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=1),
+        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=2),
+        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=8),
     ],
-    4: [FragmentConfig(64, 8, 4, 4, weight_ring=True), FragmentConfig(64, 8, 4, 4)],
-    4096: [
-        FragmentConfig(128, 64, 4, 4),
-        FragmentConfig(128, 64, 4, 6, weight_ring=True),
-        FragmentConfig(128, 128, 8, 3),
-        FragmentConfig(128, 128, 8, 4, weight_ring=True),
+    4: [
+        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=1),
+        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=2),
+        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=8),
     ],
-    8192: [
-        FragmentConfig(128, 128, 8, 4),
-        FragmentConfig(128, 128, 8, 4, weight_ring=True),
-        FragmentConfig(128, 64, 4, 4, weight_ring=True),
+    16: [
+        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=1),
+        FragmentConfig(64, 16, 4, 4, weight_ring=True, gemm2_split_k=4),
     ],
+    4096: [FragmentConfig(128, 64, 8, 4, weight_ring=True)],
+    8192: [FragmentConfig(128, 64, 8, 4, weight_ring=True)],
 }
 
 

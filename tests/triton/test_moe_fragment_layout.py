@@ -21,6 +21,7 @@ from tokenspeed_kernel_triton.moe.fragment_layout import (
 from tokenspeed_kernel_triton.moe.kernel import swiglu_fits_f16
 from tokenspeed_kernel_triton.moe.layout import prepare_weights
 from tokenspeed_kernel_triton.moe.mxfp4_words import F16_EXACT_SCALE_BYTES, decode_words_reference
+from tokenspeed_kernel_triton.moe.wgmma_gemm import gemm2_splits
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
@@ -185,3 +186,16 @@ def test_prepare_records_whether_w2_decodes_exactly_to_fp16(byte, exact):
 )
 def test_fp16_intermediate_only_where_the_clamp_bounds_it(alpha, limit, fits):
     assert swiglu_fits_f16(alpha, limit) is fits
+
+
+@pytest.mark.parametrize(
+    "requested,K,splits",
+    [(1, 2944, 1), (4, 2944, 4), (8, 2944, 8), (6, 2944, 6), (4, 640, 3), (9, 256, 2)],
+)
+def test_gemm2_splits_are_all_non_empty(requested, K, splits):
+    """GPT-OSS's padded I = 2944 is 23 chunks of 128: 4 ways -> 6, 6, 6, 5. Fewer chunks than
+    the request per split would leave a CTA with none, so the count shrinks instead."""
+    assert gemm2_splits(requested, K) == splits
+    chunks = K // 128
+    per_split = -(-chunks // splits)
+    assert (splits - 1) * per_split < chunks

@@ -37,8 +37,9 @@ def combine(y, out, *, top_k: int) -> None:
     M, H = out.shape
     if M == 0:
         return
-    # 1024 columns per program: 4 KB fp32 per row load, enough for full-width vector loads.
-    block_h = min(1024, triton.next_power_of_2(H))
+    # 1024 columns per program: 4 KB fp32 per row load, enough for full-width vector loads. A
+    # decode step has a handful of tokens: narrower programs spread its rows over more SMs.
+    block_h = min(1024 if M >= 64 else 256, triton.next_power_of_2(H))
     _combine_kernel[(M, triton.cdiv(H, block_h))](
         y,
         out,

@@ -128,7 +128,7 @@ def _route(prepared, top_k, block_m, router_logits, topk_weights, topk_ids) -> t
 
 def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk_ids, alpha, limit):
     """moe_forward on Hopper with weights prepared in fragment order (bf16 activations)."""
-    from .wgmma_gemm import fragment_gemm, pick_fragment_config
+    from .wgmma_gemm import fragment_gemm, gemm2_splits, pick_fragment_config
 
     M = x.shape[0]
     config = pick_fragment_config(M * top_k)
@@ -157,7 +157,8 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         alpha=alpha,
         limit=limit,
     )
-    y = torch.empty(M * top_k, H, dtype=torch.float32, device=x.device)
+    splits = gemm2_splits(config.gemm2_split_k, Ip)
+    y = torch.empty(M * top_k * splits, H, dtype=torch.float32, device=x.device)
     fragment_gemm(
         act,
         prepared["w2"],
@@ -169,8 +170,10 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         k_valid=Ip,
         n_valid=H,
         config=config,
+        split_k=splits,
     )
-    combine(y, out, top_k=top_k)
+    # A token's rows: its top_k pairs, each in `splits` consecutive partial rows.
+    combine(y, out, top_k=top_k * splits)
     return out
 
 

@@ -85,48 +85,57 @@ def decode_words(
     return round_to_bf16(value * factor.reshape(BLOCK_N, BLOCK_K), INTERPRETED)
 
 
-# One word -> 8 bf16 (outputs $0..$7 = elements 0..7); $8 = word, $9 = {factor, factor} bf16x2.
-# prmt tables: bf16 of the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 is 0000 3F00 3F80 3FC0 4000 4040
-# 4080 40C0; LO/HI hold their low/high bytes, indexed by the 3-bit magnitude (the selector
-# nibble's bit 3, prmt's sign-replicate flag, is cleared by the 0x77777777 mask).
-PTX_DECODE_WORD = tl.constexpr(
-    """
-{
-.reg .b32 m, mh, lo, hi, r0, r1, r2, r3, s;
-and.b32 m, $8, 0x77777777;
-shr.u32 mh, m, 16;
-prmt.b32 lo, 0xC0800000, 0xC0804000, m;
-prmt.b32 hi, 0x3F3F3F00, 0x40404040, m;
-prmt.b32 r0, lo, hi, 0x5140;
-prmt.b32 r1, lo, hi, 0x7362;
-prmt.b32 lo, 0xC0800000, 0xC0804000, mh;
-prmt.b32 hi, 0x3F3F3F00, 0x40404040, mh;
-prmt.b32 r2, lo, hi, 0x5140;
-prmt.b32 r3, lo, hi, 0x7362;
-lop3.b32 r0, r0, $8, 0x80008000, 0xF8;
-shl.b32 s, $8, 4;
-lop3.b32 r1, r1, s, 0x80008000, 0xF8;
-shl.b32 s, $8, 8;
-lop3.b32 r2, r2, s, 0x80008000, 0xF8;
-shl.b32 s, $8, 12;
-lop3.b32 r3, r3, s, 0x80008000, 0xF8;
-mul.rn.bf16x2 r0, r0, $9;
-mul.rn.bf16x2 r1, r1, $9;
-mul.rn.bf16x2 r2, r2, $9;
-mul.rn.bf16x2 r3, r3, $9;
-mov.b32 {$0, $1}, r0;
-mov.b32 {$2, $3}, r1;
-mov.b32 {$4, $5}, r2;
-mov.b32 {$6, $7}, r3;
-}
-"""
-)
+def _decode_word_ptx(lo_table: str | None, hi_table: str, mul: str) -> str:
+    """PTX for one word -> 8 halves (outputs $0..$7 = elements 0..7); $8 = word,
+    $9 = {factor, factor}. `lo_table` / `hi_table` name the first operand of the low / high byte
+    lookups (an immediate, or $10 / $11 when the caller keeps the table in a register); None:
+    every low byte is zero."""
+    lo_lookups = {
+        half: f"prmt.b32 lo, {lo_table}, 0xC0804000, {half};" if lo_table else "mov.b32 lo, 0;"
+        for half in ("m", "mh")
+    }
+    hi_second = "0x40404040" if lo_table else "0x46444240"
+    lines = [
+        "{",
+        ".reg .b32 m, mh, lo, hi, r0, r1, r2, r3, s;",
+        "and.b32 m, $8, 0x77777777;",
+        "shr.u32 mh, m, 16;",
+    ]
+    for half, (ra, rb) in (("m", ("r0", "r1")), ("mh", ("r2", "r3"))):
+        lines += [
+            lo_lookups[half],
+            f"prmt.b32 hi, {hi_table}, {hi_second}, {half};",
+            f"prmt.b32 {ra}, lo, hi, 0x5140;",
+            f"prmt.b32 {rb}, lo, hi, 0x7362;",
+        ]
+    lines.append("lop3.b32 r0, r0, $8, 0x80008000, 0xF8;")
+    for i, shift in ((1, 4), (2, 8), (3, 12)):
+        lines += [f"shl.b32 s, $8, {shift};", f"lop3.b32 r{i}, r{i}, s, 0x80008000, 0xF8;"]
+    lines += [f"{mul} r{i}, r{i}, $9;" for i in range(4)]
+    lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, r{i};" for i in range(4)]
+    return "\n".join([*lines, "}"])
+
+
+# One word -> 8 bf16. prmt tables: bf16 of the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 is 0000
+# 3F00 3F80 3FC0 4000 4040 4080 40C0; LO/HI hold their low/high bytes (C0800000 C0804000 /
+# 3F3F3F00 40404040), indexed by the 3-bit magnitude (the selector nibble's bit 3, prmt's
+# sign-replicate flag, is cleared by the 0x77777777 mask).
+PTX_DECODE_WORD = tl.constexpr(_decode_word_ptx("0xC0800000", "0x3F3F3F00", "mul.rn.bf16x2"))
+# The same with the tables' first words in registers ($10, $11): an immediate there costs one
+# register move per lookup, which ptxas re-issues every K step.
+PTX_DECODE_WORD_TABLES = tl.constexpr(_decode_word_ptx("$10", "$11", "mul.rn.bf16x2"))
+# The same word -> 8 fp16 (the Hopper GEMM2, whose activations are fp16): the fp16 of every
+# magnitude has a zero low byte (0000 3800 3C00 3E00 4000 4200 4400 4600), so the high bytes
+# (3E3C3800 46444240, first word in $10) are interleaved with zeros.
+PTX_DECODE_WORD_F16 = tl.constexpr(_decode_word_ptx(None, "$10", "mul.rn.f16x2"))
+# Table words the Hopper kernel loads into registers: bf16 LO, bf16 HI, fp16 HI.
+LOOKUP_TABLE_WORDS = (0xC0800000, 0x3F3F3F00, 0x3E3C3800)
 
 
 @triton.jit
 def decode_word_slots(words, factor):
     """PTX_DECODE_WORD over int32 `words` and their bf16x2 scale `factor` (same shape):
-    returns the 8 element tensors (slot 0..7) as bf16. Also called from the Gluon kernel."""
+    returns the 8 element tensors (slot 0..7) as bf16."""
     return tl.inline_asm_elementwise(
         PTX_DECODE_WORD,
         "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
@@ -137,50 +146,51 @@ def decode_word_slots(words, factor):
     )
 
 
-# The same word -> 8 fp16 (for the Hopper GEMM2, whose activations are fp16). The fp16 of every
-# magnitude has a zero low byte (0000 3800 3C00 3E00 4000 4200 4400 4600), so one high-byte
-# lookup per 4 elements is interleaved with zero bytes; $9 = {factor, factor} f16x2.
-PTX_DECODE_WORD_F16 = tl.constexpr(
-    """
-{
-.reg .b32 m, mh, hi, r0, r1, r2, r3, s;
-and.b32 m, $8, 0x77777777;
-shr.u32 mh, m, 16;
-prmt.b32 hi, 0x3E3C3800, 0x46444240, m;
-prmt.b32 r0, 0, hi, 0x5140;
-prmt.b32 r1, 0, hi, 0x7362;
-prmt.b32 hi, 0x3E3C3800, 0x46444240, mh;
-prmt.b32 r2, 0, hi, 0x5140;
-prmt.b32 r3, 0, hi, 0x7362;
-lop3.b32 r0, r0, $8, 0x80008000, 0xF8;
-shl.b32 s, $8, 4;
-lop3.b32 r1, r1, s, 0x80008000, 0xF8;
-shl.b32 s, $8, 8;
-lop3.b32 r2, r2, s, 0x80008000, 0xF8;
-shl.b32 s, $8, 12;
-lop3.b32 r3, r3, s, 0x80008000, 0xF8;
-mul.rn.f16x2 r0, r0, $9;
-mul.rn.f16x2 r1, r1, $9;
-mul.rn.f16x2 r2, r2, $9;
-mul.rn.f16x2 r3, r3, $9;
-mov.b32 {$0, $1}, r0;
-mov.b32 {$2, $3}, r1;
-mov.b32 {$4, $5}, r2;
-mov.b32 {$6, $7}, r3;
-}
-"""
+@triton.jit
+def decode_word_slots_tables(words, factor, lo_table, hi_table):
+    """decode_word_slots with the lookup tables' first words as operands (LOOKUP_TABLE_WORDS
+    0 and 1, broadcast to words' shape). Called from the Gluon kernel."""
+    return tl.inline_asm_elementwise(
+        PTX_DECODE_WORD_TABLES,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r",
+        [words, factor, lo_table, hi_table],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def decode_word_slots_f16(words, factor, hi_table):
+    """decode_word_slots to fp16: `factor` holds the f16x2 scale, hi_table is
+    LOOKUP_TABLE_WORDS[2]. Exact only for scale bytes in F16_EXACT_SCALE_BYTES."""
+    return tl.inline_asm_elementwise(
+        PTX_DECODE_WORD_F16,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+        [words, factor, hi_table],
+        dtype=(tl.float16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+# {s, s} << 7 for byte $2's selection of scale word $1 ($2 = b * 0x0101 + 0x4040 picks byte b
+# into both halves): the bf16x2 factor 2^(s - 127); max with 0x0040 makes s = 0 the subnormal
+# 2^-127 (every other s gives at least 0x0080).
+PTX_BF16_SCALE_FACTOR = tl.constexpr(
+    "{ .reg .b32 f, z; prmt.b32 f, $1, 0, $2; shl.b32 f, f, 7; mov.b32 z, 0x00400040; "
+    "max.u16x2 $0, f, z; }"
 )
 
 
 @triton.jit
-def decode_word_slots_f16(words, factor):
-    """decode_word_slots to fp16: `factor` holds the f16x2 scale. Exact only for scale bytes in
-    F16_EXACT_SCALE_BYTES."""
+def bf16_scale_factors(scale_words, selector):
+    """bf16x2 e8m0 factors: byte (selector - 0x4040) & 3 of each int32 scale word."""
     return tl.inline_asm_elementwise(
-        PTX_DECODE_WORD_F16,
-        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
-        [words, factor],
-        dtype=(tl.float16,) * 8,
+        PTX_BF16_SCALE_FACTOR,
+        "=r,r,r",
+        [scale_words, selector],
+        dtype=tl.int32,
         is_pure=True,
         pack=1,
     )

@@ -278,6 +278,7 @@ def route(router_logits, topk_weights, topk_ids, *, top_k: int, num_experts: int
         BLOCK_E=block_e,
         CHUNK=_CHUNK,
         TILE_CHUNK=tile_chunk,
+        num_warps=16,
     )
     _scatter_kernel[(triton.cdiv(num_pairs, _CHUNK),)](
         topk_ids, num_pairs, cursor, sorted_pairs, CHUNK=_CHUNK

@@ -37,31 +37,46 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._common import ConfigPin, first_match
-from .mxfp4_words import decode_word_slots, decode_word_slots_f16
+from .mxfp4_words import (
+    LOOKUP_TABLE_WORDS,
+    bf16_scale_factors,
+    decode_word_slots_f16,
+    decode_word_slots_tables,
+)
 
 
 @gluon.jit
 def _decode_fragment(
-    words, scale_words, dot_a: gl.constexpr, BLOCK_W: gl.constexpr, F16: gl.constexpr
+    words,
+    scale_words,
+    lo_table,
+    hi_table,
+    f16_table,
+    dot_a: gl.constexpr,
+    BLOCK_W: gl.constexpr,
+    F16: gl.constexpr,
 ):
     """words [BLOCK_W, 16] int32 in the words layout and scale_words [BLOCK_W] int32 (a row's
     four e8m0 bytes of this K chunk, in the words layout's row slice) -> [BLOCK_W, 128] bf16
     (fp16 with F16) in wgmma's A-operand layout. Word j = 4 * jhi + jlo holds K elements
     32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0 in slot 4 * b2 + 2 * b1 + b0 (fragment_layout),
-    so it is scaled by byte jlo."""
+    so it is scaled by byte jlo. The *_table scalars are mxfp4_words.LOOKUP_TABLE_WORDS, loaded
+    at run time so that they stay in registers."""
     jlo = gl.arange(0, 16, layout=gl.SliceLayout(0, words.type.layout)) % 4
-    s = (scale_words[:, None] >> (8 * jlo)[None, :]) & 0xFF
+    zero = gl.zeros_like(words)
     if F16:
         # 2^(s - 127) as fp16: exponent field s - 112, or the subnormal 2^-24 * 2^(s - 103)
         # (prepare_weights allows F16 only for bytes 104..140).
+        s = (scale_words[:, None] >> (8 * jlo)[None, :]) & 0xFF
         factor = gl.where(s > 112, (s - 112) << 10, 1 << gl.maximum(s - 103, 0))
         factor = factor | (factor << 16)
-        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots_f16(words, factor)
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots_f16(words, factor, f16_table + zero)
     else:
-        # bf16 with exponent field s (s = 0: the subnormal 2^-127).
-        factor = gl.where(s == 0, 0x0040, s << 7)
-        factor = factor | (factor << 16)
-        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots(words, factor)
+        selector = (jlo * 0x0101 + 0x4040)[None, :] + zero
+        factor = bf16_scale_factors(scale_words[:, None] + zero, selector)
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots_tables(
+            words, factor, lo_table + zero, hi_table + zero
+        )
     low = gl.join(gl.join(e0, e1), gl.join(e2, e3))
     high = gl.join(gl.join(e4, e5), gl.join(e6, e7))
     slots = gl.join(low, high)  # [W, 16, b0, b1, b2]
@@ -82,6 +97,7 @@ def _issue_step(
     row_ok,
     w_ptrs,
     s_ptrs,
+    k_first,
     step,
     K,
     K_VALID,
@@ -90,11 +106,12 @@ def _issue_step(
     SPLIT_A: gl.constexpr,
     WEIGHT_RING: gl.constexpr,
 ):
-    """cp.async K step `step` into ring slot step % STAGES: the activations (and the lo half,
-    K columns further, for GEMM2) and, with WEIGHT_RING, the weight words and scale words.
+    """cp.async this CTA's K step `step` (K chunk k_first + step) into ring slot step % STAGES:
+    the activations (and the lo half, K columns further, for GEMM2) and, with WEIGHT_RING, the
+    weight words and scale words (w_ptrs / s_ptrs already point at chunk k_first).
     Activation columns from K_VALID on (x's row ends at H, the weights are padded beyond it) are
     zero-filled, never read."""
-    cols = step * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, copy_layout))
+    cols = (k_first + step) * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, copy_layout))
     ptrs = a_ptr + a_rows[:, None] * stride_am + cols[None, :]
     mask = row_ok[:, None] & (cols < K_VALID)[None, :]
     slot = step % act.shape[0]
@@ -117,6 +134,7 @@ def _fragment_gemm_kernel(
     sorted_ptr,
     tiles_ptr,
     num_tiles_ptr,
+    table_ptr,
     N,
     K,
     K_VALID,
@@ -138,6 +156,7 @@ def _fragment_gemm_kernel(
     BLOCK_T: gl.constexpr,
     STAGES: gl.constexpr,
     WEIGHT_RING: gl.constexpr,
+    SPLIT_K: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
@@ -150,8 +169,9 @@ def _fragment_gemm_kernel(
 ):
     pid = gl.program_id(0)
     num_w = N // BLOCK_W
-    tile = pid // num_w
-    pid_w = pid % num_w
+    split = pid % SPLIT_K
+    tile = pid // SPLIT_K // num_w
+    pid_w = pid // SPLIT_K % num_w
     if tile >= gl.load(num_tiles_ptr):
         return
     expert = gl.load(tiles_ptr + 2 * tile).to(gl.int64)
@@ -165,7 +185,11 @@ def _fragment_gemm_kernel(
         a_rows = (pair // TOPK).to(gl.int64)
     else:
         a_rows = offs_t.to(gl.int64)
-    num_k = K // 128
+    # This CTA's K chunks: split SPLIT_K ways (GEMM2 only: its epilogue is linear, and the
+    # partial rows are summed by the combine).
+    per_split = gl.cdiv(K // 128, SPLIT_K)
+    k_first = split * per_split
+    num_k = gl.minimum(per_split, K // 128 - k_first)
     a_dtype: gl.constexpr = a_ptr.dtype.element_ty
     act = gl.allocate_shared_memory(a_dtype, [STAGES, BLOCK_T, 128], smem_layout)
     act_lo = gl.allocate_shared_memory(
@@ -185,7 +209,8 @@ def _fragment_gemm_kernel(
         ring_j = gl.arange(0, 16, layout=gl.SliceLayout(0, words_copy))
         ring_s = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=scales_copy)
         w_copy_ptrs = w_ptr + expert * stride_we + ring_w[:, None] * stride_wn + ring_j[None, :]
-        s_copy_ptrs = ws_ptr + expert * stride_se + ring_s * stride_sn
+        w_copy_ptrs += k_first * 16
+        s_copy_ptrs = ws_ptr + expert * stride_se + ring_s * stride_sn + k_first
     else:
         w_copy_ptrs = w_ptr
         s_copy_ptrs = ws_ptr
@@ -202,6 +227,7 @@ def _fragment_gemm_kernel(
                 t_ok,
                 w_copy_ptrs,
                 s_copy_ptrs,
+                k_first,
                 s,
                 K,
                 K_VALID,
@@ -215,10 +241,17 @@ def _fragment_gemm_kernel(
     offs_w = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, words_layout))
     offs_j = gl.arange(0, 16, layout=gl.SliceLayout(0, words_layout))
     w_ptrs = w_ptr + expert * stride_we + offs_w[:, None] * stride_wn + offs_j[None, :]
-    s_ptrs = ws_ptr + expert * stride_se + offs_w * stride_sn
+    w_ptrs += k_first * 16
+    s_ptrs = ws_ptr + expert * stride_se + offs_w * stride_sn + k_first
     if not WEIGHT_RING:
         words = gl.load(w_ptrs)
         scale_words = gl.load(s_ptrs)
+
+    # Loaded, not immediates: ptxas would re-materialize an immediate table word into a register
+    # before every lookup.
+    lo_table = gl.load(table_ptr)
+    hi_table = gl.load(table_ptr + 1)
+    f16_table = gl.load(table_ptr + 2)
 
     acc = gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=mma)
     for step in range(num_k):
@@ -244,6 +277,7 @@ def _fragment_gemm_kernel(
                 t_ok,
                 w_copy_ptrs,
                 s_copy_ptrs,
+                k_first,
                 ahead,
                 K,
                 K_VALID,
@@ -256,7 +290,16 @@ def _fragment_gemm_kernel(
         if WEIGHT_RING:
             words = ring_words.index(slot).load(words_layout)
             scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
-        frag = _decode_fragment(words, scale_words, dot_a, BLOCK_W, a_dtype == gl.float16)
+        frag = _decode_fragment(
+            words,
+            scale_words,
+            lo_table,
+            hi_table,
+            f16_table,
+            dot_a,
+            BLOCK_W,
+            a_dtype == gl.float16,
+        )
         fence_async_shared()
         acc = warpgroup_mma(frag, act.index(slot).permute((1, 0)), acc)
         if SPLIT_A:
@@ -274,7 +317,8 @@ def _fragment_gemm_kernel(
     cols = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, mma))
     col_ok = cols < row_end
     if HAS_BIAS:
-        acc += gl.load(bias_ptr + expert * stride_be + rows)[:, None]
+        if split == 0:  # one split adds the bias
+            acc += gl.load(bias_ptr + expert * stride_be + rows)[:, None]
     if SWIGLU:
         _swiglu_store(
             out_ptr,
@@ -293,7 +337,9 @@ def _fragment_gemm_kernel(
     else:
         pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0)
         acc *= gl.load(route_w_ptr + pair, mask=col_ok, other=0.0)[None, :]
-        ptrs = out_ptr + pair[None, :].to(gl.int64) * stride_om + rows[:, None]
+        # Row pair * SPLIT_K + split: the combine sums a token's top_k * SPLIT_K rows.
+        out_row = pair.to(gl.int64) * SPLIT_K + split
+        ptrs = out_ptr + out_row[None, :] * stride_om + rows[:, None]
         gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < N_VALID)[:, None])
 
 
@@ -346,13 +392,15 @@ def _swiglu_store(
 class FragmentConfig:
     """block_w weight rows x block_t tokens per CTA; stages of the cp.async ring, which holds
     the activations and, with weight_ring, the weight words too (else they are loaded into
-    registers one step ahead)."""
+    registers one step ahead); gemm2_split_k CTAs share each GEMM2 tile's K chunks, each
+    writing a partial row that the combine sums (more CTAs, shorter serial chains)."""
 
     block_w: int
     block_t: int
     num_warps: int
     stages: int
     weight_ring: bool = False
+    gemm2_split_k: int = 1
 
 
 # (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, fp16 SwiGLU
@@ -361,10 +409,11 @@ _CONFIGS = (
     # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup). The words
     # go through the cp.async ring with the activations (M=1: 41.5 us; 49.0 loading them into
     # registers one step ahead; 8 stages: 42.8).
-    (64, FragmentConfig(64, 8, 4, 4, weight_ring=True)),
+    (64, FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=2)),
     # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert, and
-    # at 8192 tokens are still the fastest measured (M=4096: 3001 us; 3202 without the weight
-    # ring; 128 tokens x 8 warps 3364. M=8192: 5439 us; 128 tokens x 8 warps: 5623).
+    # at 8192 tokens are still the fastest measured; two warpgroups of 64 weight rows each
+    # (M=4096: 3050 us vs 3097 with one warpgroup of 128 rows, 3202 without the weight ring,
+    # 3364 with 128 tokens x 8 warps. M=8192: 5546 vs 5583; 128 tokens: 5817).
     (None, FragmentConfig(128, 64, 4, 4, weight_ring=True)),
 )
 
@@ -386,6 +435,20 @@ def _layouts(block_w: int, block_t: int, num_warps: int) -> dict:
     return kernel_layouts(block_w, block_t, num_warps)
 
 
+def gemm2_splits(requested: int, K: int) -> int:
+    """The GEMM2 split count for `requested` ways over K (padded) columns: as many as there
+    are non-empty splits of whole 128-column chunks."""
+    chunks = K // 128
+    per_split = -(-chunks // max(1, requested))
+    return -(-chunks // per_split)
+
+
+@functools.cache
+def _lookup_tables(device: torch.device) -> torch.Tensor:
+    words = [w - (1 << 32) if w >= 1 << 31 else w for w in LOOKUP_TABLE_WORDS]
+    return torch.tensor(words, dtype=torch.int32, device=device)
+
+
 def fragment_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -398,6 +461,7 @@ def fragment_gemm(
     k_valid: int,
     n_valid: int,
     config,
+    split_k: int = 1,
     alpha: float = 0.0,
     limit: float = 0.0,
 ) -> None:
@@ -408,7 +472,11 @@ def fragment_gemm(
     layout.prepare_weights allows only when it is exact: prepared["w2_f16_exact"]). GEMM1's
     `out` dtype (bf16 [rows, 2 Ip] or fp16 [rows, Ip]) picks the form it writes. w [E, N, K/8]
     int32 words in fragment order (fragment_layout.py), w_scale [E, N, K/32] uint8; bias
-    [E, N] float32 or None. Outputs as grouped_gemm.grouped_gemm."""
+    [E, N] float32 or None. Outputs as grouped_gemm.grouped_gemm, except that GEMM2 with
+    split_k > 1 (gemm2_splits) writes split_k partial rows per pair: row pair * split_k + split
+    of `out` [pairs * split_k, H], for the combine to sum."""
+    if split_k != 1 and (gemm1 or split_k != gemm2_splits(split_k, w.shape[2] * 8)):
+        raise ValueError(f"fragment_gemm: split_k {split_k} for GEMM{1 if gemm1 else 2}")
     K = w.shape[2] * 8
     if not gemm1:
         width = {torch.float16: K, torch.bfloat16: 2 * K}.get(a.dtype)
@@ -421,7 +489,7 @@ def fragment_gemm(
     N = w.shape[1]
     # A row's four e8m0 bytes of one 128-element K chunk, as one int32.
     scale_words = w_scale.view(torch.int32)
-    grid = (max_tiles * (N // config.block_w),)
+    grid = (max_tiles * (N // config.block_w) * split_k,)
     _fragment_gemm_kernel[grid](
         a,
         w,
@@ -432,6 +500,7 @@ def fragment_gemm(
         sorted_pairs,
         tiles,
         num_tiles,
+        _lookup_tables(a.device),
         N,
         K,
         k_valid,
@@ -453,6 +522,7 @@ def fragment_gemm(
         BLOCK_T=config.block_t,
         STAGES=config.stages,
         WEIGHT_RING=config.weight_ring,
+        SPLIT_K=split_k,
         num_warps=config.num_warps,
         **_layouts(config.block_w, config.block_t, config.num_warps),
     )
@@ -476,6 +546,7 @@ def aot_specs(kind) -> list:
         sorted_ptr="*i32",
         tiles_ptr="*i32",
         num_tiles_ptr="*i32",
+        table_ptr="*i32",
     )
     ints = (
         "N",
@@ -509,6 +580,7 @@ def aot_specs(kind) -> list:
                 BLOCK_T=config.block_t,
                 STAGES=config.stages,
                 WEIGHT_RING=config.weight_ring,
+                SPLIT_K=1 if gemm1 else config.gemm2_split_k,
                 **_layouts(config.block_w, config.block_t, config.num_warps),
             )
             gemm = "gemm1" if gemm1 else "gemm2"
