@@ -214,30 +214,6 @@ def _fragment_gemm_kernel(
     else:
         w_copy_ptrs = w_ptr
         s_copy_ptrs = ws_ptr
-    # Fill the ring STAGES - 1 steps ahead.
-    for s in gl.static_range(STAGES - 1):
-        if s < num_k:
-            _issue_step(
-                act,
-                act_lo,
-                ring_words,
-                ring_scales,
-                a_ptr,
-                a_rows,
-                t_ok,
-                w_copy_ptrs,
-                s_copy_ptrs,
-                k_first,
-                s,
-                K,
-                K_VALID,
-                stride_am,
-                copy_layout,
-                SPLIT_A,
-                WEIGHT_RING,
-            )
-        async_copy.commit_group()
-
     offs_w = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, words_layout))
     offs_j = gl.arange(0, 16, layout=gl.SliceLayout(0, words_layout))
     w_ptrs = w_ptr + expert * stride_we + offs_w[:, None] * stride_wn + offs_j[None, :]
@@ -253,20 +229,16 @@ def _fragment_gemm_kernel(
     hi_table = gl.load(table_ptr + 1)
     f16_table = gl.load(table_ptr + 2)
 
+    # Iteration `it` copies K step `it` into the ring and computes step it - (STAGES - 1): the
+    # first STAGES - 1 iterations only fill the ring.
     acc = gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=mma)
-    for step in range(num_k):
-        slot = step % STAGES
-        if not WEIGHT_RING:
-            nxt = gl.minimum(step + 1, num_k - 1)  # the last step reloads itself
-            words_next = gl.load(w_ptrs + nxt * 16)
-            scale_words_next = gl.load(s_ptrs + nxt)
-        # Step `step` landed (this thread's copies, then everyone's). Past this barrier every
-        # warp is done with step - 1 (its reads, and its wgmma, which is waited on): that slot
-        # takes step + STAGES - 1 now, before this step's work, so no second barrier is needed.
+    for it in range(num_k + STAGES - 1):
+        # The step computed below landed (this thread's copies, then everyone's). Past this
+        # barrier every warp is done with the previous iteration (its ring reads, and its
+        # wgmma, which is waited on), whose slot step `it` reuses.
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
-        ahead = step + STAGES - 1
-        if ahead < num_k:
+        if it < num_k:
             _issue_step(
                 act,
                 act_lo,
@@ -278,7 +250,7 @@ def _fragment_gemm_kernel(
                 w_copy_ptrs,
                 s_copy_ptrs,
                 k_first,
-                ahead,
+                it,
                 K,
                 K_VALID,
                 stride_am,
@@ -287,29 +259,36 @@ def _fragment_gemm_kernel(
                 WEIGHT_RING,
             )
         async_copy.commit_group()
-        if WEIGHT_RING:
-            words = ring_words.index(slot).load(words_layout)
-            scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
-        frag = _decode_fragment(
-            words,
-            scale_words,
-            lo_table,
-            hi_table,
-            f16_table,
-            dot_a,
-            BLOCK_W,
-            a_dtype == gl.float16,
-        )
-        fence_async_shared()
-        acc = warpgroup_mma(frag, act.index(slot).permute((1, 0)), acc)
-        if SPLIT_A:
-            acc = warpgroup_mma(frag, act_lo.index(slot).permute((1, 0)), acc)
-        # Synchronous: Gluon cannot keep the packed A registers of a wgmma left in flight live
-        # across the next decode (tried: wrong results on H200, and no faster).
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        if not WEIGHT_RING:
-            words = words_next
-            scale_words = scale_words_next
+        step = it - (STAGES - 1)
+        if step >= 0:
+            slot = step % STAGES
+            if WEIGHT_RING:
+                words = ring_words.index(slot).load(words_layout)
+                scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
+            else:
+                nxt = gl.minimum(step + 1, num_k - 1)  # the last step reloads itself
+                words_next = gl.load(w_ptrs + nxt * 16)
+                scale_words_next = gl.load(s_ptrs + nxt)
+            frag = _decode_fragment(
+                words,
+                scale_words,
+                lo_table,
+                hi_table,
+                f16_table,
+                dot_a,
+                BLOCK_W,
+                a_dtype == gl.float16,
+            )
+            fence_async_shared()
+            acc = warpgroup_mma(frag, act.index(slot).permute((1, 0)), acc)
+            if SPLIT_A:
+                acc = warpgroup_mma(frag, act_lo.index(slot).permute((1, 0)), acc)
+            # Synchronous: Gluon cannot keep the packed A registers of a wgmma left in flight
+            # live across the next decode (tried: wrong results on H200, and no faster).
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            if not WEIGHT_RING:
+                words = words_next
+                scale_words = scale_words_next
     async_copy.wait_group(0)
 
     # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
