@@ -45,7 +45,7 @@ def bf16_matmul_rate() -> float:
     return 2 * 8192**3 / (ms * 1e-3)
 
 
-def gpt_oss_tensors(static: bool, word_order: str = "natural"):
+def gpt_oss_tensors(static: bool, word_order: str = "natural", **fragment_options):
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def mx(rows, cols):
@@ -70,6 +70,7 @@ def gpt_oss_tensors(static: bool, word_order: str = "natural"):
         w13_bias=0.5 * torch.randn(E, 2 * I, generator=g, device="cuda"),
         w2_bias=0.5 * torch.randn(E, H, generator=g, device="cuda"),
         word_order=word_order,
+        **fragment_options,
     )
     scales = (3.5 / 448, 24.0 / 448) if static else (None, None)
     return prepared, scales
@@ -121,20 +122,13 @@ SWEEP = {
 FRAGMENT_SWEEP = {
     1: [
         FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=1),
-        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=2),
-        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=8),
+        FragmentConfig(64, 8, 4, 6, weight_ring=True, gemm2_split_k=2),
     ],
-    4: [
-        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=1),
-        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=2),
-        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=8),
+    4096: [
+        FragmentConfig(128, 64, 8, 4, weight_ring=True),
+        FragmentConfig(128, 128, 8, 3, weight_ring=True),
     ],
-    16: [
-        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=1),
-        FragmentConfig(64, 16, 4, 4, weight_ring=True, gemm2_split_k=4),
-    ],
-    4096: [FragmentConfig(128, 64, 8, 4, weight_ring=True)],
-    8192: [FragmentConfig(128, 64, 8, 4, weight_ring=True)],
+    8192: [FragmentConfig(128, 128, 8, 3, weight_ring=True)],
 }
 
 
@@ -171,9 +165,9 @@ def main() -> int:
     parser.add_argument(
         "--acts",
         default="bf16-wgmma,bf16,fp8-dynamic,fp8-static",
-        help="variants to time: bf16-wgmma (triton.moe.wgmma, sm_90; fp16 SwiGLU intermediate), "
-        "bf16-wgmma-hilo (the same with the bf16 hi + lo intermediate) and triton.moe's bf16, "
-        "fp8-dynamic, fp8-static",
+        help="variants to time: bf16-wgmma (triton.moe.wgmma, sm_90; shift decode, fp16 SwiGLU "
+        "intermediate), bf16-wgmma-hilo (bf16 hi + lo intermediate), bf16-wgmma-prmt (hi + lo "
+        "and byte-permute decode) and triton.moe's bf16, fp8-dynamic, fp8-static",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -196,6 +190,7 @@ def main() -> int:
     variants = (
         ("bf16-wgmma", "bf16", False, "fragment"),
         ("bf16-wgmma-hilo", "bf16", False, "fragment"),
+        ("bf16-wgmma-prmt", "bf16", False, "fragment"),
         ("bf16", "bf16", False, "natural"),
         ("fp8-dynamic", "fp8", False, "natural"),
         ("fp8-static", "fp8", True, "natural"),
@@ -203,9 +198,12 @@ def main() -> int:
     for label, act, static, word_order in variants:
         if label not in args.acts.split(","):
             continue
-        prepared, scales = gpt_oss_tensors(static, word_order)
-        if label == "bf16-wgmma-hilo":
-            prepared["w2_f16_exact"] = False  # force the bf16 hi + lo SwiGLU intermediate
+        options = {}
+        if label in ("bf16-wgmma-hilo", "bf16-wgmma-prmt"):
+            options["f16_intermediate"] = False  # bf16 hi + lo SwiGLU intermediate
+        if label == "bf16-wgmma-prmt":
+            options["shift_decode"] = False  # mxfp4_words' byte-permute decode
+        prepared, scales = gpt_oss_tensors(static, word_order, **options)
         ms_list = (1, 4, 16, 64, 4096, 8192) if act == "bf16" else (1, 4096)
         for m in ms_list:
             eager, distinct = run_case(prepared, m, act, scales, graph=False)
@@ -219,7 +217,7 @@ def main() -> int:
                 f"{rate / 1e12:.0f} | {100 * rate / dense:.0f}% |"
             )
             print(lines[-1], flush=True)
-        if args.sweep and label in ("bf16", "bf16-wgmma", "bf16-wgmma-hilo"):
+        if args.sweep and label.startswith("bf16"):
             sweep += ["", f"Tile sweep ({label}, us; graph-timed for M <= 64):", ""]
             table = SWEEP if label == "bf16" else FRAGMENT_SWEEP
             for m, configs in table.items():

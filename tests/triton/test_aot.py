@@ -75,8 +75,9 @@ def test_hopper_moe_keeps_weight_fragments_in_registers(aot_rows):
     rows = [row for row in aot_rows["sm_90"] if row["name"].startswith("moe_wgmma_")]
     from tokenspeed_kernel_triton.moe import wgmma_gemm
 
-    # Every tile config, GEMM1 and GEMM2, each with the bf16 (hi | lo) and fp16 intermediates.
-    assert len(rows) == 4 * len(wgmma_gemm._CONFIGS), [row["name"] for row in rows]
+    # Every tile config in every (GEMM, intermediate, weight decode) form.
+    expected = len(wgmma_gemm._CONFIGS) * len(wgmma_gemm._AOT_VARIANTS)
+    assert len(rows) == expected, [row["name"] for row in rows]
     for row in rows:
         assert row["ok"] and row["wgmma"], row
         assert not row["shared_stores"] and not row["ldmatrix"], row

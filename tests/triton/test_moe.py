@@ -225,16 +225,22 @@ def gpt_oss_weights(activation_format="bf16", static=False, seed=0, device="cuda
         (KERNEL, "fp8-static"),
         ("triton.moe.wgmma", "bf16"),
         ("triton.moe.wgmma", "bf16-hilo"),
+        ("triton.moe.wgmma", "bf16-prmt"),
     ],
 )
 def test_gpt_oss_120b_shapes(kernel, act):
-    """bf16 on triton.moe.wgmma takes the fp16 SwiGLU intermediate (every w2 scale byte decodes
-    exactly to fp16); bf16-hilo plants one byte that does not, which forces bf16 hi + lo."""
+    """bf16 on triton.moe.wgmma shift-decodes both weights, w2 to fp16 for an fp16 SwiGLU
+    intermediate. bf16-hilo plants a w2 scale byte fp16 cannot hold (bf16 hi + lo, w2 still
+    shift-decoded to bf16); bf16-prmt plants one bf16's shift decode cannot hold in each weight
+    (byte-permute decode for both)."""
     activation_format = "fp8" if act.startswith("fp8") else "bf16"
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format=activation_format)
     weights = gpt_oss_weights(activation_format, static=act == "fp8-static")
     if act == "bf16-hilo":
         weights.w2_scale[5, 100, 7] = 103  # 2^-24: below fp16's reach for 0.5 * scale
+    if act == "bf16-prmt":
+        weights.w13_scale[9, 11, 13] = 129  # the factor 2^128 is no bf16
+        weights.w2_scale[5, 100, 7] = 129
     spec = get_kernel("moe", kernel)
     mismatches = [p.mismatch(platform_of(torch.device("cuda"))) for p in spec.platforms]
     if all(mismatches):
@@ -242,7 +248,9 @@ def test_gpt_oss_120b_shapes(kernel, act):
     plan = moe_plan_for(spec, config, 4096, "cuda")
     prepared = spec.fn.prepare_weights(plan, weights)
     if kernel == "triton.moe.wgmma":
-        assert prepared.tensors["w2_f16_exact"] is (act == "bf16")
+        decodes = {"bf16": ("bf16", "fp16"), "bf16-hilo": ("bf16", "bf16")}
+        expected = decodes.get(act, ("prmt", "prmt"))
+        assert (prepared.tensors["w13_decode"], prepared.tensors["w2_decode"]) == expected
     reference = get_kernel("moe", "reference.moe")
     ref_plan = moe_plan_for(reference, config, 4096, "cuda")
     ref_prepared = reference.fn.prepare_weights(ref_plan, weights)

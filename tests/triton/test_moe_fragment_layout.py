@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from tokenspeed_kernel_triton.moe import shift_words
 from tokenspeed_kernel_triton.moe.fragment_layout import (
     fragment_order,
     group_gate_up,
@@ -20,7 +21,7 @@ from tokenspeed_kernel_triton.moe.fragment_layout import (
 )
 from tokenspeed_kernel_triton.moe.kernel import swiglu_fits_f16
 from tokenspeed_kernel_triton.moe.layout import prepare_weights
-from tokenspeed_kernel_triton.moe.mxfp4_words import F16_EXACT_SCALE_BYTES, decode_words_reference
+from tokenspeed_kernel_triton.moe.mxfp4_words import decode_words_reference
 from tokenspeed_kernel_triton.moe.wgmma_gemm import gemm2_splits
 
 
@@ -80,17 +81,21 @@ def _checkpoint(E=2, H=96, I=80, seed=1):  # noqa: E741
     gen = torch.Generator().manual_seed(seed)
     return dict(
         w13=torch.randint(0, 256, (E, 2 * I, H // 2), generator=gen, dtype=torch.uint8),
-        w13_scale=torch.randint(110, 130, (E, 2 * I, H // 32), generator=gen, dtype=torch.uint8),
+        w13_scale=torch.randint(110, 129, (E, 2 * I, H // 32), generator=gen, dtype=torch.uint8),
         w2=torch.randint(0, 256, (E, H, I // 2), generator=gen, dtype=torch.uint8),
-        w2_scale=torch.randint(110, 130, (E, H, I // 32), generator=gen, dtype=torch.uint8),
+        w2_scale=torch.randint(110, 129, (E, H, I // 32), generator=gen, dtype=torch.uint8),
         w13_bias=torch.randn(E, 2 * I, generator=gen),
         w2_bias=torch.randn(E, H, generator=gen),
     )
 
 
-def _undo_fragment_order(words: torch.Tensor) -> torch.Tensor:
-    """Prepared words [..., K/8] -> codes [..., K] in natural K order."""
-    codes = _codes(decode_words_reference(words))
+def _undo_fragment_order(words: torch.Tensor, decode: str) -> torch.Tensor:
+    """Prepared words [..., K/8] in `decode`'s encoding -> codes [..., K] in natural K order."""
+    if decode == "prmt":
+        packed = decode_words_reference(words)
+    else:
+        packed = shift_words.decode_reference(words, decode)
+    codes = _codes(packed)
     lead, K = codes.shape[:-1], codes.shape[-1]
     natural = torch.empty_like(codes)
     chunks = codes.reshape(*lead, K // 128, 16, 8)
@@ -111,11 +116,12 @@ def test_prepare_in_fragment_order_is_a_pure_relayout():
     assert prepared["word_order"] == "fragment"
     E, Ip, Hp = 2, 128, 128
     # w2: natural rows, fragment-ordered K, zero padding.
-    w2 = _undo_fragment_order(prepared["w2"])
+    assert (prepared["w13_decode"], prepared["w2_decode"]) == ("bf16", "fp16")
+    w2 = _undo_fragment_order(prepared["w2"], "fp16")
     assert torch.equal(w2[:, :H, :I], _codes(ckpt["w2"]))
     assert not w2[:, H:].any() and not w2[:, :, I:].any()
     # w13: rows regrouped (checkpoint row 2c = gate c, 2c + 1 = up c), scales and bias with them.
-    w13 = _undo_fragment_order(prepared["w13"])
+    w13 = _undo_fragment_order(prepared["w13"], "bf16")
     natural_rows = group_gate_up(torch.arange(2 * Ip)[None])[0]
     assert w13.shape == (E, 2 * Ip, Hp)
     for new_row, old_row in enumerate(natural_rows.tolist()):
@@ -149,28 +155,117 @@ def test_kernel_layouts_refuse_tiles_wgmma_cannot_run():
 
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+HALF_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The factor each layout multiplies by: 2^(s - 127) times 2^126 (bf16) or 2^14 (fp16).
+FACTOR_EXPONENT_OFFSET = {"bf16": 126, "fp16": 14}
 
 
-def _f16_exact(scale_byte: int) -> bool:
-    """Whether 2^(s - 127) and every MXFP4 value times it survive a round trip through fp16."""
-    values = torch.tensor([1.0, *E2M1_MAGNITUDES], dtype=torch.float64) * 2.0 ** (scale_byte - 127)
-    return torch.equal(values.to(torch.float16).to(torch.float64), values)
+def _exact(kind: str, scale_byte: int) -> bool:
+    """Whether the factor is a normal number of the half type and every MXFP4 value times
+    2^(s - 127) survives a round trip through it."""
+    dtype = HALF_TYPES[kind]
+    factor = 2.0 ** (scale_byte - 127 + FACTOR_EXPONENT_OFFSET[kind])
+    values = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64) * 2.0 ** (scale_byte - 127)
+    normal = torch.finfo(dtype).tiny <= factor <= torch.finfo(dtype).max
+    return normal and torch.equal(values.to(dtype).to(torch.float64), values)
 
 
-def test_f16_exact_scale_bytes_are_exactly_those_fp16_holds():
-    assert [s for s in range(256) if _f16_exact(s)] == list(F16_EXACT_SCALE_BYTES)
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_exact_scale_bytes_are_exactly_those_the_half_type_holds(kind):
+    assert [s for s in range(256) if _exact(kind, s)] == list(shift_words.EXACT_SCALE_BYTES[kind])
 
 
-@pytest.mark.parametrize("byte,exact", [(104, True), (140, True), (103, False), (141, False)])
-def test_prepare_records_whether_w2_decodes_exactly_to_fp16(byte, exact):
+def _run_ptx(ptx: str, word: int, factor: int, dtype: torch.dtype) -> list[float]:
+    """Interpret the decode PTX (the handful of instructions it uses) for one word."""
+    regs = {"$8": word, "$9": factor}
+    outputs: dict[str, float] = {}
+    mask32 = 0xFFFFFFFF
+
+    def val(x: str) -> int:
+        return regs[x] if x in regs else int(x, 0)
+
+    def halves(bits: int) -> torch.Tensor:
+        pair = torch.tensor([bits & 0xFFFF, bits >> 16], dtype=torch.int32).to(torch.int16)
+        return pair.view(dtype).to(torch.float64)
+
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        args = [a.strip() for a in args.split(",")]
+        if op == "and.b32":
+            regs[args[0]] = val(args[1]) & val(args[2])
+        elif op == "shl.b32":
+            regs[args[0]] = (val(args[1]) << val(args[2])) & mask32
+        elif op == "shr.u32":
+            regs[args[0]] = val(args[1]) >> val(args[2])
+        elif op == "lop3.b32" and args[4] == "0xF8":  # a | (b & c)
+            regs[args[0]] = val(args[1]) | (val(args[2]) & val(args[3]))
+        elif op in ("mul.rn.bf16x2", "mul.rn.f16x2"):
+            product = (halves(val(args[1])) * halves(val(args[2]))).to(dtype)
+            bits = product.view(torch.int16).to(torch.int32) & 0xFFFF
+            regs[args[0]] = int(bits[0]) | (int(bits[1]) << 16)
+        elif op == "mov.b32":
+            low, high = args[0].strip("{}"), args[1].strip("{}")
+            outputs[low], outputs[high] = halves(val(args[2])).tolist()
+        else:
+            raise AssertionError(f"instruction the interpreter does not know: {line}")
+    return [outputs[f"${i}"] for i in range(8)]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_shift_decode_ptx_gives_every_code_exactly(kind):
+    """The kernel's PTX, interpreted: every code in every slot, at the ends and middle of the
+    exact scale range, decodes to e2m1 * 2^(s - 127), bit for bit."""
+    ptx = shift_words.PTX_DECODE_BF16 if kind == "bf16" else shift_words.PTX_DECODE_F16
+    multiplier, addend = shift_words.factor_constants(kind)
+    values = torch.tensor(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES))
+    exact = shift_words.EXACT_SCALE_BYTES[kind]
+    for scale_byte in (exact.start, 120, exact.stop - 1):
+        factor = ((scale_byte | scale_byte << 16) * multiplier + addend) & 0xFFFFFFFF
+        for code in range(16):
+            # Slot i holds code + i (mod 16), so each word checks 8 codes in 8 positions.
+            codes = torch.tensor([(code + i) % 16 for i in range(8)], dtype=torch.uint8)
+            packed = codes[0::2] | (codes[1::2] << 4)
+            word = int(shift_words.encode(packed, kind)[0]) & 0xFFFFFFFF
+            got = _run_ptx(ptx.value, word, factor, HALF_TYPES[kind])
+            want = (values[codes.long()].double() * 2.0 ** (scale_byte - 127)).tolist()
+            assert got == want, (kind, scale_byte, code)
+
+
+@pytest.mark.parametrize(
+    "w13_byte,w2_byte,f16_intermediate,decodes",
+    [
+        (None, None, True, ("bf16", "fp16")),
+        (None, 104, True, ("bf16", "fp16")),
+        (None, 128, True, ("bf16", "fp16")),
+        (None, 103, True, ("bf16", "bf16")),  # fp16 cannot hold 0.5 * 2^-24
+        (None, None, False, ("bf16", "bf16")),  # the clamp does not bound the intermediate
+        (None, 129, True, ("bf16", "prmt")),  # 2^128 is no normal bf16
+        (129, None, True, ("prmt", "fp16")),
+    ],
+)
+def test_prepare_picks_the_cheapest_exact_decode(w13_byte, w2_byte, f16_intermediate, decodes):
     ckpt = _checkpoint()
-    ckpt["w2_scale"][1, 7, 1] = byte
-    prepared = prepare_weights("mxfp4", 96, 80, word_order="fragment", **ckpt)
-    assert prepared["w2_f16_exact"] is exact
-    # w13 feeds GEMM1, whose activations are bf16 x: its scales do not matter.
-    ckpt = _checkpoint()
-    ckpt["w13_scale"][0, 3, 1] = 141
-    assert prepare_weights("mxfp4", 96, 80, word_order="fragment", **ckpt)["w2_f16_exact"]
+    if w13_byte is not None:
+        ckpt["w13_scale"][0, 3, 1] = w13_byte
+    if w2_byte is not None:
+        ckpt["w2_scale"][1, 7, 1] = w2_byte
+    prepared = prepare_weights(
+        "mxfp4", 96, 80, word_order="fragment", f16_intermediate=f16_intermediate, **ckpt
+    )
+    assert (prepared["w13_decode"], prepared["w2_decode"]) == decodes
+    # Whatever the encoding, the words decode back to the checkpoint's codes.
+    w2 = _undo_fragment_order(prepared["w2"], decodes[1])
+    assert torch.equal(w2[:, :96, :80], _codes(ckpt["w2"]))
+
+
+def test_shift_decode_can_be_turned_off():
+    prepared = prepare_weights(
+        "mxfp4", 96, 80, word_order="fragment", shift_decode=False, **_checkpoint()
+    )
+    assert (prepared["w13_decode"], prepared["w2_decode"]) == ("prmt", "prmt")
 
 
 @pytest.mark.parametrize(

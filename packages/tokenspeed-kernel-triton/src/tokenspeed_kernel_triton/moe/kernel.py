@@ -136,10 +136,16 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
     H = prepared["hidden_size"]
     Ip = prepared["padded_intermediate_size"]
     rows = routing[4] * config.block_t  # the tile-count bound
-    # The SwiGLU intermediate: fp16 where GEMM2's weights decode exactly to fp16 and the clamp
-    # bounds it below fp16's max (one MMA per K step, and as accurate as bf16 hi + lo:
-    # scripts/moe_intermediate_precision.py); else bf16 [hi | lo] halves.
-    if prepared.get("w2_f16_exact") and swiglu_fits_f16(alpha, limit):
+    # The SwiGLU intermediate: fp16 where prepare_weights laid w2 out to decode to fp16 (one MMA
+    # per K step, and as accurate as bf16 hi + lo: scripts/moe_intermediate_precision.py); else
+    # bf16 [hi | lo] halves.
+    if prepared["w2_decode"] == "fp16":
+        if not swiglu_fits_f16(alpha, limit):
+            raise ValueError(
+                f"moe_forward: the weights were prepared for an fp16 SwiGLU intermediate, which "
+                f"alpha={alpha}, limit={limit} do not bound; prepare them with "
+                f"f16_intermediate=False"
+            )
         act = torch.empty(rows, Ip, dtype=torch.float16, device=x.device)
     else:
         act = torch.empty(rows, 2 * Ip, dtype=torch.bfloat16, device=x.device)
@@ -151,6 +157,7 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         act,
         routing,
         gemm1=True,
+        decode=prepared["w13_decode"],
         k_valid=H,
         n_valid=2 * Ip,
         config=config,
@@ -167,6 +174,7 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         y,
         routing,
         gemm1=False,
+        decode=prepared["w2_decode"],
         k_valid=Ip,
         n_valid=H,
         config=config,

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from . import shift_words
 from ._common import PAD_MULTIPLE, round_up
 from .fragment_layout import fragment_order, group_gate_up
-from .mxfp4_words import F16_EXACT_SCALE_BYTES, encode_words
+from .mxfp4_words import encode_words
 
 # e8m0 bytes above this would overflow the kernel's 2^(scale - 113) float32 factor (elements of
 # 2^114 and beyond, far outside any trained weight); 255 is NaN in the format.
@@ -49,12 +50,18 @@ def prepare_weights(
     w13_bias=None,
     w2_bias=None,
     word_order: str = "natural",
+    f16_intermediate: bool = True,
+    shift_decode: bool = True,
 ) -> dict:
     """Checkpoint tensors (see the MoE contract) -> dict of padded tensors for `moe_forward`.
 
     word_order "fragment" (MXFP4 only) lays the words and w13 rows out for the Hopper fragment
-    GEMM (fragment_layout.py). Raises ValueError for MXFP4 scale bytes above 240 (the kernel's
-    exact range)."""
+    GEMM (fragment_layout.py), each weight in the cheapest encoding that decodes it exactly
+    (recorded as "w13_decode" / "w2_decode"): shift_words' fp16 layout for w2 when
+    f16_intermediate (the caller's SwiGLU clamp bounds the intermediate, kernel.swiglu_fits_f16)
+    and every w2 scale byte allows it, else its bf16 layout, else mxfp4_words' byte-permute
+    words ("prmt"; always, with shift_decode=False). Raises ValueError for MXFP4 scale bytes
+    above 240 (the kernel's exact range)."""
     if word_order not in ("natural", "fragment"):
         raise ValueError(
             f"prepare_weights: word_order is {word_order!r}, expected natural or fragment"
@@ -81,17 +88,18 @@ def prepare_weights(
             w2_scale=_pad(w2_scale, (E, Hp, Ip // 32), 127),
         )
         if word_order == "fragment":
-            # GEMM2 may then decode its weights to fp16 and take an fp16 SwiGLU intermediate
-            # (one MMA instead of bf16 hi + lo) when that decode is exact.
-            s2 = tensors["w2_scale"]
-            fits = (s2 >= F16_EXACT_SCALE_BYTES.start) & (s2 < F16_EXACT_SCALE_BYTES.stop)
-            tensors["w2_f16_exact"] = bool(fits.all())
             tensors["w13"] = group_gate_up(tensors["w13"])
             tensors["w13_scale"] = group_gate_up(tensors["w13_scale"])
-            for name in ("w13", "w2"):
-                tensors[name] = fragment_order(tensors[name])
+            w2_kinds = ("fp16", "bf16") if f16_intermediate else ("bf16",)
+            for name, kinds in (("w13", ("bf16",)), ("w2", w2_kinds)):
+                kinds = kinds if shift_decode else ()
+                kind = shift_words.pick(tensors[f"{name}_scale"], kinds)
+                tensors[f"{name}_decode"] = kind or "prmt"
+                ordered = fragment_order(tensors[name])
+                tensors[name] = shift_words.encode(ordered, kind) if kind else ordered
         for name in ("w13", "w2"):
-            tensors[name] = encode_words(tensors[name])
+            if tensors.get(f"{name}_decode", "prmt") == "prmt":
+                tensors[name] = encode_words(tensors[name])
     elif weight_format == "fp8":
         tensors = dict(
             w13=_pad_fp8(w13, (E, 2 * Ip, Hp)),

@@ -28,10 +28,6 @@ from ._common import round_to_bf16
 
 WORD_ELEMENTS = 8
 SIGN_BITS = (15, 31, 11, 27, 7, 23, 3, 19)
-# e8m0 bytes s for which every MXFP4 value times 2^(s - 127) is an exact finite fp16, and so is
-# the factor itself: 0.5 * 2^(s - 127) >= 2^-24 (fp16's least subnormal; 1.5 * 2^(s - 127) is
-# then a multiple of it) and 6 * 2^(s - 127) <= 65504.
-F16_EXACT_SCALE_BYTES = range(104, 141)
 
 
 def encode_words(packed: torch.Tensor) -> torch.Tensor:
@@ -85,16 +81,10 @@ def decode_words(
     return round_to_bf16(value * factor.reshape(BLOCK_N, BLOCK_K), INTERPRETED)
 
 
-def _decode_word_ptx(lo_table: str | None, hi_table: str, mul: str) -> str:
-    """PTX for one word -> 8 halves (outputs $0..$7 = elements 0..7); $8 = word,
+def _decode_word_ptx(lo_table: str, hi_table: str) -> str:
+    """PTX for one word -> 8 bf16 (outputs $0..$7 = elements 0..7); $8 = word,
     $9 = {factor, factor}. `lo_table` / `hi_table` name the first operand of the low / high byte
-    lookups (an immediate, or $10 / $11 when the caller keeps the table in a register); None:
-    every low byte is zero."""
-    lo_lookups = {
-        half: f"prmt.b32 lo, {lo_table}, 0xC0804000, {half};" if lo_table else "mov.b32 lo, 0;"
-        for half in ("m", "mh")
-    }
-    hi_second = "0x40404040" if lo_table else "0x46444240"
+    lookups: an immediate, or $10 / $11 when the caller keeps the table in a register."""
     lines = [
         "{",
         ".reg .b32 m, mh, lo, hi, r0, r1, r2, r3, s;",
@@ -103,15 +93,15 @@ def _decode_word_ptx(lo_table: str | None, hi_table: str, mul: str) -> str:
     ]
     for half, (ra, rb) in (("m", ("r0", "r1")), ("mh", ("r2", "r3"))):
         lines += [
-            lo_lookups[half],
-            f"prmt.b32 hi, {hi_table}, {hi_second}, {half};",
+            f"prmt.b32 lo, {lo_table}, 0xC0804000, {half};",
+            f"prmt.b32 hi, {hi_table}, 0x40404040, {half};",
             f"prmt.b32 {ra}, lo, hi, 0x5140;",
             f"prmt.b32 {rb}, lo, hi, 0x7362;",
         ]
     lines.append("lop3.b32 r0, r0, $8, 0x80008000, 0xF8;")
     for i, shift in ((1, 4), (2, 8), (3, 12)):
         lines += [f"shl.b32 s, $8, {shift};", f"lop3.b32 r{i}, r{i}, s, 0x80008000, 0xF8;"]
-    lines += [f"{mul} r{i}, r{i}, $9;" for i in range(4)]
+    lines += [f"mul.rn.bf16x2 r{i}, r{i}, $9;" for i in range(4)]
     lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, r{i};" for i in range(4)]
     return "\n".join([*lines, "}"])
 
@@ -120,16 +110,12 @@ def _decode_word_ptx(lo_table: str | None, hi_table: str, mul: str) -> str:
 # 3F00 3F80 3FC0 4000 4040 4080 40C0; LO/HI hold their low/high bytes (C0800000 C0804000 /
 # 3F3F3F00 40404040), indexed by the 3-bit magnitude (the selector nibble's bit 3, prmt's
 # sign-replicate flag, is cleared by the 0x77777777 mask).
-PTX_DECODE_WORD = tl.constexpr(_decode_word_ptx("0xC0800000", "0x3F3F3F00", "mul.rn.bf16x2"))
+PTX_DECODE_WORD = tl.constexpr(_decode_word_ptx("0xC0800000", "0x3F3F3F00"))
 # The same with the tables' first words in registers ($10, $11): an immediate there costs one
 # register move per lookup, which ptxas re-issues every K step.
-PTX_DECODE_WORD_TABLES = tl.constexpr(_decode_word_ptx("$10", "$11", "mul.rn.bf16x2"))
-# The same word -> 8 fp16 (the Hopper GEMM2, whose activations are fp16): the fp16 of every
-# magnitude has a zero low byte (0000 3800 3C00 3E00 4000 4200 4400 4600), so the high bytes
-# (3E3C3800 46444240, first word in $10) are interleaved with zeros.
-PTX_DECODE_WORD_F16 = tl.constexpr(_decode_word_ptx(None, "$10", "mul.rn.f16x2"))
-# Table words the Hopper kernel loads into registers: bf16 LO, bf16 HI, fp16 HI.
-LOOKUP_TABLE_WORDS = (0xC0800000, 0x3F3F3F00, 0x3E3C3800)
+PTX_DECODE_WORD_TABLES = tl.constexpr(_decode_word_ptx("$10", "$11"))
+# Table words the Hopper kernel loads into registers: bf16 LO, bf16 HI.
+LOOKUP_TABLE_WORDS = (0xC0800000, 0x3F3F3F00)
 
 
 @triton.jit
@@ -155,20 +141,6 @@ def decode_word_slots_tables(words, factor, lo_table, hi_table):
         "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r",
         [words, factor, lo_table, hi_table],
         dtype=(tl.bfloat16,) * 8,
-        is_pure=True,
-        pack=1,
-    )
-
-
-@triton.jit
-def decode_word_slots_f16(words, factor, hi_table):
-    """decode_word_slots to fp16: `factor` holds the f16x2 scale, hi_table is
-    LOOKUP_TABLE_WORDS[2]. Exact only for scale bytes in F16_EXACT_SCALE_BYTES."""
-    return tl.inline_asm_elementwise(
-        PTX_DECODE_WORD_F16,
-        "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-        [words, factor, hi_table],
-        dtype=(tl.float16,) * 8,
         is_pure=True,
         pack=1,
     )

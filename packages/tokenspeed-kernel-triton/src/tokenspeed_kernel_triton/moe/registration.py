@@ -28,6 +28,7 @@ class TritonMoE:
     def prepare_weights(self, plan, weights):
         from tokenspeed_kernel.ops.moe.types import PreparedMoEWeights
 
+        from .kernel import swiglu_fits_f16
         from .layout import prepare_weights
 
         config = plan.config
@@ -42,6 +43,7 @@ class TritonMoE:
             w13_bias=weights.w13_bias,
             w2_bias=weights.w2_bias,
             word_order=self.word_order,
+            f16_intermediate=swiglu_fits_f16(config.activation.alpha, config.activation.limit),
         )
         tensors["w13_input_scale"] = _as_float(weights.w13_input_scale)
         tensors["w2_input_scale"] = _as_float(weights.w2_input_scale)

@@ -23,7 +23,6 @@ writes fp32 rows by pair.
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +35,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import shift_words
 from ._common import ConfigPin, first_match
-from .mxfp4_words import (
-    LOOKUP_TABLE_WORDS,
-    bf16_scale_factors,
-    decode_word_slots_f16,
-    decode_word_slots_tables,
-)
+from .mxfp4_words import LOOKUP_TABLE_WORDS, bf16_scale_factors, decode_word_slots_tables
 
 
 @gluon.jit
@@ -51,28 +46,28 @@ def _decode_fragment(
     scale_words,
     lo_table,
     hi_table,
-    f16_table,
     dot_a: gl.constexpr,
     BLOCK_W: gl.constexpr,
+    SHIFT: gl.constexpr,
     F16: gl.constexpr,
 ):
     """words [BLOCK_W, 16] int32 in the words layout and scale_words [BLOCK_W] int32 (a row's
     four e8m0 bytes of this K chunk, in the words layout's row slice) -> [BLOCK_W, 128] bf16
     (fp16 with F16) in wgmma's A-operand layout. Word j = 4 * jhi + jlo holds K elements
     32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0 in slot 4 * b2 + 2 * b1 + b0 (fragment_layout),
-    so it is scaled by byte jlo. The *_table scalars are mxfp4_words.LOOKUP_TABLE_WORDS, loaded
-    at run time so that they stay in registers."""
+    so it is scaled by byte jlo. SHIFT: words in shift_words' layout for the output type; else
+    mxfp4_words' byte-permute layout (bf16 only), whose lo_table / hi_table scalars
+    (LOOKUP_TABLE_WORDS) are loaded at run time so that they stay in registers."""
     jlo = gl.arange(0, 16, layout=gl.SliceLayout(0, words.type.layout)) % 4
     zero = gl.zeros_like(words)
-    if F16:
-        # 2^(s - 127) as fp16: exponent field s - 112, or the subnormal 2^-24 * 2^(s - 103)
-        # (prepare_weights allows F16 only for bytes 104..140).
-        s = (scale_words[:, None] >> (8 * jlo)[None, :]) & 0xFF
-        factor = gl.where(s > 112, (s - 112) << 10, 1 << gl.maximum(s - 103, 0))
-        factor = factor | (factor << 16)
-        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots_f16(words, factor, f16_table + zero)
+    selector = (jlo * 0x0101 + 0x4040)[None, :] + zero
+    if SHIFT:
+        factor = shift_words.scale_factors(scale_words[:, None] + zero, selector, F16)
+        if F16:
+            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words.decode_word_slots_f16(words, factor)
+        else:
+            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words.decode_word_slots_bf16(words, factor)
     else:
-        selector = (jlo * 0x0101 + 0x4040)[None, :] + zero
         factor = bf16_scale_factors(scale_words[:, None] + zero, selector)
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots_tables(
             words, factor, lo_table + zero, hi_table + zero
@@ -157,6 +152,7 @@ def _fragment_gemm_kernel(
     STAGES: gl.constexpr,
     WEIGHT_RING: gl.constexpr,
     SPLIT_K: gl.constexpr,
+    SHIFT_DECODE: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
@@ -227,7 +223,6 @@ def _fragment_gemm_kernel(
     # before every lookup.
     lo_table = gl.load(table_ptr)
     hi_table = gl.load(table_ptr + 1)
-    f16_table = gl.load(table_ptr + 2)
 
     # Iteration `it` copies K step `it` into the ring and computes step it - (STAGES - 1): the
     # first STAGES - 1 iterations only fill the ring.
@@ -274,9 +269,9 @@ def _fragment_gemm_kernel(
                 scale_words,
                 lo_table,
                 hi_table,
-                f16_table,
                 dot_a,
                 BLOCK_W,
+                SHIFT_DECODE,
                 a_dtype == gl.float16,
             )
             fence_async_shared()
@@ -437,6 +432,7 @@ def fragment_gemm(
     routing,
     *,
     gemm1: bool,
+    decode: str,
     k_valid: int,
     n_valid: int,
     config,
@@ -447,16 +443,20 @@ def fragment_gemm(
     """One grouped GEMM over the tiles of `routing` (routing.route with block_m = block_t).
 
     a [rows, K]: x (bf16) for GEMM1, gathered by token; for GEMM2 the sorted SwiGLU rows,
-    either bf16 [hi | lo] halves or fp16 (the weights are then decoded to fp16, which
-    layout.prepare_weights allows only when it is exact: prepared["w2_f16_exact"]). GEMM1's
-    `out` dtype (bf16 [rows, 2 Ip] or fp16 [rows, Ip]) picks the form it writes. w [E, N, K/8]
-    int32 words in fragment order (fragment_layout.py), w_scale [E, N, K/32] uint8; bias
+    either bf16 [hi | lo] halves or fp16. GEMM1's `out` dtype (bf16 [rows, 2 Ip] or fp16
+    [rows, Ip]) picks the form it writes. w [E, N, K/8] int32 words in fragment order
+    (fragment_layout.py), encoded as `decode` says (prepared["w13_decode"] / ["w2_decode"]:
+    shift_words' "bf16" or "fp16" layout, or "prmt"); w_scale [E, N, K/32] uint8; bias
     [E, N] float32 or None. Outputs as grouped_gemm.grouped_gemm, except that GEMM2 with
     split_k > 1 (gemm2_splits) writes split_k partial rows per pair: row pair * split_k + split
     of `out` [pairs * split_k, H], for the combine to sum."""
     if split_k != 1 and (gemm1 or split_k != gemm2_splits(split_k, w.shape[2] * 8)):
         raise ValueError(f"fragment_gemm: split_k {split_k} for GEMM{1 if gemm1 else 2}")
     K = w.shape[2] * 8
+    # The weights decode to the A operand's type: x's bf16 for GEMM1, a's type for GEMM2.
+    operand = "bf16" if gemm1 or a.dtype == torch.bfloat16 else "fp16"
+    if decode not in (operand, "prmt") or (decode == "prmt" and operand == "fp16"):
+        raise ValueError(f"fragment_gemm: {decode} weights for a {operand} operand")
     if not gemm1:
         width = {torch.float16: K, torch.bfloat16: 2 * K}.get(a.dtype)
         if a.shape[1] != width:
@@ -502,15 +502,26 @@ def fragment_gemm(
         STAGES=config.stages,
         WEIGHT_RING=config.weight_ring,
         SPLIT_K=split_k,
+        SHIFT_DECODE=decode != "prmt",
         num_warps=config.num_warps,
         **_layouts(config.block_w, config.block_t, config.num_warps),
     )
 
 
+# (GEMM1?, SwiGLU intermediate, weight decode) pairs that prepare_weights can produce: GEMM1
+# writes fp16 when w2 takes the fp16 layout; both GEMMs fall back to prmt for large scales.
+_AOT_VARIANTS = (
+    (True, "fp16", "shift"),
+    (True, "bf16", "prmt"),
+    (False, "fp16", "shift"),
+    (False, "bf16", "shift"),
+    (False, "bf16", "prmt"),
+)
+
+
 def aot_specs(kind) -> list:
-    """GPT-OSS-120B GEMM1 and GEMM2 at every tile config, with either SwiGLU intermediate (bf16
-    hi | lo or fp16), for the ahead-of-time compile check (sm_90 only: wgmma exists nowhere
-    else)."""
+    """GPT-OSS-120B GEMM1 and GEMM2 at every tile config, in each _AOT_VARIANTS form, for the
+    ahead-of-time compile check (sm_90 only: wgmma exists nowhere else)."""
     from ..aot import AotSpec
 
     if kind.arch != "sm_90":
@@ -541,7 +552,7 @@ def aot_specs(kind) -> list:
     ints += ("stride_be", "stride_om")
     specs = []
     for _, config in _CONFIGS:
-        for gemm1, intermediate in itertools.product((True, False), ("bf16", "fp16")):
+        for gemm1, intermediate, decode in _AOT_VARIANTS:
             signature = {
                 **pointers,
                 "a_ptr": "*bf16" if gemm1 else f"*{intermediate}",
@@ -560,12 +571,13 @@ def aot_specs(kind) -> list:
                 STAGES=config.stages,
                 WEIGHT_RING=config.weight_ring,
                 SPLIT_K=1 if gemm1 else config.gemm2_split_k,
+                SHIFT_DECODE=decode == "shift",
                 **_layouts(config.block_w, config.block_t, config.num_warps),
             )
             gemm = "gemm1" if gemm1 else "gemm2"
             specs.append(
                 AotSpec(
-                    f"moe_wgmma_{gemm}_{intermediate}_w{config.block_w}_t{config.block_t}",
+                    f"moe_wgmma_{gemm}_{intermediate}_{decode}_w{config.block_w}_t{config.block_t}",
                     _fragment_gemm_kernel,
                     signature,
                     constexprs,
