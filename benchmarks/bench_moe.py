@@ -120,15 +120,15 @@ SWEEP = {
 
 # The same for triton.moe.wgmma (bf16-wgmma).
 FRAGMENT_SWEEP = {
-    1: [
-        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=1),
+    m: [
         FragmentConfig(64, 8, 4, 6, weight_ring=True, gemm2_split_k=2),
-    ],
-    4096: [
-        FragmentConfig(128, 64, 8, 4, weight_ring=True),
-        FragmentConfig(128, 128, 8, 3, weight_ring=True),
-    ],
-    8192: [FragmentConfig(128, 128, 8, 3, weight_ring=True)],
+        FragmentConfig(64, 8, 4, 8, weight_ring=True, gemm2_split_k=2),
+        FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=4),
+        FragmentConfig(64, 8, 4, 4, gemm2_split_k=2),
+        FragmentConfig(64, 16, 4, 4, weight_ring=True, gemm2_split_k=2),
+        FragmentConfig(128, 8, 8, 4, weight_ring=True, gemm2_split_k=2),
+    ]
+    for m in (1, 4, 16)
 }
 
 

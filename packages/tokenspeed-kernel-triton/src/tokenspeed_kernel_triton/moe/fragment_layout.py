@@ -10,7 +10,7 @@ holds the elements
 
 so the lane's K pair index jhi picks 4 consecutive words (one 16-byte load), slot pairs (b0) are
 the bf16x2 register pairs, and every word stays inside one 32-element scale block (jlo). Each
-word still uses mxfp4_words' encoding, so the same byte-permute decoder applies.
+word then takes shift_words' or mxfp4_words' bit encoding of its 8 slots (layout.py).
 
 GEMM1's rows are regrouped too: each 16-row group holds the gate rows of 8 intermediate channels
 then their up rows, because the accumulator gives rows r and r + 8 to the same thread.

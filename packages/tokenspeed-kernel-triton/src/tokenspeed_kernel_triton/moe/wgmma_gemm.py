@@ -8,16 +8,20 @@ the B operand in shared memory (cp.async ring). `fragment_layout.py` permutes th
 prepare time so that the words each thread loads decode, in place, to exactly its elements of the
 A fragment: no shuffle, no shared-memory pass for weights, 16-byte coalesced word loads.
 
+Weights decode with shift_words (a shift and a mask per half pair, the subnormal trick, then the
+e8m0 multiply) where that is exact for their scale bytes, else with mxfp4_words' byte permutes
+("w13_decode" / "w2_decode" in the prepared weights, chosen by layout.prepare_weights).
+
 GEMM1 (SWIGLU): B rows are x gathered by token; the prepared w13 puts the gate row of 8
 intermediate channels in rows 0-7 of each 16-row group and their up rows in rows 8-15, which
 the accumulator layout hands to the same thread, so the SwiGLU epilogue needs no exchange. It
-writes `a` in fp16 where GEMM2's weights decode exactly to fp16 (every w2 scale byte in
-mxfp4_words.F16_EXACT_SCALE_BYTES) and the clamp bounds `a` (kernel.swiglu_fits_f16); else as
-bf16 [hi | lo] halves (as the portable kernel; see grouped_gemm.py). fp16 is as accurate here
-(scripts/moe_intermediate_precision.py) and halves GEMM2's MMAs and activation bytes.
+writes `a` in fp16 when w2 was laid out to decode to fp16 (its scale bytes allow it exactly and
+the clamp bounds `a`, kernel.swiglu_fits_f16); else as bf16 [hi | lo] halves (as the portable
+kernel; see grouped_gemm.py). fp16 is as accurate here (scripts/moe_intermediate_precision.py)
+and halves GEMM2's MMAs and activation bytes.
 GEMM2: B rows are the sorted `a` rows (fp16: weights decoded to fp16; bf16: two wgmmas, hi and
 lo, on one decoded fragment); the epilogue adds the bias, multiplies by the routing weight and
-writes fp32 rows by pair.
+writes fp32 rows by pair (split-K: partial rows, summed by the combine).
 """
 
 from __future__ import annotations
