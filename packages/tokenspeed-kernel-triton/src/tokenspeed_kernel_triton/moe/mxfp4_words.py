@@ -119,17 +119,33 @@ LOOKUP_TABLE_WORDS = (0xC0800000, 0x3F3F3F00)
 
 
 @triton.jit
-def decode_word_slots(words, factor):
-    """PTX_DECODE_WORD over int32 `words` and their bf16x2 scale `factor` (same shape):
-    returns the 8 element tensors (slot 0..7) as bf16."""
+def word_to_halves(ptx: tl.constexpr, words, factor, HALF: tl.constexpr):
+    """A one-word decoder `ptx` ($8 = int32 word, $9 = its x2 scale factor -> 8 halves $0..$7)
+    applied elementwise: returns the 8 slot tensors, of type HALF. Shared with shift_words."""
     return tl.inline_asm_elementwise(
-        PTX_DECODE_WORD,
+        ptx,
         "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
         [words, factor],
-        dtype=(tl.bfloat16,) * 8,
+        dtype=(HALF.value,) * 8,
         is_pure=True,
         pack=1,
     )
+
+
+@triton.jit
+def scale_word_factors(ptx: tl.constexpr, scale_words, selector):
+    """A factor builder `ptx` ($1 = int32 scale word, $2 = prmt selector -> int32 $0)
+    applied elementwise. Shared with shift_words."""
+    return tl.inline_asm_elementwise(
+        ptx, "=r,r,r", [scale_words, selector], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def decode_word_slots(words, factor):
+    """PTX_DECODE_WORD over int32 `words` and their bf16x2 scale `factor` (same shape):
+    returns the 8 element tensors (slot 0..7) as bf16."""
+    return word_to_halves(PTX_DECODE_WORD, words, factor, tl.bfloat16)
 
 
 @triton.jit
@@ -158,14 +174,7 @@ PTX_BF16_SCALE_FACTOR = tl.constexpr(
 @triton.jit
 def bf16_scale_factors(scale_words, selector):
     """bf16x2 e8m0 factors: byte (selector - 0x4040) & 3 of each int32 scale word."""
-    return tl.inline_asm_elementwise(
-        PTX_BF16_SCALE_FACTOR,
-        "=r,r,r",
-        [scale_words, selector],
-        dtype=tl.int32,
-        is_pure=True,
-        pack=1,
-    )
+    return scale_word_factors(PTX_BF16_SCALE_FACTOR, scale_words, selector)
 
 
 @triton.jit

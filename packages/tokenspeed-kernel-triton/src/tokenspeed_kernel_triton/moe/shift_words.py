@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .mxfp4_words import scale_word_factors, word_to_halves
+
 # Per output half type: where the magnitude field of a half starts, and per register k the
 # source bit of (low half, high half) magnitude fields and signs. Together they use each of
 # the 32 bits once.
@@ -119,27 +121,13 @@ def factor_constants(kind: str) -> tuple[int, int]:
 def decode_word_slots_bf16(words, factor):
     """Shift-decode int32 `words` (bf16 layout) with their x2 `factor` (same shape) -> slots
     0..7 as bf16. Called from the Gluon kernel."""
-    return tl.inline_asm_elementwise(
-        PTX_DECODE_BF16,
-        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
-        [words, factor],
-        dtype=(tl.bfloat16,) * 8,
-        is_pure=True,
-        pack=1,
-    )
+    return word_to_halves(PTX_DECODE_BF16, words, factor, tl.bfloat16)
 
 
 @triton.jit
 def decode_word_slots_f16(words, factor):
     """The same for the fp16 layout -> fp16."""
-    return tl.inline_asm_elementwise(
-        PTX_DECODE_F16,
-        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
-        [words, factor],
-        dtype=(tl.float16,) * 8,
-        is_pure=True,
-        pack=1,
-    )
+    return word_to_halves(PTX_DECODE_F16, words, factor, tl.float16)
 
 
 def pick(scale: torch.Tensor, kinds: tuple[str, ...]) -> str | None:
@@ -165,12 +153,8 @@ PTX_FACTOR_F16 = tl.constexpr(
 
 @triton.jit
 def scale_factors(scale_words, selector, F16: tl.constexpr):
-    """x2 factors for `decode_word_slots` from int32 scale words (four e8m0 bytes) and a
-    prmt selector b * 0x0101 + 0x4040 picking byte b (same shape)."""
+    """x2 factors for the decoders above from int32 scale words (four e8m0 bytes) and a prmt
+    selector b * 0x0101 + 0x4040 picking byte b (same shape)."""
     if F16:
-        return tl.inline_asm_elementwise(
-            PTX_FACTOR_F16, "=r,r,r", [scale_words, selector], dtype=tl.int32, is_pure=True, pack=1
-        )
-    return tl.inline_asm_elementwise(
-        PTX_FACTOR_BF16, "=r,r,r", [scale_words, selector], dtype=tl.int32, is_pure=True, pack=1
-    )
+        return scale_word_factors(PTX_FACTOR_F16, scale_words, selector)
+    return scale_word_factors(PTX_FACTOR_BF16, scale_words, selector)
