@@ -19,10 +19,10 @@ from tokenspeed_kernel_triton.moe.fragment_layout import (
     group_gate_up,
     kernel_layouts,
 )
-from tokenspeed_kernel_triton.moe.kernel import swiglu_fits_f16
+from tokenspeed_kernel_triton.moe.kernel import moe_forward, swiglu_fits_f16
 from tokenspeed_kernel_triton.moe.layout import prepare_weights
 from tokenspeed_kernel_triton.moe.mxfp4_words import decode_words_reference
-from tokenspeed_kernel_triton.moe.wgmma_gemm import gemm2_splits
+from tokenspeed_kernel_triton.moe.wgmma_gemm import FragmentConfig, fragment_gemm, gemm2_splits
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
@@ -294,3 +294,37 @@ def test_gemm2_splits_are_all_non_empty(requested, K, splits):
     chunks = K // 128
     per_split = -(-chunks // splits)
     assert (splits - 1) * per_split < chunks
+
+
+def test_forward_refuses_a_clamp_the_fp16_layout_was_not_prepared_for():
+    """Checked before any launch, so it runs on the CPU."""
+    prepared = prepare_weights("mxfp4", 96, 80, word_order="fragment", **_checkpoint())
+    assert prepared["w2_decode"] == "fp16"
+    x = torch.zeros(2, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="f16_intermediate=False"):
+        moe_forward(
+            x,
+            prepared,
+            top_k=1,
+            out=torch.empty_like(x),
+            router_logits=torch.zeros(2, 2),
+            limit=math.inf,
+        )
+
+
+def test_fragment_gemm_refuses_weights_encoded_for_another_operand():
+    prepared = prepare_weights("mxfp4", 96, 80, word_order="fragment", **_checkpoint())
+    config = FragmentConfig(64, 8, 4, 4, weight_ring=True)
+    common = dict(routing=None, k_valid=96, n_valid=256, config=config)
+    x = torch.zeros(8, 96, dtype=torch.bfloat16)
+    act16 = torch.zeros(8, 128, dtype=torch.float16)
+    w13 = (prepared["w13"], prepared["w13_scale"], prepared["w13_bias"])
+    w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
+    with pytest.raises(ValueError, match="fp16 weights for a bf16 operand"):
+        fragment_gemm(x, *w13, act16, gemm1=True, decode="fp16", **common)
+    with pytest.raises(ValueError, match="prmt weights for a fp16 operand"):
+        fragment_gemm(act16, *w2, torch.zeros(8, 96), gemm1=False, decode="prmt", **common)
+    with pytest.raises(ValueError, match="GEMM2 rows"):
+        fragment_gemm(act16[:, :64], *w2, torch.zeros(8, 96), gemm1=False, decode="fp16", **common)
+    with pytest.raises(ValueError, match="split_k"):
+        fragment_gemm(x, *w13, act16, gemm1=True, decode="bf16", split_k=2, **common)

@@ -130,22 +130,23 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
     """moe_forward on Hopper with weights prepared in fragment order (bf16 activations)."""
     from .wgmma_gemm import fragment_gemm, gemm2_splits, pick_fragment_config
 
+    # The SwiGLU intermediate: fp16 where prepare_weights laid w2 out to decode to fp16 (one MMA
+    # per K step, and as accurate as bf16 hi + lo: scripts/moe_intermediate_precision.py); else
+    # bf16 [hi | lo] halves.
+    f16_intermediate = prepared["w2_decode"] == "fp16"
+    if f16_intermediate and not swiglu_fits_f16(alpha, limit):
+        raise ValueError(
+            f"moe_forward: the weights were prepared for an fp16 SwiGLU intermediate, which "
+            f"alpha={alpha}, limit={limit} do not bound; prepare them with "
+            f"f16_intermediate=False"
+        )
     M = x.shape[0]
     config = pick_fragment_config(M * top_k)
     routing = _route(prepared, top_k, config.block_t, router_logits, topk_weights, topk_ids)
     H = prepared["hidden_size"]
     Ip = prepared["padded_intermediate_size"]
     rows = routing[4] * config.block_t  # the tile-count bound
-    # The SwiGLU intermediate: fp16 where prepare_weights laid w2 out to decode to fp16 (one MMA
-    # per K step, and as accurate as bf16 hi + lo: scripts/moe_intermediate_precision.py); else
-    # bf16 [hi | lo] halves.
-    if prepared["w2_decode"] == "fp16":
-        if not swiglu_fits_f16(alpha, limit):
-            raise ValueError(
-                f"moe_forward: the weights were prepared for an fp16 SwiGLU intermediate, which "
-                f"alpha={alpha}, limit={limit} do not bound; prepare them with "
-                f"f16_intermediate=False"
-            )
+    if f16_intermediate:
         act = torch.empty(rows, Ip, dtype=torch.float16, device=x.device)
     else:
         act = torch.empty(rows, 2 * Ip, dtype=torch.bfloat16, device=x.device)
