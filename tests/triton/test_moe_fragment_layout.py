@@ -314,7 +314,7 @@ def test_forward_refuses_a_clamp_the_fp16_layout_was_not_prepared_for():
 
 def test_fragment_gemm_refuses_weights_encoded_for_another_operand():
     prepared = prepare_weights("mxfp4", 96, 80, word_order="fragment", **_checkpoint())
-    config = FragmentConfig(64, 8, 4, 4, weight_ring=True)
+    config = FragmentConfig(64, 8, 4, 4)
     common = dict(routing=None, k_valid=96, n_valid=256, config=config)
     x = torch.zeros(8, 96, dtype=torch.bfloat16)
     act16 = torch.zeros(8, 128, dtype=torch.float16)

@@ -103,11 +103,10 @@ def _issue_step(
     stride_am,
     copy_layout: gl.constexpr,
     SPLIT_A: gl.constexpr,
-    WEIGHT_RING: gl.constexpr,
 ):
     """cp.async this CTA's K step `step` (K chunk k_first + step) into ring slot step % STAGES:
-    the activations (and the lo half, K columns further, for GEMM2) and, with WEIGHT_RING, the
-    weight words and scale words (w_ptrs / s_ptrs already point at chunk k_first).
+    the activations (and the lo half, K columns further, for GEMM2), the weight words and the
+    scale words (w_ptrs / s_ptrs already point at chunk k_first).
     Activation columns from K_VALID on (x's row ends at H, the weights are padded beyond it) are
     zero-filled, never read."""
     cols = (k_first + step) * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, copy_layout))
@@ -117,9 +116,8 @@ def _issue_step(
     async_copy.async_copy_global_to_shared(act.index(slot), ptrs, mask=mask)
     if SPLIT_A:
         async_copy.async_copy_global_to_shared(act_lo.index(slot), ptrs + K, mask=mask)
-    if WEIGHT_RING:
-        async_copy.async_copy_global_to_shared(ring_words.index(slot), w_ptrs + step * 16)
-        async_copy.async_copy_global_to_shared(ring_scales.index(slot), s_ptrs + step)
+    async_copy.async_copy_global_to_shared(ring_words.index(slot), w_ptrs + step * 16)
+    async_copy.async_copy_global_to_shared(ring_scales.index(slot), s_ptrs + step)
 
 
 @gluon.jit
@@ -154,7 +152,6 @@ def _fragment_gemm_kernel(
     BLOCK_W: gl.constexpr,
     BLOCK_T: gl.constexpr,
     STAGES: gl.constexpr,
-    WEIGHT_RING: gl.constexpr,
     SPLIT_K: gl.constexpr,
     SHIFT_DECODE: gl.constexpr,
     mma: gl.constexpr,
@@ -195,33 +192,20 @@ def _fragment_gemm_kernel(
     act_lo = gl.allocate_shared_memory(
         a_dtype, [STAGES if SPLIT_A else 1, BLOCK_T, 128], smem_layout
     )
-    RING: gl.constexpr = STAGES if WEIGHT_RING else 1
-    ring_words = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_W, 16], words_smem_layout)
-    ring_scales = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_W], scales_smem_layout)
+    ring_words = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_W, 16], words_smem_layout)
+    ring_scales = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_W], scales_smem_layout)
 
     # This CTA's weight rows: 16 words (one 128-element K chunk) and one scale word (its four
-    # e8m0 bytes) per row and K step. With WEIGHT_RING they travel through the cp.async ring
-    # with the activations (the ring keeps STAGES - 1 steps of HBM reads in flight, which small
-    # batches need: each CTA has little else to overlap); otherwise they are loaded into
-    # registers one step ahead.
-    if WEIGHT_RING:
-        ring_w = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, words_copy))
-        ring_j = gl.arange(0, 16, layout=gl.SliceLayout(0, words_copy))
-        ring_s = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=scales_copy)
-        w_copy_ptrs = w_ptr + expert * stride_we + ring_w[:, None] * stride_wn + ring_j[None, :]
-        w_copy_ptrs += k_first * 16
-        s_copy_ptrs = ws_ptr + expert * stride_se + ring_s * stride_sn + k_first
-    else:
-        w_copy_ptrs = w_ptr
-        s_copy_ptrs = ws_ptr
-    offs_w = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, words_layout))
-    offs_j = gl.arange(0, 16, layout=gl.SliceLayout(0, words_layout))
-    w_ptrs = w_ptr + expert * stride_we + offs_w[:, None] * stride_wn + offs_j[None, :]
-    w_ptrs += k_first * 16
-    s_ptrs = ws_ptr + expert * stride_se + offs_w * stride_sn + k_first
-    if not WEIGHT_RING:
-        words = gl.load(w_ptrs)
-        scale_words = gl.load(s_ptrs)
+    # e8m0 bytes) per row and K step, through the cp.async ring with the activations. The ring
+    # keeps STAGES - 1 steps of HBM reads in flight, which small batches need: each CTA has
+    # little else to overlap (M=1: 46.3 us against 51.5 loading them into registers one step
+    # ahead, benchmarks/results/moe_h200_session4.md).
+    ring_w = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, words_copy))
+    ring_j = gl.arange(0, 16, layout=gl.SliceLayout(0, words_copy))
+    ring_s = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=scales_copy)
+    w_copy_ptrs = w_ptr + expert * stride_we + ring_w[:, None] * stride_wn + ring_j[None, :]
+    w_copy_ptrs += k_first * 16
+    s_copy_ptrs = ws_ptr + expert * stride_se + ring_s * stride_sn + k_first
 
     # Loaded, not immediates: ptxas would re-materialize an immediate table word into a register
     # before every lookup.
@@ -255,19 +239,13 @@ def _fragment_gemm_kernel(
                 stride_am,
                 copy_layout,
                 SPLIT_A,
-                WEIGHT_RING,
             )
         async_copy.commit_group()
         step = it - (STAGES - 1)
         if step >= 0:
             slot = step % STAGES
-            if WEIGHT_RING:
-                words = ring_words.index(slot).load(words_layout)
-                scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
-            else:
-                nxt = gl.minimum(step + 1, num_k - 1)  # the last step reloads itself
-                words_next = gl.load(w_ptrs + nxt * 16)
-                scale_words_next = gl.load(s_ptrs + nxt)
+            words = ring_words.index(slot).load(words_layout)
+            scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
             frag = _decode_fragment(
                 words,
                 scale_words,
@@ -285,9 +263,6 @@ def _fragment_gemm_kernel(
             # Synchronous: Gluon cannot keep the packed A registers of a wgmma left in flight
             # live across the next decode (tried: wrong results on H200, and no faster).
             acc = warpgroup_mma_wait(0, deps=[acc])
-            if not WEIGHT_RING:
-                words = words_next
-                scale_words = scale_words_next
     async_copy.wait_group(0)
 
     # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
@@ -369,30 +344,28 @@ def _swiglu_store(
 @dataclass(frozen=True)
 class FragmentConfig:
     """block_w weight rows x block_t tokens per CTA; stages of the cp.async ring, which holds
-    the activations and, with weight_ring, the weight words too (else they are loaded into
-    registers one step ahead); gemm2_split_k CTAs share each GEMM2 tile's K chunks, each
-    writing a partial row that the combine sums (more CTAs, shorter serial chains)."""
+    the activations and the weight words; gemm2_split_k CTAs share each GEMM2 tile's K chunks,
+    each writing a partial row that the combine sums (more CTAs, shorter serial chains)."""
 
     block_w: int
     block_t: int
     num_warps: int
     stages: int
-    weight_ring: bool = False
     gemm2_split_k: int = 1
 
 
-# (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, fp16 SwiGLU
-# intermediate, graph-timed end to end (benchmarks/results/moe_h200_session4.md).
+# (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, shift decode,
+# fp16 SwiGLU intermediate, graph-timed end to end for M <= 64 (runs 14 and 15 of
+# benchmarks/results/moe_h200_session4.md).
 _CONFIGS = (
-    # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup). The words
-    # go through the cp.async ring with the activations (M=1: 41.5 us; 49.0 loading them into
-    # registers one step ahead; 8 stages: 42.8).
-    (64, FragmentConfig(64, 8, 4, 4, weight_ring=True, gemm2_split_k=2)),
-    # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert, and
-    # at 8192 tokens are still the fastest measured; two warpgroups of 64 weight rows each
-    # (M=4096: 3050 us vs 3097 with one warpgroup of 128 rows, 3202 without the weight ring,
-    # 3364 with 128 tokens x 8 warps. M=8192: 5546 vs 5583; 128 tokens: 5817).
-    (None, FragmentConfig(128, 64, 4, 4, weight_ring=True)),
+    # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup), GEMM2 split
+    # in two (M=1: 32.1 us; 4 splits 32.2; 6 or 8 stages 32.6-33.2; 16 tokens 33.5; 128 rows
+    # with 8 warps 38.7).
+    (64, FragmentConfig(64, 8, 4, 4, gemm2_split_k=2)),
+    # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert
+    # (M=4096: 2615 us; 128 tokens x 8 warps 3109. M=8192: 4802; 128 tokens 5178). 8 warps on
+    # this tile measured within run-to-run noise of 4 (2573 us).
+    (None, FragmentConfig(128, 64, 4, 4)),
 )
 
 
@@ -504,7 +477,6 @@ def fragment_gemm(
         BLOCK_W=config.block_w,
         BLOCK_T=config.block_t,
         STAGES=config.stages,
-        WEIGHT_RING=config.weight_ring,
         SPLIT_K=split_k,
         SHIFT_DECODE=decode != "prmt",
         num_warps=config.num_warps,
@@ -573,7 +545,6 @@ def aot_specs(kind) -> list:
                 BLOCK_W=config.block_w,
                 BLOCK_T=config.block_t,
                 STAGES=config.stages,
-                WEIGHT_RING=config.weight_ring,
                 SPLIT_K=1 if gemm1 else config.gemm2_split_k,
                 SHIFT_DECODE=decode == "shift",
                 **_layouts(config.block_w, config.block_t, config.num_warps),
