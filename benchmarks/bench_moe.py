@@ -121,14 +121,20 @@ SWEEP = {
 # The same for triton.moe.wgmma (bf16-wgmma).
 FRAGMENT_SWEEP = {
     m: [
-        FragmentConfig(64, 8, 4, 6, gemm2_split_k=2),
-        FragmentConfig(64, 8, 4, 8, gemm2_split_k=2),
-        FragmentConfig(64, 8, 4, 4, gemm2_split_k=4),
-        FragmentConfig(64, 16, 4, 4, gemm2_split_k=2),
-        FragmentConfig(128, 8, 8, 4, gemm2_split_k=2),
+        FragmentConfig(64, 8, 4, 4, gemm2_split_k=2),
+        FragmentConfig(64, 8, 4, 4, gemm2_split_k=2, chunks=2),
+        FragmentConfig(64, 8, 4, 3, gemm2_split_k=2, chunks=2),
+        FragmentConfig(64, 8, 4, 2, gemm2_split_k=4, chunks=2),
+        FragmentConfig(64, 8, 4, 3, gemm2_split_k=1, chunks=2),
     ]
     for m in (1, 4, 16)
-} | {m: [FragmentConfig(128, 64, 8, 4), FragmentConfig(128, 128, 8, 3)] for m in (4096, 8192)}
+} | {
+    m: [
+        FragmentConfig(128, 64, 8, 4),
+        FragmentConfig(128, 64, 4, 3),
+    ]
+    for m in (4096, 8192)
+}
 
 
 def profile_case(prepared, m: int) -> list[str]:

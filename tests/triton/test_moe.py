@@ -29,6 +29,7 @@ from tokenspeed_kernel.testing import (
 from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_weights
 from tokenspeed_kernel_triton.moe._common import MoETileConfig, pin_config
 from tokenspeed_kernel_triton.moe.routing import route
+from tokenspeed_kernel_triton.moe.wgmma_gemm import FRAGMENT_PIN, FragmentConfig
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -265,3 +266,28 @@ def test_gpt_oss_120b_shapes(kernel, act):
         expected = torch.empty_like(x)
         reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
         assert_close(out, expected, dtype=dtype, name=f"out (M={m}, {act})")
+
+
+@pytest.mark.gpu
+def test_wgmma_ring_steps_of_two_chunks_are_exact():
+    """Two K chunks per ring step (and a zero-filled chunk where a CTA's count is odd: K = 2944
+    is 23 chunks, GEMM2's splits 12 and 11) multiply in the same order as one chunk per step:
+    the output is bit for bit the same, at the decode and the prefill tiles."""
+    config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
+    spec = get_kernel("moe", "triton.moe.wgmma")
+    if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
+        pytest.skip("no wgmma on this GPU")
+    plan = moe_plan_for(spec, config, 4096, "cuda")
+    prepared = spec.fn.prepare_weights(plan, gpt_oss_weights())
+    g = torch.Generator(device="cuda").manual_seed(2)
+    tiles = {1: (64, 8, 4, 4, 2), 4: (64, 8, 4, 4, 2), 300: (128, 64, 4, 4, 1)}
+    for m, (block_w, block_t, warps, stages, split) in tiles.items():
+        x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
+        logits = torch.randn(m, 128, generator=g, device="cuda")
+        outs = []
+        for chunks in (1, 2):
+            out = torch.empty_like(x)
+            with FRAGMENT_PIN.pin(FragmentConfig(block_w, block_t, warps, stages, split, chunks)):
+                spec.fn.apply(plan, x, prepared, router_logits=logits, out=out)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), f"M={m}"

@@ -50,8 +50,9 @@ def group_gate_up(t: torch.Tensor) -> torch.Tensor:
     return grouped.reshape(t.shape)
 
 
-def kernel_layouts(block_w: int, block_t: int, num_warps: int) -> dict:
-    """The Gluon layouts the fragment GEMM is compiled with (constexpr arguments)."""
+def kernel_layouts(block_w: int, block_t: int, num_warps: int, chunks: int = 1) -> dict:
+    """The Gluon layouts the fragment GEMM is compiled with (constexpr arguments); the copy
+    layouts cover a ring step of `chunks` K chunks."""
     from triton.experimental.gluon import language as gl
 
     rows_per_pass = 16 * num_warps
@@ -71,16 +72,23 @@ def kernel_layouts(block_w: int, block_t: int, num_warps: int) -> dict:
         block_bases=[],
         shape=[block_w, CHUNK_WORDS],
     )
+    scale_warps_w = max(1, min(num_warps, block_w // 32))
+    scale_warps_c = num_warps // scale_warps_w
     return dict(
         mma=mma,
         dot_a=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
         words_layout=words,
+        # [block_t, chunks * 128] activations: 16-byte cp.async per thread.
         copy_layout=gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0]),
-        smem_layout=gl.NVMMASharedLayout.get_default_for([block_t, CHUNK_K], gl.bfloat16),
+        smem_layout=gl.NVMMASharedLayout.get_default_for([block_t, chunks * CHUNK_K], gl.bfloat16),
         # The weight ring: 16-byte cp.async per thread; a warp's 16-byte reads in the words
         # layout cover 8 whole 64-byte rows, so the plain row-major tile has no bank conflicts.
-        words_copy=gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0]),
-        scales_copy=gl.BlockedLayout([1], [32], [num_warps], [0]),
+        words_copy=gl.BlockedLayout([1, 1, 4], [1, 8, 4], [1, num_warps, 1], [2, 1, 0]),
+        # [chunks, block_w] scale words, one per thread where the step has that many.
+        scales_copy=gl.BlockedLayout([1, 1], [1, 32], [scale_warps_c, scale_warps_w], [1, 0]),
         words_smem_layout=gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
         scales_smem_layout=gl.SwizzledSharedLayout(1, 1, 1, [0]),
+        # The same rings seen one ring step ([chunks, ...]) at a time, for its copies.
+        words_step_layout=gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]),
+        scales_step_layout=gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
     )

@@ -9,10 +9,15 @@ kernel does anyway, gives the exact value.
 
 Each int32 word holds 8 codes (slots 0..7, as mxfp4_words: one 32-element scale block); output
 register k is the half pair (slot 2k, slot 2k + 1). Register k's magnitudes sit where one shift
-moves both into place, and its signs where another shift moves them to bits 15 and 31, so a
-register costs one or two shifts (on the FMA pipe) and one or two lop3:
+moves both into place, and its signs where one shift moves them to bits 15 and 31. Where the two
+shifts are equal, a shift and one mask make the register; else the sign shift is one another
+register needs anyway, or none:
 
     r_k = ((word << mag_shift_k) & MAGNITUDES) | ((word << sign_shift_k) & 0x80008000)
+
+The placements below were found by exhaustive search over the shifts (scripts/
+shift_words_search.py): 5 distinct shifts and 6 lop3 per word (7 with one shr for bf16), the
+fewest integer-ALU-pipe instructions of any layout of this form.
 
 Exact ranges of the e8m0 byte s: the factor 2^(s - 1) must be a normal bf16 (s <= 128);
 2^(s - 113) a normal fp16 and every value times 2^(s - 127) an fp16 (104 <= s <= 128).
@@ -32,13 +37,13 @@ from .mxfp4_words import scale_word_factors, word_to_halves
 LAYOUTS = {
     "bf16": dict(
         field=6,
-        magnitude=((6, 22), (3, 19), (0, 16), (9, 25)),
-        sign=((15, 31), (14, 30), (13, 29), (12, 28)),
+        magnitude=((13, 29), (6, 22), (3, 19), (0, 16)),
+        sign=((11, 27), (10, 26), (12, 28), (9, 25)),
     ),
     "fp16": dict(
         field=9,
         magnitude=((9, 25), (6, 22), (3, 19), (0, 16)),
-        sign=((15, 31), (14, 30), (13, 29), (12, 28)),
+        sign=((15, 31), (12, 28), (14, 30), (13, 29)),
     ),
 }
 # e8m0 bytes each output type decodes exactly.
@@ -77,12 +82,18 @@ def decode_reference(words: torch.Tensor, kind: str) -> torch.Tensor:
     return (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
 
 
-def _shift(dst: int, src: int) -> str:
-    return f"shl.b32 t, $8, {dst - src};" if dst >= src else f"shr.u32 t, $8, {src - dst};"
+def _shifted(dst_bit: int, src_bit: int, name: str) -> tuple[str, list[str]]:
+    """(register holding the word shifted so that src_bit lands on dst_bit, PTX computing it)."""
+    if dst_bit == src_bit:
+        return "$8", []
+    if dst_bit > src_bit:
+        return name, [f"shl.b32 {name}, $8, {dst_bit - src_bit};"]
+    return name, [f"shr.u32 {name}, $8, {src_bit - dst_bit};"]
 
 
 def _decode_ptx(kind: str) -> str:
-    """PTX for one word ($8) times the x2 factor ($9) -> 8 halves $0..$7."""
+    """PTX for one word ($8) times the x2 factor ($9) -> 8 halves $0..$7 (ptxas merges the
+    shifts that several registers share)."""
     layout = LAYOUTS[kind]
     field = layout["field"]
     magnitudes = (7 << field) | (7 << (field + 16))
@@ -90,14 +101,17 @@ def _decode_ptx(kind: str) -> str:
     lines = ["{", ".reg .b32 t, u, r;"]
     for k in range(4):
         mag_src, sign_src = layout["magnitude"][k][0], layout["sign"][k][0]
-        if mag_src == field and sign_src == 15:
-            lines.append(f"and.b32 r, $8, {magnitudes | 0x80008000:#x};")
+        if field - mag_src == 15 - sign_src:
+            t, shift = _shifted(field, mag_src, "t")
+            lines += [*shift, f"and.b32 r, {t}, {magnitudes | 0x80008000:#x};"]
         else:
+            t, shift_t = _shifted(field, mag_src, "t")
+            u, shift_u = _shifted(15, sign_src, "u")
             lines += [
-                _shift(field, mag_src),
-                f"shl.b32 u, $8, {15 - sign_src};",
-                f"and.b32 r, t, {magnitudes:#x};",
-                "lop3.b32 r, r, u, 0x80008000, 0xF8;",  # r | (u & 0x80008000)
+                *shift_t,
+                *shift_u,
+                f"and.b32 r, {t}, {magnitudes:#x};",
+                f"lop3.b32 r, r, {u}, 0x80008000, 0xF8;",  # r | (u & 0x80008000)
             ]
         lines += [f"{mul} r, r, $9;", f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, r;"]
     return "\n".join([*lines, "}"])

@@ -86,6 +86,19 @@ def _decode_fragment(
 
 
 @gluon.jit
+def _step_view(ring, slot, CHUNKS: gl.constexpr, step_layout: gl.constexpr):
+    """Ring step `slot` of an unswizzled ring [STAGES * CHUNKS, ...] as one [CHUNKS, ...] view of
+    its buffers (the same row-major bytes), for the step's single copy. A copy per chunk would
+    make Gluon's barrier analysis put a CTA barrier between them (a write after a write to one
+    allocation)."""
+    if len(ring.shape) == 3:
+        shape: gl.constexpr = [ring.shape[0] // CHUNKS, CHUNKS, ring.shape[1], ring.shape[2]]
+    else:
+        shape: gl.constexpr = [ring.shape[0] // CHUNKS, CHUNKS, ring.shape[1]]
+    return ring._reinterpret(ring.dtype, shape, step_layout).index(slot)
+
+
+@gluon.jit
 def _issue_step(
     act,
     act_lo,
@@ -98,26 +111,50 @@ def _issue_step(
     s_ptrs,
     k_first,
     step,
+    num_k,
     K,
     K_VALID,
     stride_am,
     copy_layout: gl.constexpr,
-    SPLIT_A: gl.constexpr,
+    words_step: gl.constexpr,
+    scales_step: gl.constexpr,
+    CHUNKS: gl.constexpr,
 ):
-    """cp.async this CTA's K step `step` (K chunk k_first + step) into ring slot step % STAGES:
-    the activations (and the lo half, K columns further, for GEMM2), the weight words and the
-    scale words (w_ptrs / s_ptrs already point at chunk k_first).
+    """cp.async ring step `step` (this CTA's K chunks CHUNKS * step + c, c < CHUNKS, counted
+    from chunk k_first) into ring slot step % STAGES, one copy per buffer: the activations (and
+    the lo half, K columns further, for GEMM2), the weight words and the scale words (w_ptrs
+    [CHUNKS, BLOCK_W, 16] / s_ptrs [CHUNKS, BLOCK_W] point at chunks k_first + c). Chunks from
+    num_k on are zero-filled (nothing is read).
     Activation columns from K_VALID on (x's row ends at H, the weights are padded beyond it) are
     zero-filled, never read."""
-    cols = (k_first + step) * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, copy_layout))
+    chunk0 = step * CHUNKS
+    # [BLOCK_T, CHUNKS * 128] activations: the step's chunks side by side along K.
+    cols = (k_first + chunk0) * 128 + gl.arange(
+        0, CHUNKS * 128, layout=gl.SliceLayout(0, copy_layout)
+    )
     ptrs = a_ptr + a_rows[:, None] * stride_am + cols[None, :]
-    mask = row_ok[:, None] & (cols < K_VALID)[None, :]
+    cols_ok = (cols < K_VALID) & (cols < (k_first + num_k) * 128)
+    mask = row_ok[:, None] & cols_ok[None, :]
     slot = step % act.shape[0]
     async_copy.async_copy_global_to_shared(act.index(slot), ptrs, mask=mask)
-    if SPLIT_A:
+    if act_lo.shape[0] > 1:
         async_copy.async_copy_global_to_shared(act_lo.index(slot), ptrs + K, mask=mask)
-    async_copy.async_copy_global_to_shared(ring_words.index(slot), w_ptrs + step * 16)
-    async_copy.async_copy_global_to_shared(ring_scales.index(slot), s_ptrs + step)
+    words_layout: gl.constexpr = w_ptrs.type.layout
+    words_c = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
+    words_ok = (chunk0 + words_c)[:, None, None] + gl.zeros(w_ptrs.shape, gl.int32, words_layout)
+    async_copy.async_copy_global_to_shared(
+        _step_view(ring_words, slot, CHUNKS, words_step),
+        w_ptrs + chunk0 * 16,
+        mask=words_ok < num_k,
+    )
+    scales_layout: gl.constexpr = s_ptrs.type.layout
+    scales_c = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, scales_layout))
+    scales_ok = (chunk0 + scales_c)[:, None] + gl.zeros(s_ptrs.shape, gl.int32, scales_layout)
+    async_copy.async_copy_global_to_shared(
+        _step_view(ring_scales, slot, CHUNKS, scales_step),
+        s_ptrs + chunk0,
+        mask=scales_ok < num_k,
+    )
 
 
 @gluon.jit
@@ -152,6 +189,7 @@ def _fragment_gemm_kernel(
     BLOCK_W: gl.constexpr,
     BLOCK_T: gl.constexpr,
     STAGES: gl.constexpr,
+    CHUNKS: gl.constexpr,
     SPLIT_K: gl.constexpr,
     SHIFT_DECODE: gl.constexpr,
     mma: gl.constexpr,
@@ -163,6 +201,8 @@ def _fragment_gemm_kernel(
     scales_copy: gl.constexpr,
     words_smem_layout: gl.constexpr,
     scales_smem_layout: gl.constexpr,
+    words_step_layout: gl.constexpr,
+    scales_step_layout: gl.constexpr,
 ):
     pid = gl.program_id(0)
     num_w = N // BLOCK_W
@@ -188,40 +228,58 @@ def _fragment_gemm_kernel(
     k_first = split * per_split
     num_k = gl.minimum(per_split, K // 128 - k_first)
     a_dtype: gl.constexpr = a_ptr.dtype.element_ty
-    act = gl.allocate_shared_memory(a_dtype, [STAGES, BLOCK_T, 128], smem_layout)
+    # The ring: STAGES steps of CHUNKS K chunks (128 columns) each. A step's activations are
+    # one [BLOCK_T, CHUNKS * 128] tile; its chunk c of words and scales is buffer s * CHUNKS + c
+    # (the copy sees each step as one [CHUNKS, ...] view: _step_view).
+    act = gl.allocate_shared_memory(a_dtype, [STAGES, BLOCK_T, CHUNKS * 128], smem_layout)
     act_lo = gl.allocate_shared_memory(
-        a_dtype, [STAGES if SPLIT_A else 1, BLOCK_T, 128], smem_layout
+        a_dtype, [STAGES if SPLIT_A else 1, BLOCK_T, CHUNKS * 128], smem_layout
     )
-    ring_words = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_W, 16], words_smem_layout)
-    ring_scales = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_W], scales_smem_layout)
+    ring_words = gl.allocate_shared_memory(
+        gl.int32, [STAGES * CHUNKS, BLOCK_W, 16], words_smem_layout
+    )
+    ring_scales = gl.allocate_shared_memory(
+        gl.int32, [STAGES * CHUNKS, BLOCK_W], scales_smem_layout
+    )
 
-    # This CTA's weight rows: 16 words (one 128-element K chunk) and one scale word (its four
-    # e8m0 bytes) per row and K step, through the cp.async ring with the activations. The ring
-    # keeps STAGES - 1 steps of HBM reads in flight, which small batches need: each CTA has
-    # little else to overlap (M=1: 46.3 us against 51.5 loading them into registers one step
-    # ahead, benchmarks/results/moe_h200_session4.md).
-    ring_w = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, words_copy))
-    ring_j = gl.arange(0, 16, layout=gl.SliceLayout(0, words_copy))
-    ring_s = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=scales_copy)
-    w_copy_ptrs = w_ptr + expert * stride_we + ring_w[:, None] * stride_wn + ring_j[None, :]
-    w_copy_ptrs += k_first * 16
-    s_copy_ptrs = ws_ptr + expert * stride_se + ring_s * stride_sn + k_first
+    # This CTA's weight rows: 16 words (one K chunk) and one scale word (its four e8m0 bytes)
+    # per row and chunk, through the cp.async ring with the activations. The ring keeps
+    # STAGES - 1 steps of HBM reads in flight, which small batches need: each CTA has little
+    # else to overlap (M=1: 46.3 us against 51.5 loading them into registers one step ahead,
+    # benchmarks/results/moe_h200_session4.md).
+    wc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_copy)))
+    wr = pid_w * BLOCK_W + gl.arange(
+        0, BLOCK_W, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_copy))
+    )
+    wj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_copy)))
+    w_copy_ptrs = (
+        w_ptr
+        + expert * stride_we
+        + wr[None, :, None] * stride_wn
+        + ((k_first + wc) * 16)[:, None, None]
+        + wj[None, None, :]
+    )
+    sc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, scales_copy))
+    sr = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, scales_copy))
+    s_copy_ptrs = ws_ptr + expert * stride_se + sr[None, :] * stride_sn + (k_first + sc)[:, None]
 
     # Loaded, not immediates: ptxas would re-materialize an immediate table word into a register
     # before every lookup.
     lo_table = gl.load(table_ptr)
     hi_table = gl.load(table_ptr + 1)
 
-    # Iteration `it` copies K step `it` into the ring and computes step it - (STAGES - 1): the
-    # first STAGES - 1 iterations only fill the ring.
+    # Iteration `it` copies step `it` into the ring and computes step it - (STAGES - 1): the
+    # first STAGES - 1 iterations only fill the ring. A step's chunks past num_k are zeros
+    # (which decode to zeros) rather than branches around the MMA chain.
+    num_steps = gl.cdiv(num_k, CHUNKS)
     acc = gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=mma)
-    for it in range(num_k + STAGES - 1):
+    for it in range(num_steps + STAGES - 1):
         # The step computed below landed (this thread's copies, then everyone's). Past this
         # barrier every warp is done with the previous iteration (its ring reads, and its
-        # wgmma, which is waited on), whose slot step `it` reuses.
+        # wgmmas, which are waited on), whose slot step `it` reuses.
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
-        if it < num_k:
+        if it < num_steps:
             _issue_step(
                 act,
                 act_lo,
@@ -234,34 +292,41 @@ def _fragment_gemm_kernel(
                 s_copy_ptrs,
                 k_first,
                 it,
+                num_k,
                 K,
                 K_VALID,
                 stride_am,
                 copy_layout,
-                SPLIT_A,
+                words_step_layout,
+                scales_step_layout,
+                CHUNKS,
             )
         async_copy.commit_group()
         step = it - (STAGES - 1)
         if step >= 0:
-            slot = step % STAGES
-            words = ring_words.index(slot).load(words_layout)
-            scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
-            frag = _decode_fragment(
-                words,
-                scale_words,
-                lo_table,
-                hi_table,
-                dot_a,
-                BLOCK_W,
-                SHIFT_DECODE,
-                a_dtype == gl.float16,
-            )
-            fence_async_shared()
-            acc = warpgroup_mma(frag, act.index(slot).permute((1, 0)), acc)
-            if SPLIT_A:
-                acc = warpgroup_mma(frag, act_lo.index(slot).permute((1, 0)), acc)
-            # Synchronous: Gluon cannot keep the packed A registers of a wgmma left in flight
-            # live across the next decode (tried: wrong results on H200, and no faster).
+            for c in gl.static_range(CHUNKS):
+                slot = step % STAGES * CHUNKS + c
+                words = ring_words.index(slot).load(words_layout)
+                scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
+                frag = _decode_fragment(
+                    words,
+                    scale_words,
+                    lo_table,
+                    hi_table,
+                    dot_a,
+                    BLOCK_W,
+                    SHIFT_DECODE,
+                    a_dtype == gl.float16,
+                )
+                fence_async_shared()
+                # Asynchronous, so that the next chunk decodes while this one multiplies; its
+                # A registers stay untouched until the wait below (a fresh value per chunk).
+                b = act.index(step % STAGES).slice(c * 128, 128, dim=1).permute((1, 0))
+                acc = warpgroup_mma(frag, b, acc, is_async=True)
+                if SPLIT_A:
+                    b_lo = act_lo.index(step % STAGES).slice(c * 128, 128, dim=1)
+                    b_lo = b_lo.permute((1, 0))
+                    acc = warpgroup_mma(frag, b_lo, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
@@ -344,27 +409,32 @@ def _swiglu_store(
 @dataclass(frozen=True)
 class FragmentConfig:
     """block_w weight rows x block_t tokens per CTA; stages of the cp.async ring, which holds
-    the activations and the weight words; gemm2_split_k CTAs share each GEMM2 tile's K chunks,
-    each writing a partial row that the combine sums (more CTAs, shorter serial chains)."""
+    the activations and the weight words, each stage `chunks` K chunks of 128 (one barrier, one
+    set of copies and one wgmma wait per step: fewer instructions per chunk, and the next
+    chunk decodes while the last one multiplies); gemm2_split_k CTAs share each GEMM2 tile's K
+    chunks, each writing a partial row that the combine sums (more CTAs, shorter chains)."""
 
     block_w: int
     block_t: int
     num_warps: int
     stages: int
     gemm2_split_k: int = 1
+    chunks: int = 1
 
 
 # (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, shift decode,
-# fp16 SwiGLU intermediate, graph-timed end to end for M <= 64 (runs 14 and 15 of
-# benchmarks/results/moe_h200_session4.md).
+# fp16 SwiGLU intermediate, graph-timed end to end for M <= 64 (benchmarks/results/
+# moe_h200_session5.md, run 3; earlier alternatives in moe_h200_session4.md).
 _CONFIGS = (
-    # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup), GEMM2 split
-    # in two (M=1: 32.1 us; 4 splits 32.2; 6 or 8 stages 32.6-33.2; 16 tokens 33.5; 128 rows
-    # with 8 warps 38.7).
-    (64, FragmentConfig(64, 8, 4, 4, gemm2_split_k=2)),
+    # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup), ring steps of
+    # two K chunks, GEMM2 split in two. M=1 30.4 us, M=4 83.1, M=16 236.9; one chunk per step
+    # 31.0 / 93.8 / 254.0; 3 stages 31.6 / 84.3 / 240.9; GEMM2 in 4 splits 33.2 / 86.2 / 247.4;
+    # unsplit 34.1 / 85.0 / 235.3. Session 4: 6-8 stages, 16 tokens and 128 rows were slower.
+    (64, FragmentConfig(64, 8, 4, 2, gemm2_split_k=2, chunks=2)),
     # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert
     # (M=4096: 2615 us; 128 tokens x 8 warps 3109. M=8192: 4802; 128 tokens 5178). 8 warps on
-    # this tile measured within run-to-run noise of 4 (2573 us).
+    # this tile measured within run-to-run noise of 4 (2573 us). Two chunks per step need ~2x
+    # the registers here and lost (M=4096: 3491 us against 2545, session 5 run 1).
     (None, FragmentConfig(128, 64, 4, 4)),
 )
 
@@ -380,10 +450,10 @@ def pick_fragment_config(num_pairs: int) -> FragmentConfig:
 
 
 @functools.cache
-def _layouts(block_w: int, block_t: int, num_warps: int) -> dict:
+def _layouts(block_w: int, block_t: int, num_warps: int, chunks: int) -> dict:
     from .fragment_layout import kernel_layouts
 
-    return kernel_layouts(block_w, block_t, num_warps)
+    return kernel_layouts(block_w, block_t, num_warps, chunks)
 
 
 def gemm2_splits(requested: int, K: int) -> int:
@@ -477,10 +547,11 @@ def fragment_gemm(
         BLOCK_W=config.block_w,
         BLOCK_T=config.block_t,
         STAGES=config.stages,
+        CHUNKS=config.chunks,
         SPLIT_K=split_k,
         SHIFT_DECODE=decode != "prmt",
         num_warps=config.num_warps,
-        **_layouts(config.block_w, config.block_t, config.num_warps),
+        **_layouts(config.block_w, config.block_t, config.num_warps, config.chunks),
     )
 
 
@@ -545,9 +616,10 @@ def aot_specs(kind) -> list:
                 BLOCK_W=config.block_w,
                 BLOCK_T=config.block_t,
                 STAGES=config.stages,
+                CHUNKS=config.chunks,
                 SPLIT_K=1 if gemm1 else config.gemm2_split_k,
                 SHIFT_DECODE=decode == "shift",
-                **_layouts(config.block_w, config.block_t, config.num_warps),
+                **_layouts(config.block_w, config.block_t, config.num_warps, config.chunks),
             )
             gemm = "gemm1" if gemm1 else "gemm2"
             specs.append(
