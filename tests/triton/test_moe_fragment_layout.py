@@ -154,6 +154,14 @@ def test_kernel_layouts_refuse_tiles_wgmma_cannot_run():
         kernel_layouts(64, 12, 4)  # wgmma N is a multiple of 8
 
 
+def test_fragment_config_refuses_rings_the_kernel_cannot_run():
+    FragmentConfig(64, 8, 4, 2, chunks=2)
+    with pytest.raises(ValueError, match="stages 1"):
+        FragmentConfig(64, 8, 4, 1)
+    with pytest.raises(ValueError, match="chunks 3"):
+        FragmentConfig(64, 8, 4, 2, chunks=3)
+
+
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 HALF_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # The factor each layout multiplies by: 2^(s - 127) times 2^126 (bf16) or 2^14 (fp16).

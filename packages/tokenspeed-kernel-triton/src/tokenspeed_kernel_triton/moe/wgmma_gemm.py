@@ -119,6 +119,7 @@ def _issue_step(
     words_step: gl.constexpr,
     scales_step: gl.constexpr,
     CHUNKS: gl.constexpr,
+    SPLIT_A: gl.constexpr,
 ):
     """cp.async ring step `step` (this CTA's K chunks CHUNKS * step + c, c < CHUNKS, counted
     from chunk k_first) into ring slot step % STAGES, one copy per buffer: the activations (and
@@ -137,7 +138,7 @@ def _issue_step(
     mask = row_ok[:, None] & cols_ok[None, :]
     slot = step % act.shape[0]
     async_copy.async_copy_global_to_shared(act.index(slot), ptrs, mask=mask)
-    if act_lo.shape[0] > 1:
+    if SPLIT_A:
         async_copy.async_copy_global_to_shared(act_lo.index(slot), ptrs + K, mask=mask)
     words_layout: gl.constexpr = w_ptrs.type.layout
     words_c = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
@@ -300,12 +301,14 @@ def _fragment_gemm_kernel(
                 words_step_layout,
                 scales_step_layout,
                 CHUNKS,
+                SPLIT_A,
             )
         async_copy.commit_group()
         step = it - (STAGES - 1)
         if step >= 0:
+            ring_step = step % STAGES
             for c in gl.static_range(CHUNKS):
-                slot = step % STAGES * CHUNKS + c
+                slot = ring_step * CHUNKS + c
                 words = ring_words.index(slot).load(words_layout)
                 scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
                 frag = _decode_fragment(
@@ -321,10 +324,10 @@ def _fragment_gemm_kernel(
                 fence_async_shared()
                 # Asynchronous, so that the next chunk decodes while this one multiplies; its
                 # A registers stay untouched until the wait below (a fresh value per chunk).
-                b = act.index(step % STAGES).slice(c * 128, 128, dim=1).permute((1, 0))
+                b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
                 acc = warpgroup_mma(frag, b, acc, is_async=True)
                 if SPLIT_A:
-                    b_lo = act_lo.index(step % STAGES).slice(c * 128, 128, dim=1)
+                    b_lo = act_lo.index(ring_step).slice(c * 128, 128, dim=1)
                     b_lo = b_lo.permute((1, 0))
                     acc = warpgroup_mma(frag, b_lo, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
@@ -420,6 +423,13 @@ class FragmentConfig:
     stages: int
     gemm2_split_k: int = 1
     chunks: int = 1
+
+    def __post_init__(self) -> None:
+        # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
+        if self.stages < 2:
+            raise ValueError(f"FragmentConfig: stages {self.stages} < 2")
+        if self.chunks < 1 or self.chunks & (self.chunks - 1):
+            raise ValueError(f"FragmentConfig: chunks {self.chunks} is not a power of two")
 
 
 # (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, shift decode,
