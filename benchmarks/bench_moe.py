@@ -76,34 +76,50 @@ def gpt_oss_tensors(static: bool, word_order: str = "natural", **fragment_option
     return prepared, scales
 
 
-def run_case(prepared, m, act, scales, *, graph: bool, config=None):
+def weight_copies(prepared: dict, layers: int) -> list[dict]:
+    """`layers` distinct copies of the prepared weights, as a model's layers are: run in turn,
+    each finds only the other layers' bytes in L2 (the L2 holds 50 MB; one layer reads 53 MB
+    at M=1), as in a real forward pass."""
+    return [prepared] + [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in prepared.items()}
+        for _ in range(layers - 1)
+    ]
+
+
+def run_case(layers, m, act, scales, *, graph: bool, config=None):
+    """Microseconds per layer for M tokens through `layers` (a list of prepared weights, each
+    layer's forward in turn), and the number of distinct selected experts."""
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, H, generator=g, device="cuda").to(torch.bfloat16)
     logits = torch.randn(m, E, generator=g, device="cuda")
     out = torch.empty_like(x)
 
     def fn():
-        moe_forward(
-            x,
-            prepared,
-            top_k=TOP_K,
-            out=out,
-            router_logits=logits,
-            activation_format=act,
-            w13_input_scale=scales[0],
-            w2_input_scale=scales[1],
-        )
+        for prepared in layers:
+            moe_forward(
+                x,
+                prepared,
+                top_k=TOP_K,
+                out=out,
+                router_logits=logits,
+                activation_format=act,
+                w13_input_scale=scales[0],
+                w2_input_scale=scales[1],
+            )
+
+    def timed():
+        fn()
+        ms = do_bench_cudagraph(fn, rep=200) if graph else do_bench(fn, warmup=25, rep=200)
+        return ms * 1e3 / len(layers)
 
     if config is not None:
         pin = FRAGMENT_PIN.pin if isinstance(config, FragmentConfig) else pin_config
         with pin(config):
-            fn()
-            ms = do_bench_cudagraph(fn, rep=200) if graph else do_bench(fn, warmup=25, rep=200)
+            us = timed()
     else:
-        fn()
-        ms = do_bench_cudagraph(fn, rep=200) if graph else do_bench(fn, warmup=25, rep=200)
+        us = timed()
     distinct = int(torch.topk(logits, TOP_K, dim=-1).indices.unique().numel())
-    return ms * 1e3, distinct
+    return us, distinct
 
 
 # Alternative tiles timed by --sweep, per M (the heuristic's pick is among them).
@@ -118,22 +134,17 @@ SWEEP = {
 }
 
 
-# The same for triton.moe.wgmma (bf16-wgmma).
+# The same for triton.moe.wgmma (bf16-wgmma): decode tiles (prefill tiles:
+# benchmarks/results/moe_h200_session4.md and _session5.md).
+_DECODE = dict(block_w=64, block_t=8, num_warps=4, stages=2, gemm2_split_k=2, chunks=2)
 FRAGMENT_SWEEP = {
     m: [
-        FragmentConfig(64, 8, 4, 4, gemm2_split_k=2),
-        FragmentConfig(64, 8, 4, 4, gemm2_split_k=2, chunks=2),
-        FragmentConfig(64, 8, 4, 3, gemm2_split_k=2, chunks=2),
-        FragmentConfig(64, 8, 4, 2, gemm2_split_k=4, chunks=2),
-        FragmentConfig(64, 8, 4, 3, gemm2_split_k=1, chunks=2),
+        FragmentConfig(**_DECODE, pdl=False),
+        FragmentConfig(**_DECODE),
+        FragmentConfig(**_DECODE | dict(chunks=4)),
+        FragmentConfig(**_DECODE | dict(stages=3)),
     ]
     for m in (1, 4, 16)
-} | {
-    m: [
-        FragmentConfig(128, 64, 8, 4),
-        FragmentConfig(128, 64, 4, 3),
-    ]
-    for m in (4096, 8192)
 }
 
 
@@ -174,6 +185,12 @@ def main() -> int:
         "intermediate), bf16-wgmma-hilo (bf16 hi + lo intermediate), bf16-wgmma-prmt (hi + lo "
         "and byte-permute decode) and triton.moe's bf16, fp8-dynamic, fp8-static",
     )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=4,
+        help="distinct weight copies run in turn for the L2-cold decode time (M <= 64)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -187,9 +204,13 @@ def main() -> int:
         f"- bf16 dense matmul 8192^3: {dense / 1e12:.0f} TFLOP/s",
         f"- expert bytes (MXFP4 + scales, unpadded): {EXPERT_BYTES / 1e6:.2f} MB",
         "",
-        "| M | act | distinct experts | floor us | eager us | graph us | x floor (graph) "
-        "| TFLOP/s | % bf16 dense |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"Decode (M <= 64) is CUDA-graph timed twice: one layer's weights again and again (the "
+        f"L2 may still hold part of the last call's), and {args.layers} layers' distinct copies "
+        f"in turn (L2-cold, as in a model; the x floor uses this one).",
+        "",
+        "| M | act | distinct experts | floor us | eager us | graph us (1 layer) "
+        f"| graph us ({args.layers} layers) | x floor | TFLOP/s | % bf16 dense |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     sweep: list[str] = []
     variants = (
@@ -209,26 +230,36 @@ def main() -> int:
         if label == "bf16-wgmma-prmt":
             options["shift_decode"] = False  # mxfp4_words' byte-permute decode
         prepared, scales = gpt_oss_tensors(static, word_order, **options)
+        one = [prepared]
+        cold = weight_copies(prepared, args.layers)
         ms_list = (1, 4, 16, 64, 4096, 8192) if act == "bf16" else (1, 4096)
         for m in ms_list:
-            eager, distinct = run_case(prepared, m, act, scales, graph=False)
-            graph = run_case(prepared, m, act, scales, graph=True)[0] if m <= 64 else eager
+            eager, distinct = run_case(one, m, act, scales, graph=False)
+            decode = m <= 64
+            warm = run_case(one, m, act, scales, graph=True)[0] if decode else float("nan")
+            graph = run_case(cold, m, act, scales, graph=True)[0] if decode else float("nan")
+            best = graph if decode else eager
             floor = distinct * EXPERT_BYTES / bw * 1e6
             flops = m * TOP_K * 2 * (H * 2 * I + I * H)
-            rate = flops / (min(eager, graph) * 1e-6)
+            rate = flops / (best * 1e-6)
             lines.append(
-                f"| {m} | {label} | {distinct} | {floor:.1f} | {eager:.1f} | "
-                f"{graph if m <= 64 else float('nan'):.1f} | {min(eager, graph) / floor:.2f} | "
-                f"{rate / 1e12:.0f} | {100 * rate / dense:.0f}% |"
+                f"| {m} | {label} | {distinct} | {floor:.1f} | {eager:.1f} | {warm:.1f} | "
+                f"{graph:.1f} | {best / floor:.2f} | {rate / 1e12:.0f} | "
+                f"{100 * rate / dense:.0f}% |"
             )
             print(lines[-1], flush=True)
         if args.sweep and label.startswith("bf16"):
-            sweep += ["", f"Tile sweep ({label}, us; graph-timed for M <= 64):", ""]
+            sweep += [
+                "",
+                f"Tile sweep ({label}, us; M <= 64: graph-timed over {args.layers} layers):",
+                "",
+            ]
             table = SWEEP if label == "bf16" else FRAGMENT_SWEEP
             for m, configs in table.items():
                 for config in configs:
+                    layers = cold if m <= 64 else one
                     try:
-                        us = run_case(prepared, m, act, scales, graph=m <= 64, config=config)[0]
+                        us = run_case(layers, m, act, scales, graph=m <= 64, config=config)[0]
                         sweep.append(f"- M={m} {config}: {us:.1f} us")
                     except Exception as exc:  # noqa: BLE001 - a tile that does not fit is reported
                         sweep.append(
@@ -240,7 +271,7 @@ def main() -> int:
                 sweep += ["", f"Per-kernel device time, M={m} (torch.profiler, 20 calls):", ""]
                 sweep += profile_case(prepared, m)
                 print("\n".join(sweep[-8:]), flush=True)
-        del prepared
+        del prepared, one, cold
         torch.cuda.empty_cache()
     text = "\n".join(lines + sweep) + "\n"
     print(text)

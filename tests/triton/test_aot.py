@@ -81,3 +81,17 @@ def test_hopper_moe_keeps_weight_fragments_in_registers(aot_rows):
     for row in rows:
         assert row["ok"] and row["wgmma"], row
         assert not row["shared_stores"] and not row["ldmatrix"], row
+        # Decode configs launch dependently: both GEMMs wait for their predecessor and let
+        # the next kernel start early.
+        pdl = row["name"].endswith("_pdl")
+        assert row["grid_wait"] == pdl and row["launch_dependents"] == pdl, row
+
+
+def test_hopper_moe_decode_neighbours_join_the_dependent_launch(aot_rows):
+    """Around the decode GEMMs: the one-program router lets GEMM1 start early, and the combine
+    waits for GEMM2 (their sm_90 specializations); AMD's have neither."""
+    for target in aot_rows:
+        rows = {row["name"]: row for row in aot_rows[target]}
+        sm90 = target == "sm_90"
+        assert rows["moe_route_small"]["launch_dependents"] == sm90, target
+        assert rows["moe_combine"]["grid_wait"] == sm90, target

@@ -143,6 +143,9 @@ def check_target(target: str) -> list[dict[str, Any]]:
             # wgmma's reads of its shared-memory operand).
             shared_stores="st.shared" in text,
             ldmatrix="ldmatrix" in text,
+            # Programmatic dependent launch: waits for the previous kernel / lets the next start.
+            grid_wait="griddepcontrol.wait" in text,
+            launch_dependents="griddepcontrol.launch_dependents" in text,
         )
         rows.append(row)
     return rows

@@ -93,24 +93,41 @@ def _register_decode_and_store() -> None:
 
     def supports_store(request, platform) -> Support:
         if platform.vendor == "cpu" and request.kv_dtype == fp8 and not _interpreter_fp8_ok():
-            return Support.no("this Triton interpreter rounds float32 -> fp8 e4m3 wrongly "
-                              "(7.75 does not become 8)")
+            return Support.no(
+                "this Triton interpreter rounds float32 -> fp8 e4m3 wrongly "
+                "(7.75 does not become 8)"
+            )
         return fp8_verdict(request, platform)
 
     register_kernel(
-        "mha_decode_with_kvcache", name="triton.mha_decode_with_kvcache", backend="triton",
+        "mha_decode_with_kvcache",
+        name="triton.mha_decode_with_kvcache",
+        backend="triton",
         platforms=platforms,
-        traits=dict(dtype=half, kv_dtype=(*half, fp8), head_dim=decode.SUPPORTED_HEAD_DIMS,
-                    gqa_ratio=ANY, page_size=decode.SUPPORTED_PAGE_SIZES,
-                    q_len=range(1, decode.MAX_Q_LEN + 1), window=True, sinks=True, lse=True),
-        priority=100, supports=supports_decode,
+        traits=dict(
+            dtype=half,
+            kv_dtype=(*half, fp8),
+            head_dim=decode.SUPPORTED_HEAD_DIMS,
+            gqa_ratio=ANY,
+            page_size=decode.SUPPORTED_PAGE_SIZES,
+            q_len=range(1, decode.MAX_Q_LEN + 1),
+            window=True,
+            sinks=True,
+            lse=True,
+        ),
+        priority=100,
+        supports=supports_decode,
         description="split-KV paged decode; GQA heads x Q tokens share each K/V tile (tl.dot), "
-                    "window-bounded splits, sink added once in the reduce, FP8 KV",
+        "window-bounded splits, sink added once in the reduce, FP8 KV",
     )(decode.mha_decode)
     register_kernel(
-        "kvcache_store", name="triton.kvcache_store", backend="triton", platforms=platforms,
+        "kvcache_store",
+        name="triton.kvcache_store",
+        backend="triton",
+        platforms=platforms,
         traits=dict(dtype=half, kv_dtype=(*half, fp8), head_dim=ANY, page_size=ANY),
-        priority=100, supports=supports_store,
+        priority=100,
+        supports=supports_store,
         description="paged K/V store; negative slots skipped; FP8 saturating RNE quantization",
     )(kvcache_store.kvcache_store)
 
@@ -129,8 +146,9 @@ def _interpreter_fp8_ok() -> bool:
         from triton.runtime import interpreter
 
         rtne = interpreter._ir.ROUNDING_MODE.RTNE
-        got = interpreter._convert_float(np.array([7.75], np.float32), tl.float32,
-                                         tl.float8e4nv, rtne)
+        got = interpreter._convert_float(
+            np.array([7.75], np.float32), tl.float32, tl.float8e4nv, rtne
+        )
         return int(np.asarray(got).view(np.uint8).reshape(-1)[0]) == 0x50  # e4m3fn 8.0
     except Exception:  # noqa: BLE001 - a private interpreter API; unknown means unsafe
         return False

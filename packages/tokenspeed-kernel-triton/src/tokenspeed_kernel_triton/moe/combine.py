@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ._common import interpreting, round_to_bf16
 
@@ -22,7 +23,11 @@ def _combine_kernel(
     TOPK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr,
 ):
+    if WAIT_PRIOR:
+        # Launched with programmatic dependent launch: wait for the GEMM that writes y.
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -32,8 +37,9 @@ def _combine_kernel(
     tl.store(out_ptr + token * stride_o + offs, round_to_bf16(acc, INTERPRETED), mask=mask)
 
 
-def combine(y, out, *, top_k: int) -> None:
-    """y [M * top_k, H] float32 -> out [M, H] bfloat16."""
+def combine(y, out, *, top_k: int, pdl: bool = False) -> None:
+    """y [M * top_k, H] float32 -> out [M, H] bfloat16. pdl: launch with programmatic
+    dependent launch (CUDA sm_90+), behind a kernel that triggers it (wgmma_gemm's PDL)."""
     M, H = out.shape
     if M == 0:
         return
@@ -49,7 +55,9 @@ def combine(y, out, *, top_k: int) -> None:
         TOPK=top_k,
         BLOCK_H=block_h,
         INTERPRETED=interpreting(),
+        WAIT_PRIOR=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
 
 
@@ -58,5 +66,5 @@ def aot_specs(kind) -> list:
     from ..aot import AotSpec
 
     signature = dict(y_ptr="*fp32", out_ptr="*bf16", H="i32", stride_y="i32", stride_o="i32")
-    constexprs = dict(TOPK=4, BLOCK_H=1024, INTERPRETED=False)
+    constexprs = dict(TOPK=4, BLOCK_H=1024, INTERPRETED=False, WAIT_PRIOR=kind.arch == "sm_90")
     return [AotSpec("moe_combine", _combine_kernel, signature, constexprs, 4, 1)]

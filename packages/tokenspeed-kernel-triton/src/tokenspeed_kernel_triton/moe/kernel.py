@@ -112,7 +112,9 @@ def moe_forward(
     return out
 
 
-def _route(prepared, top_k, block_m, router_logits, topk_weights, topk_ids) -> tuple:
+def _route(
+    prepared, top_k, block_m, router_logits, topk_weights, topk_ids, launch_dependents=False
+) -> tuple:
     """routing.route for the grouped GEMMs: (weights, sorted pairs, tiles, tile count on the
     device, tile-count bound, top_k)."""
     weights, _, sorted_pairs, tiles, num_tiles, max_tiles = route(
@@ -122,6 +124,7 @@ def _route(prepared, top_k, block_m, router_logits, topk_weights, topk_ids) -> t
         top_k=top_k,
         num_experts=prepared["num_experts"],
         block_m=block_m,
+        launch_dependents=launch_dependents,
     )
     return weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k
 
@@ -142,7 +145,11 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         )
     M = x.shape[0]
     config = pick_fragment_config(M * top_k)
-    routing = _route(prepared, top_k, config.block_t, router_logits, topk_weights, topk_ids)
+    # Programmatic dependent launch (config.pdl): each kernel after the routing may start its
+    # CTAs while the previous one finishes, and waits for its writes (wgmma_gemm.py).
+    routing = _route(
+        prepared, top_k, config.block_t, router_logits, topk_weights, topk_ids, config.pdl
+    )
     H = prepared["hidden_size"]
     Ip = prepared["padded_intermediate_size"]
     rows = routing[4] * config.block_t  # the tile-count bound
@@ -182,7 +189,7 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         split_k=splits,
     )
     # A token's rows: its top_k pairs, each in `splits` consecutive partial rows.
-    combine(y, out, top_k=top_k * splits)
+    combine(y, out, top_k=top_k * splits, pdl=config.pdl)
     return out
 
 

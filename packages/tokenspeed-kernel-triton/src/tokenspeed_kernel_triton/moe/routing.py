@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 # Pairs (tokens x top_k) that one program routes and ranks on its own: the stable rank compares
 # every pair of a chunk, [CHUNK, CHUNK] elements, cheap at 256.
@@ -132,8 +133,13 @@ def _route_small_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_CHUNK: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    """Everything for M <= BLOCK_T tokens in one program (decode: one launch instead of three)."""
+    """Everything for M <= BLOCK_T tokens in one program (decode: one launch instead of three).
+    LAUNCH_DEPENDENTS: let a GEMM launched behind it with programmatic dependent launch start
+    its CTAs now (they wait for this kernel's writes)."""
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     rows = tl.arange(0, BLOCK_T)
     kcols = tl.arange(0, BLOCK_K)
     offs = rows[:, None] * TOPK + kcols[None, :]
@@ -203,8 +209,19 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return max(1, (num_pairs + active * (block_m - 1)) // block_m)
 
 
-def route(router_logits, topk_weights, topk_ids, *, top_k: int, num_experts: int, block_m: int):
-    """Route M tokens and group the pairs by expert.
+def route(
+    router_logits,
+    topk_weights,
+    topk_ids,
+    *,
+    top_k: int,
+    num_experts: int,
+    block_m: int,
+    launch_dependents: bool = False,
+):
+    """Route M tokens and group the pairs by expert. launch_dependents (CUDA sm_90+): the
+    one-program decode kernel lets a kernel launched behind it with programmatic dependent
+    launch start early.
 
     router_logits [M, E] (or None with precomputed topk_weights [M, k] float32 and topk_ids
     [M, k] int32). Returns (topk_weights, topk_ids, sorted_pairs [max_tiles * block_m] int32,
@@ -248,6 +265,7 @@ def route(router_logits, topk_weights, topk_ids, *, top_k: int, num_experts: int
             BLOCK_K=block_k,
             BLOCK_M=block_m,
             TILE_CHUNK=tile_chunk,
+            LAUNCH_DEPENDENTS=launch_dependents,
             num_warps=2 if num_pairs <= 16 else 4,
         )
         return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
@@ -309,7 +327,15 @@ def aot_specs(kind) -> list:
             "moe_route_small",
             _route_small_kernel,
             small,
-            dict(TOPK=4, HAS_LOGITS=True, BLOCK_T=16, BLOCK_M=16, TILE_CHUNK=_TILE_CHUNK, **common),
+            dict(
+                TOPK=4,
+                HAS_LOGITS=True,
+                BLOCK_T=16,
+                BLOCK_M=16,
+                TILE_CHUNK=_TILE_CHUNK,
+                LAUNCH_DEPENDENTS=kind.arch == "sm_90",
+                **common,
+            ),
             4,
             1,
         ),

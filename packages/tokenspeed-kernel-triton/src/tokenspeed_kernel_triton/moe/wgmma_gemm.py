@@ -99,16 +99,12 @@ def _step_view(ring, slot, CHUNKS: gl.constexpr, step_layout: gl.constexpr):
 
 
 @gluon.jit
-def _issue_step(
+def _issue_activations(
     act,
     act_lo,
-    ring_words,
-    ring_scales,
     a_ptr,
     a_rows,
     row_ok,
-    w_ptrs,
-    s_ptrs,
     k_first,
     step,
     num_k,
@@ -116,20 +112,15 @@ def _issue_step(
     K_VALID,
     stride_am,
     copy_layout: gl.constexpr,
-    words_step: gl.constexpr,
-    scales_step: gl.constexpr,
     CHUNKS: gl.constexpr,
     SPLIT_A: gl.constexpr,
 ):
-    """cp.async ring step `step` (this CTA's K chunks CHUNKS * step + c, c < CHUNKS, counted
-    from chunk k_first) into ring slot step % STAGES, one copy per buffer: the activations (and
-    the lo half, K columns further, for GEMM2), the weight words and the scale words (w_ptrs
-    [CHUNKS, BLOCK_W, 16] / s_ptrs [CHUNKS, BLOCK_W] point at chunks k_first + c). Chunks from
-    num_k on are zero-filled (nothing is read).
-    Activation columns from K_VALID on (x's row ends at H, the weights are padded beyond it) are
-    zero-filled, never read."""
+    """The activations of cp.async ring step `step` (this CTA's K chunks CHUNKS * step + c,
+    c < CHUNKS, counted from chunk k_first) into ring slot step % STAGES: one [BLOCK_T, CHUNKS *
+    128] copy (and the lo half, K columns further, for GEMM2). Columns of chunks from num_k on,
+    and from K_VALID on (x's row ends at H, the weights are padded beyond it), are zero-filled,
+    never read."""
     chunk0 = step * CHUNKS
-    # [BLOCK_T, CHUNKS * 128] activations: the step's chunks side by side along K.
     cols = (k_first + chunk0) * 128 + gl.arange(
         0, CHUNKS * 128, layout=gl.SliceLayout(0, copy_layout)
     )
@@ -140,6 +131,25 @@ def _issue_step(
     async_copy.async_copy_global_to_shared(act.index(slot), ptrs, mask=mask)
     if SPLIT_A:
         async_copy.async_copy_global_to_shared(act_lo.index(slot), ptrs + K, mask=mask)
+
+
+@gluon.jit
+def _issue_weights(
+    ring_words,
+    ring_scales,
+    w_ptrs,
+    s_ptrs,
+    step,
+    num_k,
+    words_step: gl.constexpr,
+    scales_step: gl.constexpr,
+    CHUNKS: gl.constexpr,
+):
+    """The weight words and scale words of ring step `step` into its slot, one copy per buffer
+    (w_ptrs [CHUNKS, BLOCK_W, 16] / s_ptrs [CHUNKS, BLOCK_W] point at the CTA's chunks
+    k_first + c). Chunks from num_k on are zero-filled (nothing is read)."""
+    chunk0 = step * CHUNKS
+    slot = step % (ring_words.shape[0] // CHUNKS)
     words_layout: gl.constexpr = w_ptrs.type.layout
     words_c = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
     words_ok = (chunk0 + words_c)[:, None, None] + gl.zeros(w_ptrs.shape, gl.int32, words_layout)
@@ -155,6 +165,29 @@ def _issue_step(
         _step_view(ring_scales, slot, CHUNKS, scales_step),
         s_ptrs + chunk0,
         mask=scales_ok < num_k,
+    )
+
+
+@gluon.jit
+def _grid_dependency_wait():
+    """griddepcontrol.wait: block until the previous kernel in the stream (launched before this
+    one with programmatic dependent launch) has finished and its writes are visible."""
+    gl.inline_asm_elementwise(
+        "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _launch_dependents():
+    """griddepcontrol.launch_dependents: the next kernel in the stream may start its CTAs once
+    every CTA of this one has run this (they wait for this kernel's writes themselves)."""
+    gl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; // $0",
+        "=r",
+        [],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
     )
 
 
@@ -193,6 +226,7 @@ def _fragment_gemm_kernel(
     CHUNKS: gl.constexpr,
     SPLIT_K: gl.constexpr,
     SHIFT_DECODE: gl.constexpr,
+    PDL: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
@@ -210,10 +244,18 @@ def _fragment_gemm_kernel(
     split = pid % SPLIT_K
     tile = pid // SPLIT_K // num_w
     pid_w = pid // SPLIT_K % num_w
-    if tile >= gl.load(num_tiles_ptr):
+    if PDL:
+        # Programmatic dependent launch: GEMM1 follows the routing kernel, whose outputs it
+        # reads from here on. GEMM2 reads the routing outputs before its wait (they were
+        # complete before any GEMM1 CTA got past this point, so before GEMM2 could launch;
+        # read from L2, not a stale L1 line), and GEMM1's rows only after it.
+        if SWIGLU:
+            _grid_dependency_wait()
+        _launch_dependents()
+    if tile >= gl.load(num_tiles_ptr, cache_modifier=".cg"):
         return
-    expert = gl.load(tiles_ptr + 2 * tile).to(gl.int64)
-    row_end = gl.load(tiles_ptr + 2 * tile + 1)
+    expert = gl.load(tiles_ptr + 2 * tile, cache_modifier=".cg").to(gl.int64)
+    row_end = gl.load(tiles_ptr + 2 * tile + 1, cache_modifier=".cg")
 
     # Activation rows of this tile (B operand), in the copy layout.
     offs_t = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, copy_layout))
@@ -269,28 +311,73 @@ def _fragment_gemm_kernel(
     lo_table = gl.load(table_ptr)
     hi_table = gl.load(table_ptr + 1)
 
-    # Iteration `it` copies step `it` into the ring and computes step it - (STAGES - 1): the
-    # first STAGES - 1 iterations only fill the ring. A step's chunks past num_k are zeros
-    # (which decode to zeros) rather than branches around the MMA chain.
+    # Prologue: the first STAGES - 1 steps into the ring, weights first. They depend on nothing
+    # the previous kernel writes, so under PDL GEMM2 streams them while GEMM1 finishes.
     num_steps = gl.cdiv(num_k, CHUNKS)
+    for p in gl.static_range(STAGES - 1):
+        if p < num_steps:
+            _issue_weights(
+                ring_words,
+                ring_scales,
+                w_copy_ptrs,
+                s_copy_ptrs,
+                p,
+                num_k,
+                words_step_layout,
+                scales_step_layout,
+                CHUNKS,
+            )
+    if PDL:
+        if not SWIGLU:
+            _grid_dependency_wait()  # GEMM1's SwiGLU rows
+    for p in gl.static_range(STAGES - 1):
+        if p < num_steps:
+            _issue_activations(
+                act,
+                act_lo,
+                a_ptr,
+                a_rows,
+                t_ok,
+                k_first,
+                p,
+                num_k,
+                K,
+                K_VALID,
+                stride_am,
+                copy_layout,
+                CHUNKS,
+                SPLIT_A,
+            )
+        async_copy.commit_group()
+
+    # Iteration `it` copies step `it` into the ring and computes step it - (STAGES - 1). A
+    # step's chunks past num_k are zeros (which decode to zeros) rather than branches around
+    # the MMA chain.
     acc = gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=mma)
-    for it in range(num_steps + STAGES - 1):
+    for it in range(STAGES - 1, num_steps + STAGES - 1):
         # The step computed below landed (this thread's copies, then everyone's). Past this
         # barrier every warp is done with the previous iteration (its ring reads, and its
         # wgmmas, which are waited on), whose slot step `it` reuses.
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         if it < num_steps:
-            _issue_step(
-                act,
-                act_lo,
+            _issue_weights(
                 ring_words,
                 ring_scales,
+                w_copy_ptrs,
+                s_copy_ptrs,
+                it,
+                num_k,
+                words_step_layout,
+                scales_step_layout,
+                CHUNKS,
+            )
+            _issue_activations(
+                act,
+                act_lo,
                 a_ptr,
                 a_rows,
                 t_ok,
-                w_copy_ptrs,
-                s_copy_ptrs,
                 k_first,
                 it,
                 num_k,
@@ -298,39 +385,37 @@ def _fragment_gemm_kernel(
                 K_VALID,
                 stride_am,
                 copy_layout,
-                words_step_layout,
-                scales_step_layout,
                 CHUNKS,
                 SPLIT_A,
             )
         async_copy.commit_group()
-        step = it - (STAGES - 1)
-        if step >= 0:
-            ring_step = step % STAGES
-            for c in gl.static_range(CHUNKS):
-                slot = ring_step * CHUNKS + c
-                words = ring_words.index(slot).load(words_layout)
-                scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
-                frag = _decode_fragment(
-                    words,
-                    scale_words,
-                    lo_table,
-                    hi_table,
-                    dot_a,
-                    BLOCK_W,
-                    SHIFT_DECODE,
-                    a_dtype == gl.float16,
-                )
-                fence_async_shared()
-                # Asynchronous, so that the next chunk decodes while this one multiplies; its
-                # A registers stay untouched until the wait below (a fresh value per chunk).
-                b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
-                acc = warpgroup_mma(frag, b, acc, is_async=True)
-                if SPLIT_A:
-                    b_lo = act_lo.index(ring_step).slice(c * 128, 128, dim=1)
-                    b_lo = b_lo.permute((1, 0))
-                    acc = warpgroup_mma(frag, b_lo, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
+        ring_step = (it - (STAGES - 1)) % STAGES
+        # The step's copies (generic proxy) before the wgmmas that read them (async proxy):
+        # one fence for all of its chunks.
+        fence_async_shared()
+        for c in gl.static_range(CHUNKS):
+            slot = ring_step * CHUNKS + c
+            words = ring_words.index(slot).load(words_layout)
+            scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
+            frag = _decode_fragment(
+                words,
+                scale_words,
+                lo_table,
+                hi_table,
+                dot_a,
+                BLOCK_W,
+                SHIFT_DECODE,
+                a_dtype == gl.float16,
+            )
+            # Asynchronous, so that the next chunk decodes while this one multiplies; its
+            # A registers stay untouched until the wait below (a fresh value per chunk).
+            b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
+            acc = warpgroup_mma(frag, b, acc, is_async=True)
+            if SPLIT_A:
+                b_lo = act_lo.index(ring_step).slice(c * 128, 128, dim=1)
+                b_lo = b_lo.permute((1, 0))
+                acc = warpgroup_mma(frag, b_lo, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
     # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
@@ -415,7 +500,9 @@ class FragmentConfig:
     the activations and the weight words, each stage `chunks` K chunks of 128 (one barrier, one
     set of copies and one wgmma wait per step: fewer instructions per chunk, and the next
     chunk decodes while the last one multiplies); gemm2_split_k CTAs share each GEMM2 tile's K
-    chunks, each writing a partial row that the combine sums (more CTAs, shorter chains)."""
+    chunks, each writing a partial row that the combine sums (more CTAs, shorter chains); pdl:
+    programmatic dependent launch of GEMM1, GEMM2 and the combine (each starts its CTAs while
+    the previous kernel finishes; GEMM2 streams its first weights before it waits)."""
 
     block_w: int
     block_t: int
@@ -423,6 +510,7 @@ class FragmentConfig:
     stages: int
     gemm2_split_k: int = 1
     chunks: int = 1
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
@@ -433,19 +521,23 @@ class FragmentConfig:
 
 
 # (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, shift decode,
-# fp16 SwiGLU intermediate, graph-timed end to end for M <= 64 (benchmarks/results/
-# moe_h200_session5.md, run 3; earlier alternatives in moe_h200_session4.md).
+# fp16 SwiGLU intermediate, CUDA-graph timed end to end over 4 layers' weights (L2-cold) for
+# M <= 64 (benchmarks/results/moe_h200_session6.md; earlier alternatives in _session4/5.md).
 _CONFIGS = (
-    # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup), ring steps of
-    # two K chunks, GEMM2 split in two. M=1 30.4 us, M=4 83.1, M=16 236.9; one chunk per step
-    # 31.0 / 93.8 / 254.0; 3 stages 31.6 / 84.3 / 240.9; GEMM2 in 4 splits 33.2 / 86.2 / 247.4;
-    # unsplit 34.1 / 85.0 / 235.3. Session 4: 6-8 stages, 16 tokens and 128 rows were slower.
-    (64, FragmentConfig(64, 8, 4, 2, gemm2_split_k=2, chunks=2)),
+    # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup), GEMM2 split
+    # in two, programmatic dependent launch. M=1 (4 pairs): ring steps of four K chunks, 28.2
+    # us; two chunks 29.8, two chunks and 3 stages 31.6; without PDL 31.8.
+    (4, FragmentConfig(64, 8, 4, 2, gemm2_split_k=2, chunks=4)),
+    # M=4 / 16: two chunks per step, 3 stages (GEMM2 streams two steps of weights before it
+    # waits for GEMM1): 79.3 / 231.7 us; 2 stages 82.1 / 234.8, four chunks 83.8 / 237.2,
+    # without PDL 85.2 / 237.1. Session 4: 6-8 stages, 16 tokens and 128 rows were slower.
+    (64, FragmentConfig(64, 8, 4, 3, gemm2_split_k=2, chunks=2)),
     # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert
     # (M=4096: 2615 us; 128 tokens x 8 warps 3109. M=8192: 4802; 128 tokens 5178). 8 warps on
     # this tile measured within run-to-run noise of 4 (2573 us). Two chunks per step need ~2x
-    # the registers here and lost (M=4096: 3491 us against 2545, session 5 run 1).
-    (None, FragmentConfig(128, 64, 4, 4)),
+    # the registers here and lost (M=4096: 3491 us against 2545, session 5 run 1). No PDL:
+    # M=4096 / 8192 measured 2597 / 4771 us with it against 2561 / 4620 without (session 6).
+    (None, FragmentConfig(128, 64, 4, 4, pdl=False)),
 )
 
 
@@ -560,7 +652,9 @@ def fragment_gemm(
         CHUNKS=config.chunks,
         SPLIT_K=split_k,
         SHIFT_DECODE=decode != "prmt",
+        PDL=config.pdl,
         num_warps=config.num_warps,
+        launch_pdl=config.pdl,
         **_layouts(config.block_w, config.block_t, config.num_warps, config.chunks),
     )
 
@@ -629,12 +723,14 @@ def aot_specs(kind) -> list:
                 CHUNKS=config.chunks,
                 SPLIT_K=1 if gemm1 else config.gemm2_split_k,
                 SHIFT_DECODE=decode == "shift",
+                PDL=config.pdl,
                 **_layouts(config.block_w, config.block_t, config.num_warps, config.chunks),
             )
             gemm = "gemm1" if gemm1 else "gemm2"
             specs.append(
                 AotSpec(
-                    f"moe_wgmma_{gemm}_{intermediate}_{decode}_w{config.block_w}_t{config.block_t}",
+                    f"moe_wgmma_{gemm}_{intermediate}_{decode}_w{config.block_w}_t{config.block_t}"
+                    f"_s{config.stages}_c{config.chunks}{'_pdl' if config.pdl else ''}",
                     _fragment_gemm_kernel,
                     signature,
                     constexprs,
