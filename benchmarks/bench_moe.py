@@ -136,13 +136,15 @@ SWEEP = {
 
 # The same for triton.moe.wgmma (bf16-wgmma): decode tiles (prefill tiles:
 # benchmarks/results/moe_h200_session4.md and _session5.md).
-_DECODE = dict(block_w=64, block_t=8, num_warps=4, stages=2, gemm2_split_k=2, chunks=2)
+_DECODE = dict(block_w=64, block_t=8, num_warps=4, stages=2, gemm2_split_k=2, chunks=2, pdl=True)
 FRAGMENT_SWEEP = {
     m: [
-        FragmentConfig(**_DECODE, pdl=False),
-        FragmentConfig(**_DECODE),
+        FragmentConfig(**_DECODE | dict(pdl=False)),
+        FragmentConfig(**_DECODE | dict(chunks=4, pdl=False)),
         FragmentConfig(**_DECODE | dict(chunks=4)),
-        FragmentConfig(**_DECODE | dict(stages=3)),
+        FragmentConfig(**_DECODE | dict(chunks=4), tile_ready=True),
+        FragmentConfig(**_DECODE | dict(chunks=4), mma_in_flight=1),
+        FragmentConfig(**_DECODE | dict(chunks=4), mma_in_flight=1, tile_ready=True),
     ]
     for m in (1, 4, 16)
 }

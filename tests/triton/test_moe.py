@@ -72,6 +72,19 @@ def test_routing_matches_reference_with_ties(tokens, experts, top_k):
     _check_grouping(ids.cpu(), sorted_pairs.cpu(), tiles.cpu(), num_tiles.cpu(), 16)
 
 
+def test_routing_refuses_ready_counters_it_cannot_clear():
+    """Only the one-program router zeroes the GEMMs' per-tile counters, and only as many as
+    there can be tiles: anything else is refused before a launch, not left stale."""
+    logits = torch.randn(65, 16, generator=generator("moe-ready", 65)).to(DEVICE)
+    ready = torch.empty(1024, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 256 pairs"):
+        route(logits, None, None, top_k=4, num_experts=16, block_m=8, ready=ready)
+    with pytest.raises(ValueError, match="int32 counters"):
+        route(logits[:2], None, None, top_k=4, num_experts=16, block_m=8, ready=ready[:1])
+    with pytest.raises(ValueError, match="int32 counters"):
+        route(logits[:2], None, None, top_k=4, num_experts=16, block_m=8, ready=ready.float())
+
+
 def _layer(shape: MoEShape, device=DEVICE):
     weights = moe_weights(shape, generator("moe-layer", shape))
     weights = MoEWeights(
@@ -269,10 +282,11 @@ def test_gpt_oss_120b_shapes(kernel, act):
 
 
 @pytest.mark.gpu
-def test_wgmma_ring_steps_of_two_chunks_are_exact():
-    """Two K chunks per ring step (and a zero-filled chunk where a CTA's count is odd: K = 2944
-    is 23 chunks, GEMM2's splits 12 and 11) multiply in the same order as one chunk per step:
-    the output is bit for bit the same, at the decode and the prefill tiles."""
+def test_wgmma_ring_steps_of_several_chunks_are_exact():
+    """Two or four K chunks per ring step (and zero-filled chunks where a CTA's count does not
+    divide: K = 2944 is 23 chunks, GEMM2's splits 12 and 11), with all of a step's wgmmas in
+    flight or one at a time, multiply in the same order as one chunk per step: the output is
+    bit for bit the same, at the decode and the prefill tiles."""
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
     spec = get_kernel("moe", "triton.moe.wgmma")
     if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
@@ -285,19 +299,27 @@ def test_wgmma_ring_steps_of_two_chunks_are_exact():
         x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
         logits = torch.randn(m, 128, generator=g, device="cuda")
         outs = []
-        for chunks in (1, 2):
+        # (chunks per step, wgmma chunks in flight): four chunks waited one by one as well;
+        # the prefill tile's fragments are 4x larger, so at most two chunks there.
+        variants = ((1, None), (2, None), (4, None), (4, 1))
+        for chunks, in_flight in variants if block_t == 8 else variants[:2]:
             out = torch.empty_like(x)
-            with FRAGMENT_PIN.pin(FragmentConfig(block_w, block_t, warps, stages, split, chunks)):
+            tile = FragmentConfig(
+                block_w, block_t, warps, stages, split, chunks, mma_in_flight=in_flight
+            )
+            with FRAGMENT_PIN.pin(tile):
                 spec.fn.apply(plan, x, prepared, router_logits=logits, out=out)
             outs.append(out)
-        assert torch.equal(outs[0], outs[1]), f"M={m}"
+        for out in outs[1:]:
+            assert torch.equal(outs[0], out), f"M={m}"
 
 
 @pytest.mark.gpu
 def test_wgmma_programmatic_dependent_launch_changes_nothing():
     """With programmatic dependent launch each kernel starts while the previous one finishes
-    (GEMM2 streams its first weights before waiting for GEMM1's rows): the output is bit for
-    bit that of plain launches, for one call and for calls back to back on one stream."""
+    (GEMM2 streams its first weights, then waits for GEMM1's grid, or for its tile's GEMM1
+    CTAs on counters the router zeroes): the output is bit for bit that of plain launches, for
+    one call and for calls back to back on one stream (each finds the last one's counters)."""
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
     spec = get_kernel("moe", "triton.moe.wgmma")
     if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
@@ -305,16 +327,26 @@ def test_wgmma_programmatic_dependent_launch_changes_nothing():
     plan = moe_plan_for(spec, config, 4096, "cuda")
     prepared = spec.fn.prepare_weights(plan, gpt_oss_weights())
     g = torch.Generator(device="cuda").manual_seed(3)
-    tiles = {1: (64, 8, 4, 2, 2, 2), 16: (64, 8, 4, 3, 2, 2), 300: (128, 64, 4, 4, 1, 1)}
+    # Up to 64 tokens (the one-program router's 256 pairs): decode tiles, and the prefill
+    # tile at M=64 (GEMM2 then waits for 46 GEMM1 CTAs per tile).
+    decode = dict(block_w=64, block_t=8, num_warps=4, gemm2_split_k=2)
+    tiles = {
+        1: dict(decode, stages=2, chunks=4),
+        4: dict(decode, stages=2, chunks=4, mma_in_flight=1),
+        16: dict(decode, stages=3, chunks=2),
+        64: dict(block_w=128, block_t=64, num_warps=4, stages=4),
+    }
     for m, tile in tiles.items():
         xs = [torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3)]
         logits = [torch.randn(m, 128, generator=g, device="cuda") for _ in range(3)]
         results = []
-        for pdl in (False, True):
+        # Plain launches; GEMM2 waiting for GEMM1's grid; GEMM2 waiting tile by tile.
+        for pdl, tile_ready in ((False, False), (True, False), (True, True)):
             outs = [torch.empty_like(x) for x in xs]
-            with FRAGMENT_PIN.pin(FragmentConfig(*tile, pdl=pdl)):
+            with FRAGMENT_PIN.pin(FragmentConfig(**tile, pdl=pdl, tile_ready=tile_ready)):
                 for x, lg, out in zip(xs, logits, outs, strict=True):
                     spec.fn.apply(plan, x, prepared, router_logits=lg, out=out)
             results.append(outs)
-        for i, (plain, overlapped) in enumerate(zip(*results, strict=True)):
-            assert torch.equal(plain, overlapped), f"M={m}, call {i}"
+        for variant in results[1:]:
+            for i, (plain, overlapped) in enumerate(zip(results[0], variant, strict=True)):
+                assert torch.equal(plain, overlapped), f"M={m}, call {i}"

@@ -160,6 +160,13 @@ def test_fragment_config_refuses_rings_the_kernel_cannot_run():
         FragmentConfig(64, 8, 4, 1)
     with pytest.raises(ValueError, match="chunks 3"):
         FragmentConfig(64, 8, 4, 2, chunks=3)
+    assert FragmentConfig(64, 8, 4, 2, chunks=4).in_flight == 4
+    assert FragmentConfig(64, 8, 4, 2, chunks=4, mma_in_flight=1).in_flight == 1
+    with pytest.raises(ValueError, match="tile_ready needs pdl"):
+        FragmentConfig(64, 8, 4, 2, tile_ready=True)
+    for in_flight in (0, 5):
+        with pytest.raises(ValueError, match=f"mma_in_flight {in_flight}"):
+            FragmentConfig(64, 8, 4, 2, chunks=4, mma_in_flight=in_flight)
 
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -139,9 +139,9 @@ def check_target(target: str) -> list[dict[str, Any]]:
             wgmma="wgmma" in text,
             mma="mma.sync" in text or "wgmma" in text,
             mfma="v_mfma" in text,
-            # Registers -> shared memory -> MMA operand registers (not cp.async/TMA copies, nor
-            # wgmma's reads of its shared-memory operand).
-            shared_stores="st.shared" in text,
+            # Registers -> shared memory (how many st.shared): operand staging for the MMA, or
+            # a scalar broadcast (not cp.async/TMA copies, nor wgmma's shared-memory reads).
+            shared_stores=text.count("st.shared"),
             ldmatrix="ldmatrix" in text,
             # Programmatic dependent launch: waits for the previous kernel / lets the next start.
             grid_wait="griddepcontrol.wait" in text,

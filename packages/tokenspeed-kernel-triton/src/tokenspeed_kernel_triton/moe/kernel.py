@@ -13,6 +13,7 @@ from ._common import WEIGHT_FORMAT_CODES, device_info, has_ptx_decode, interpret
 from .combine import combine
 from .grouped_gemm import grouped_gemm
 from .quant import quantize_rows
+from .routing import max_tiles as tile_bound
 from .routing import route
 
 
@@ -113,10 +114,11 @@ def moe_forward(
 
 
 def _route(
-    prepared, top_k, block_m, router_logits, topk_weights, topk_ids, launch_dependents=False
+    prepared, top_k, block_m, router_logits, topk_weights, topk_ids, pdl=False, ready=None
 ) -> tuple:
     """routing.route for the grouped GEMMs: (weights, sorted pairs, tiles, tile count on the
-    device, tile-count bound, top_k)."""
+    device, tile-count bound, top_k). pdl: the router lets GEMM1 start early; ready: the
+    GEMMs' per-tile counters, which it zeroes (wgmma_gemm.fragment_gemm)."""
     weights, _, sorted_pairs, tiles, num_tiles, max_tiles = route(
         router_logits,
         topk_weights,
@@ -124,7 +126,8 @@ def _route(
         top_k=top_k,
         num_experts=prepared["num_experts"],
         block_m=block_m,
-        launch_dependents=launch_dependents,
+        launch_dependents=pdl,
+        ready=ready,
     )
     return weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k
 
@@ -145,10 +148,15 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         )
     M = x.shape[0]
     config = pick_fragment_config(M * top_k)
-    # Programmatic dependent launch (config.pdl): each kernel after the routing may start its
-    # CTAs while the previous one finishes, and waits for its writes (wgmma_gemm.py).
+    # Programmatic dependent launch (config.pdl): each kernel after the router starts its CTAs
+    # while the previous one finishes; with tile_ready GEMM2 waits for GEMM1's rows tile by
+    # tile through `ready`, zeroed by the router (wgmma_gemm.py).
+    ready = None
+    if config.tile_ready:
+        bound = tile_bound(M * top_k, prepared["num_experts"], config.block_t)
+        ready = torch.empty(bound, dtype=torch.int32, device=x.device)
     routing = _route(
-        prepared, top_k, config.block_t, router_logits, topk_weights, topk_ids, config.pdl
+        prepared, top_k, config.block_t, router_logits, topk_weights, topk_ids, config.pdl, ready
     )
     H = prepared["hidden_size"]
     Ip = prepared["padded_intermediate_size"]
@@ -169,6 +177,7 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         k_valid=H,
         n_valid=2 * Ip,
         config=config,
+        ready=ready,
         alpha=alpha,
         limit=limit,
     )
@@ -187,6 +196,8 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         n_valid=H,
         config=config,
         split_k=splits,
+        ready=ready,
+        ready_target=prepared["w13"].shape[1] // config.block_w,
     )
     # A token's rows: its top_k pairs, each in `splits` consecutive partial rows.
     combine(y, out, top_k=top_k * splits, pdl=config.pdl)

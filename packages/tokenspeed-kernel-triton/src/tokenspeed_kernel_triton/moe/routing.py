@@ -122,6 +122,7 @@ def _route_small_kernel(
     sorted_ptr,
     tiles_ptr,
     num_tiles_ptr,
+    ready_ptr,
     M,
     E,
     stride_lm,
@@ -134,12 +135,18 @@ def _route_small_kernel(
     BLOCK_M: tl.constexpr,
     TILE_CHUNK: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
+    CLEAR_READY: tl.constexpr,
 ):
     """Everything for M <= BLOCK_T tokens in one program (decode: one launch instead of three).
-    LAUNCH_DEPENDENTS: let a GEMM launched behind it with programmatic dependent launch start
-    its CTAs now (they wait for this kernel's writes)."""
+    LAUNCH_DEPENDENTS: let a GEMM launched behind this kernel with programmatic dependent
+    launch start its CTAs now (they wait for this kernel's writes). CLEAR_READY: zero
+    ready[0:max_tiles] (the GEMMs' per-tile counters)."""
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
+    if CLEAR_READY:
+        for t0 in range(0, max_tiles, TILE_CHUNK):
+            t = t0 + tl.arange(0, TILE_CHUNK)
+            tl.store(ready_ptr + t, tl.zeros([TILE_CHUNK], tl.int32), mask=t < max_tiles)
     rows = tl.arange(0, BLOCK_T)
     kcols = tl.arange(0, BLOCK_K)
     offs = rows[:, None] * TOPK + kcols[None, :]
@@ -218,10 +225,12 @@ def route(
     num_experts: int,
     block_m: int,
     launch_dependents: bool = False,
+    ready: torch.Tensor | None = None,
 ):
-    """Route M tokens and group the pairs by expert. launch_dependents (CUDA sm_90+): the
-    one-program decode kernel lets a kernel launched behind it with programmatic dependent
-    launch start early.
+    """Route M tokens and group the pairs by expert. For the one-program decode kernel (at most
+    FUSED_MAX_PAIRS pairs), on CUDA sm_90+: launch_dependents lets a kernel launched behind it
+    with programmatic dependent launch start early; ready, int32 [>= max_tiles], is zeroed for
+    the GEMMs' per-tile counters.
 
     router_logits [M, E] (or None with precomputed topk_weights [M, k] float32 and topk_ids
     [M, k] int32). Returns (topk_weights, topk_ids, sorted_pairs [max_tiles * block_m] int32,
@@ -245,6 +254,13 @@ def route(
     # The tile table is written TILE_CHUNK tiles at a time, each against every expert: no wider
     # than the table itself (a decode step has a handful of tiles).
     tile_chunk = min(_TILE_CHUNK, triton.next_power_of_2(n_tiles))
+    if ready is not None and (
+        num_pairs > FUSED_MAX_PAIRS or ready.numel() < n_tiles or ready.dtype != torch.int32
+    ):
+        raise ValueError(
+            f"route: `ready` needs at most {FUSED_MAX_PAIRS} pairs (got {num_pairs}) and "
+            f"{n_tiles} int32 counters (got {ready.numel()} {ready.dtype})"
+        )
     if num_pairs <= FUSED_MAX_PAIRS:
         block_t = triton.next_power_of_2(M)
         _route_small_kernel[(1,)](
@@ -254,6 +270,7 @@ def route(
             sorted_pairs,
             tiles,
             num_tiles,
+            ready if ready is not None else num_tiles,
             M,
             num_experts,
             stride,
@@ -266,6 +283,7 @@ def route(
             BLOCK_M=block_m,
             TILE_CHUNK=tile_chunk,
             LAUNCH_DEPENDENTS=launch_dependents,
+            CLEAR_READY=ready is not None,
             num_warps=2 if num_pairs <= 16 else 4,
         )
         return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
@@ -317,6 +335,7 @@ def aot_specs(kind) -> list:
         sorted_ptr="*i32",
         tiles_ptr="*i32",
         num_tiles_ptr="*i32",
+        ready_ptr="*i32",
         M="i32",
         E="i32",
         stride_lm="i32",
@@ -334,6 +353,7 @@ def aot_specs(kind) -> list:
                 BLOCK_M=16,
                 TILE_CHUNK=_TILE_CHUNK,
                 LAUNCH_DEPENDENTS=kind.arch == "sm_90",
+                CLEAR_READY=kind.arch == "sm_90",
                 **common,
             ),
             4,

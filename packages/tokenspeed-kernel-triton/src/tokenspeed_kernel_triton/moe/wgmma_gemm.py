@@ -203,6 +203,7 @@ def _fragment_gemm_kernel(
     tiles_ptr,
     num_tiles_ptr,
     table_ptr,
+    ready_ptr,
     N,
     K,
     K_VALID,
@@ -214,6 +215,7 @@ def _fragment_gemm_kernel(
     stride_sn,
     stride_be,
     stride_om,
+    ready_target,
     alpha,
     limit,
     TOPK: gl.constexpr,
@@ -227,6 +229,8 @@ def _fragment_gemm_kernel(
     SPLIT_K: gl.constexpr,
     SHIFT_DECODE: gl.constexpr,
     PDL: gl.constexpr,
+    TILE_READY: gl.constexpr,
+    MMA_IN_FLIGHT: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
@@ -246,9 +250,10 @@ def _fragment_gemm_kernel(
     pid_w = pid // SPLIT_K % num_w
     if PDL:
         # Programmatic dependent launch: GEMM1 follows the routing kernel, whose outputs it
-        # reads from here on. GEMM2 reads the routing outputs before its wait (they were
-        # complete before any GEMM1 CTA got past this point, so before GEMM2 could launch;
-        # read from L2, not a stale L1 line), and GEMM1's rows only after it.
+        # reads from here on. GEMM2 launches once every GEMM1 CTA got here, so the routing
+        # outputs were complete before it started (it reads them from L2, never a stale L1
+        # line); it waits for GEMM1's SwiGLU rows before reading them: for the whole grid, or
+        # with TILE_READY tile by tile (ready_ptr).
         if SWIGLU:
             _grid_dependency_wait()
         _launch_dependents()
@@ -329,7 +334,13 @@ def _fragment_gemm_kernel(
             )
     if PDL:
         if not SWIGLU:
-            _grid_dependency_wait()  # GEMM1's SwiGLU rows
+            if TILE_READY:
+                # GEMM1's CTAs of this tile all stored their SwiGLU rows (each counted itself
+                # in with release semantics after a CTA barrier; this acquires them).
+                while gl.atomic_add(ready_ptr + tile, 0, sem="acquire", scope="gpu") < ready_target:
+                    pass
+            else:
+                _grid_dependency_wait()  # all of GEMM1
     for p in gl.static_range(STAGES - 1):
         if p < num_steps:
             _issue_activations(
@@ -415,6 +426,10 @@ def _fragment_gemm_kernel(
                 b_lo = act_lo.index(ring_step).slice(c * 128, 128, dim=1)
                 b_lo = b_lo.permute((1, 0))
                 acc = warpgroup_mma(frag, b_lo, acc, is_async=True)
+            if c >= MMA_IN_FLIGHT:
+                # At most MMA_IN_FLIGHT chunks multiply while the next one decodes: the
+                # registers of older fragments are free again (long steps, few registers).
+                acc = warpgroup_mma_wait(MMA_IN_FLIGHT * (2 if SPLIT_A else 1), deps=[acc])
         acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
@@ -440,9 +455,14 @@ def _fragment_gemm_kernel(
             BLOCK_T,
             out_ptr.dtype.element_ty == gl.float16,
         )
+        if TILE_READY:
+            # Every thread's rows are stored (the barrier), then one release increment.
+            gl.thread_barrier()
+            gl.atomic_add(ready_ptr + tile, 1, sem="release", scope="gpu")
     else:
-        pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0)
-        acc *= gl.load(route_w_ptr + pair, mask=col_ok, other=0.0)[None, :]
+        pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0, cache_modifier=".cg")
+        route_w = gl.load(route_w_ptr + pair, mask=col_ok, other=0.0, cache_modifier=".cg")
+        acc *= route_w[None, :]
         # Row pair * SPLIT_K + split: the combine sums a token's top_k * SPLIT_K rows.
         out_row = pair.to(gl.int64) * SPLIT_K + split
         ptrs = out_ptr + out_row[None, :] * stride_om + rows[:, None]
@@ -502,7 +522,10 @@ class FragmentConfig:
     chunk decodes while the last one multiplies); gemm2_split_k CTAs share each GEMM2 tile's K
     chunks, each writing a partial row that the combine sums (more CTAs, shorter chains); pdl:
     programmatic dependent launch of GEMM1, GEMM2 and the combine (each starts its CTAs while
-    the previous kernel finishes; GEMM2 streams its first weights before it waits)."""
+    the previous kernel finishes; GEMM2 streams its first weights before it waits for GEMM1's
+    grid, or with tile_ready for the GEMM1 CTAs of its tile, on counters);
+    mma_in_flight: wait for older chunks' wgmmas within a step so that at most this many hold
+    their fragment registers (long steps without the registers of all their chunks)."""
 
     block_w: int
     block_t: int
@@ -510,7 +533,9 @@ class FragmentConfig:
     stages: int
     gemm2_split_k: int = 1
     chunks: int = 1
-    pdl: bool = True
+    pdl: bool = False
+    tile_ready: bool = False
+    mma_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
@@ -518,6 +543,17 @@ class FragmentConfig:
             raise ValueError(f"FragmentConfig: stages {self.stages} < 2")
         if self.chunks < 1 or self.chunks & (self.chunks - 1):
             raise ValueError(f"FragmentConfig: chunks {self.chunks} is not a power of two")
+        if self.tile_ready and not self.pdl:
+            raise ValueError("FragmentConfig: tile_ready needs pdl")
+        if not 1 <= self.in_flight <= self.chunks:
+            raise ValueError(
+                f"FragmentConfig: mma_in_flight {self.mma_in_flight} not in [1, chunks]"
+            )
+
+    @property
+    def in_flight(self) -> int:
+        """Chunks whose wgmmas may run while the next chunk decodes (all of a step's: None)."""
+        return self.chunks if self.mma_in_flight is None else self.mma_in_flight
 
 
 # (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, shift decode,
@@ -525,19 +561,28 @@ class FragmentConfig:
 # M <= 64 (benchmarks/results/moe_h200_session6.md; earlier alternatives in _session4/5.md).
 _CONFIGS = (
     # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup), GEMM2 split
-    # in two, programmatic dependent launch. M=1 (4 pairs): ring steps of four K chunks, 28.2
-    # us; two chunks 29.8, two chunks and 3 stages 31.6; without PDL 31.8.
-    (4, FragmentConfig(64, 8, 4, 2, gemm2_split_k=2, chunks=4)),
-    # M=4 / 16: two chunks per step, 3 stages (GEMM2 streams two steps of weights before it
-    # waits for GEMM1): 79.3 / 231.7 us; 2 stages 82.1 / 234.8, four chunks 83.8 / 237.2,
-    # without PDL 85.2 / 237.1. Session 4: 6-8 stages, 16 tokens and 128 rows were slower.
-    (64, FragmentConfig(64, 8, 4, 3, gemm2_split_k=2, chunks=2)),
+    # in two, programmatic dependent launch. Run 6, M=1 / 4 / 16: two chunks per step without
+    # PDL (session 5's config) 32.1 / 85.4 / 238.4 us.
+    # M=1 (4 pairs): ring steps of four K chunks, all in flight, GEMM2 waiting for GEMM1's grid:
+    # 28.8 us; waiting tile by tile 29.3, one chunk in flight 30.2.
+    (4, FragmentConfig(64, 8, 4, 2, gemm2_split_k=2, chunks=4, pdl=True)),
+    # M=4 / 16: four chunks per step, one wgmma chunk in flight (the registers of two chunks,
+    # not four), GEMM2 waiting for GEMM1 tile by tile (it starts in GEMM1's last wave): 75.8 /
+    # 232.9 us; for the grid 78.8 / 230.4; all four chunks in flight 80.0 / 243.4. Session 4:
+    # 6-8 stages, 16 tokens and 128 rows were slower.
+    (
+        64,
+        FragmentConfig(
+            64, 8, 4, 2, gemm2_split_k=2, chunks=4, pdl=True, tile_ready=True, mma_in_flight=1
+        ),
+    ),
     # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert
     # (M=4096: 2615 us; 128 tokens x 8 warps 3109. M=8192: 4802; 128 tokens 5178). 8 warps on
     # this tile measured within run-to-run noise of 4 (2573 us). Two chunks per step need ~2x
-    # the registers here and lost (M=4096: 3491 us against 2545, session 5 run 1). No PDL:
-    # M=4096 / 8192 measured 2597 / 4771 us with it against 2561 / 4620 without (session 6).
-    (None, FragmentConfig(128, 64, 4, 4, pdl=False)),
+    # the registers here and lost (M=4096: 3491 us against 2545, session 5 run 1). No PDL
+    # (the router that clears the tile counters is the one-program decode router; with
+    # GEMM2 waiting for the grid, M=4096 / 8192 measured 2597 / 4771 us against 2561 / 4620).
+    (None, FragmentConfig(128, 64, 4, 4)),
 )
 
 
@@ -586,6 +631,8 @@ def fragment_gemm(
     n_valid: int,
     config,
     split_k: int = 1,
+    ready: torch.Tensor | None = None,
+    ready_target: int = 0,
     alpha: float = 0.0,
     limit: float = 0.0,
 ) -> None:
@@ -598,7 +645,12 @@ def fragment_gemm(
     shift_words' "bf16" or "fp16" layout, or "prmt"); w_scale [E, N, K/32] uint8; bias
     [E, N] float32 or None. Outputs as grouped_gemm.grouped_gemm, except that GEMM2 with
     split_k > 1 (gemm2_splits) writes split_k partial rows per pair: row pair * split_k + split
-    of `out` [pairs * split_k, H], for the combine to sum."""
+    of `out` [pairs * split_k, H], for the combine to sum.
+
+    With config.tile_ready, ready [tile-count bound] int32, zero before GEMM1 (the router
+    clears it):
+    GEMM1's CTAs count themselves in per tile when their rows are stored, and GEMM2's CTAs
+    start a tile once its count reaches ready_target (GEMM1's CTAs per tile)."""
     if split_k != 1 and (gemm1 or split_k != gemm2_splits(split_k, w.shape[2] * 8)):
         raise ValueError(f"fragment_gemm: split_k {split_k} for GEMM{1 if gemm1 else 2}")
     K = w.shape[2] * 8
@@ -614,6 +666,10 @@ def fragment_gemm(
                 f"or bf16 x {2 * K} ([hi | lo])"
             )
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
+    if config.tile_ready and (
+        ready is None or ready.numel() < max_tiles or ready.dtype != torch.int32
+    ):
+        raise ValueError("fragment_gemm: tile_ready needs `ready`, one zeroed int32 per tile")
     N = w.shape[1]
     # A row's four e8m0 bytes of one 128-element K chunk, as one int32.
     scale_words = w_scale.view(torch.int32)
@@ -629,6 +685,7 @@ def fragment_gemm(
         tiles,
         num_tiles,
         _lookup_tables(a.device),
+        ready if ready is not None else num_tiles,
         N,
         K,
         k_valid,
@@ -640,6 +697,7 @@ def fragment_gemm(
         scale_words.stride(1),
         bias.stride(0) if bias is not None else 0,
         out.stride(0),
+        ready_target,
         alpha,
         limit,
         TOPK=top_k,
@@ -653,6 +711,8 @@ def fragment_gemm(
         SPLIT_K=split_k,
         SHIFT_DECODE=decode != "prmt",
         PDL=config.pdl,
+        TILE_READY=config.tile_ready,
+        MMA_IN_FLIGHT=config.in_flight,
         num_warps=config.num_warps,
         launch_pdl=config.pdl,
         **_layouts(config.block_w, config.block_t, config.num_warps, config.chunks),
@@ -688,6 +748,7 @@ def aot_specs(kind) -> list:
         tiles_ptr="*i32",
         num_tiles_ptr="*i32",
         table_ptr="*i32",
+        ready_ptr="*i32",
     )
     ints = (
         "N",
@@ -709,6 +770,7 @@ def aot_specs(kind) -> list:
                 "a_ptr": "*bf16" if gemm1 else f"*{intermediate}",
                 "out_ptr": f"*{intermediate}" if gemm1 else "*fp32",
                 **dict.fromkeys(ints, "i32"),
+                "ready_target": "i32",
                 "alpha": "fp32",
                 "limit": "fp32",
             }
@@ -724,13 +786,16 @@ def aot_specs(kind) -> list:
                 SPLIT_K=1 if gemm1 else config.gemm2_split_k,
                 SHIFT_DECODE=decode == "shift",
                 PDL=config.pdl,
+                TILE_READY=config.tile_ready,
+                MMA_IN_FLIGHT=config.in_flight,
                 **_layouts(config.block_w, config.block_t, config.num_warps, config.chunks),
             )
             gemm = "gemm1" if gemm1 else "gemm2"
             specs.append(
                 AotSpec(
                     f"moe_wgmma_{gemm}_{intermediate}_{decode}_w{config.block_w}_t{config.block_t}"
-                    f"_s{config.stages}_c{config.chunks}{'_pdl' if config.pdl else ''}",
+                    f"_s{config.stages}_c{config.chunks}{'_pdl' if config.pdl else ''}"
+                    f"{'_tiles' if config.tile_ready else ''}",
                     _fragment_gemm_kernel,
                     signature,
                     constexprs,
