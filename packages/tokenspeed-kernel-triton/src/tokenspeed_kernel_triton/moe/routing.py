@@ -284,7 +284,9 @@ def route(
             TILE_CHUNK=tile_chunk,
             LAUNCH_DEPENDENTS=launch_dependents,
             CLEAR_READY=ready is not None,
-            num_warps=2 if num_pairs <= 16 else 4,
+            # One warp for a decode step's handful of pairs: every reduction stays in
+            # shuffles (M=1 on an H200: 2.2 us against 2.9 with two warps, session 6).
+            num_warps=1 if num_pairs <= 16 else 4,
         )
         return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
     if has_logits:
