@@ -281,18 +281,24 @@ def test_gpt_oss_120b_shapes(kernel, act):
         assert_close(out, expected, dtype=dtype, name=f"out (M={m}, {act})")
 
 
+def _wgmma_gpt_oss_layer():
+    """triton.moe.wgmma planned for GPT-OSS-120B (bf16 activations) with its prepared weights,
+    or a skip where this GPU has no wgmma."""
+    config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
+    spec = get_kernel("moe", "triton.moe.wgmma")
+    if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
+        pytest.skip("no wgmma on this GPU")
+    plan = moe_plan_for(spec, config, 4096, "cuda")
+    return spec, plan, spec.fn.prepare_weights(plan, gpt_oss_weights())
+
+
 @pytest.mark.gpu
 def test_wgmma_ring_steps_of_several_chunks_are_exact():
     """Two or four K chunks per ring step (and zero-filled chunks where a CTA's count does not
     divide: K = 2944 is 23 chunks, GEMM2's splits 12 and 11), with all of a step's wgmmas in
     flight or one at a time, multiply in the same order as one chunk per step: the output is
     bit for bit the same, at the decode and the prefill tiles."""
-    config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
-    spec = get_kernel("moe", "triton.moe.wgmma")
-    if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
-        pytest.skip("no wgmma on this GPU")
-    plan = moe_plan_for(spec, config, 4096, "cuda")
-    prepared = spec.fn.prepare_weights(plan, gpt_oss_weights())
+    spec, plan, prepared = _wgmma_gpt_oss_layer()
     g = torch.Generator(device="cuda").manual_seed(2)
     tiles = {1: (64, 8, 4, 4, 2), 4: (64, 8, 4, 4, 2), 300: (128, 64, 4, 4, 1)}
     for m, (block_w, block_t, warps, stages, split) in tiles.items():
@@ -320,12 +326,7 @@ def test_wgmma_programmatic_dependent_launch_changes_nothing():
     (GEMM2 streams its first weights, then waits for GEMM1's grid, or for its tile's GEMM1
     CTAs on counters the router zeroes): the output is bit for bit that of plain launches, for
     one call and for calls back to back on one stream (each finds the last one's counters)."""
-    config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
-    spec = get_kernel("moe", "triton.moe.wgmma")
-    if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
-        pytest.skip("no wgmma on this GPU")
-    plan = moe_plan_for(spec, config, 4096, "cuda")
-    prepared = spec.fn.prepare_weights(plan, gpt_oss_weights())
+    spec, plan, prepared = _wgmma_gpt_oss_layer()
     g = torch.Generator(device="cuda").manual_seed(3)
     # Up to 64 tokens (the one-program router's 256 pairs): decode tiles, and the prefill
     # tile at M=64 (GEMM2 then waits for 46 GEMM1 CTAs per tile).

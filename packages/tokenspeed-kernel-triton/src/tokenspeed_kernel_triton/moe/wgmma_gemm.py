@@ -102,24 +102,18 @@ def _step_view(ring, slot, CHUNKS: gl.constexpr, step_layout: gl.constexpr):
 def _issue_activations(
     act,
     act_lo,
-    a_ptr,
-    a_rows,
-    row_ok,
-    k_first,
+    source,
     step,
-    num_k,
-    K,
-    K_VALID,
-    stride_am,
     copy_layout: gl.constexpr,
     CHUNKS: gl.constexpr,
     SPLIT_A: gl.constexpr,
 ):
     """The activations of cp.async ring step `step` (this CTA's K chunks CHUNKS * step + c,
     c < CHUNKS, counted from chunk k_first) into ring slot step % STAGES: one [BLOCK_T, CHUNKS *
-    128] copy (and the lo half, K columns further, for GEMM2). Columns of chunks from num_k on,
-    and from K_VALID on (x's row ends at H, the weights are padded beyond it), are zero-filled,
-    never read."""
+    128] copy (and the lo half, K columns further, for GEMM2). source: (a_ptr, a_rows, row_ok,
+    k_first, num_k, K, K_VALID, stride_am). Columns of chunks from num_k on, and from K_VALID on
+    (x's row ends at H, the weights are padded beyond it), are zero-filled, never read."""
+    a_ptr, a_rows, row_ok, k_first, num_k, K, K_VALID, stride_am = source
     chunk0 = step * CHUNKS
     cols = (k_first + chunk0) * 128 + gl.arange(
         0, CHUNKS * 128, layout=gl.SliceLayout(0, copy_layout)
@@ -135,19 +129,17 @@ def _issue_activations(
 
 @gluon.jit
 def _issue_weights(
-    ring_words,
-    ring_scales,
-    w_ptrs,
-    s_ptrs,
+    source,
     step,
-    num_k,
     words_step: gl.constexpr,
     scales_step: gl.constexpr,
     CHUNKS: gl.constexpr,
 ):
-    """The weight words and scale words of ring step `step` into its slot, one copy per buffer
-    (w_ptrs [CHUNKS, BLOCK_W, 16] / s_ptrs [CHUNKS, BLOCK_W] point at the CTA's chunks
-    k_first + c). Chunks from num_k on are zero-filled (nothing is read)."""
+    """The weight words and scale words of ring step `step` into its slot, one copy per buffer.
+    source: (ring_words, ring_scales, w_ptrs [CHUNKS, BLOCK_W, 16], s_ptrs [CHUNKS, BLOCK_W],
+    num_k), the pointers at the CTA's chunks k_first + c. Chunks from num_k on are zero-filled
+    (nothing is read)."""
+    ring_words, ring_scales, w_ptrs, s_ptrs, num_k = source
     chunk0 = step * CHUNKS
     slot = step % (ring_words.shape[0] // CHUNKS)
     words_layout: gl.constexpr = w_ptrs.type.layout
@@ -316,22 +308,15 @@ def _fragment_gemm_kernel(
     lo_table = gl.load(table_ptr)
     hi_table = gl.load(table_ptr + 1)
 
+    # What the ring copies read (_issue_weights, _issue_activations).
+    weights_src = (ring_words, ring_scales, w_copy_ptrs, s_copy_ptrs, num_k)
+    acts_src = (a_ptr, a_rows, t_ok, k_first, num_k, K, K_VALID, stride_am)
     # Prologue: the first STAGES - 1 steps into the ring, weights first. They depend on nothing
     # the previous kernel writes, so under PDL GEMM2 streams them while GEMM1 finishes.
     num_steps = gl.cdiv(num_k, CHUNKS)
     for p in gl.static_range(STAGES - 1):
         if p < num_steps:
-            _issue_weights(
-                ring_words,
-                ring_scales,
-                w_copy_ptrs,
-                s_copy_ptrs,
-                p,
-                num_k,
-                words_step_layout,
-                scales_step_layout,
-                CHUNKS,
-            )
+            _issue_weights(weights_src, p, words_step_layout, scales_step_layout, CHUNKS)
     if PDL:
         if not SWIGLU:
             if TILE_READY:
@@ -343,22 +328,7 @@ def _fragment_gemm_kernel(
                 _grid_dependency_wait()  # all of GEMM1
     for p in gl.static_range(STAGES - 1):
         if p < num_steps:
-            _issue_activations(
-                act,
-                act_lo,
-                a_ptr,
-                a_rows,
-                t_ok,
-                k_first,
-                p,
-                num_k,
-                K,
-                K_VALID,
-                stride_am,
-                copy_layout,
-                CHUNKS,
-                SPLIT_A,
-            )
+            _issue_activations(act, act_lo, acts_src, p, copy_layout, CHUNKS, SPLIT_A)
         async_copy.commit_group()
 
     # Iteration `it` copies step `it` into the ring and computes step it - (STAGES - 1). A
@@ -372,33 +342,8 @@ def _fragment_gemm_kernel(
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         if it < num_steps:
-            _issue_weights(
-                ring_words,
-                ring_scales,
-                w_copy_ptrs,
-                s_copy_ptrs,
-                it,
-                num_k,
-                words_step_layout,
-                scales_step_layout,
-                CHUNKS,
-            )
-            _issue_activations(
-                act,
-                act_lo,
-                a_ptr,
-                a_rows,
-                t_ok,
-                k_first,
-                it,
-                num_k,
-                K,
-                K_VALID,
-                stride_am,
-                copy_layout,
-                CHUNKS,
-                SPLIT_A,
-            )
+            _issue_weights(weights_src, it, words_step_layout, scales_step_layout, CHUNKS)
+            _issue_activations(act, act_lo, acts_src, it, copy_layout, CHUNKS, SPLIT_A)
         async_copy.commit_group()
         ring_step = (it - (STAGES - 1)) % STAGES
         # The step's copies (generic proxy) before the wgmmas that read them (async proxy):
