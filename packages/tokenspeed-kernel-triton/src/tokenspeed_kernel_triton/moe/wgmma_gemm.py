@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import shift_words
 from ._common import ConfigPin, first_match
@@ -161,29 +162,6 @@ def _issue_weights(
 
 
 @gluon.jit
-def _grid_dependency_wait():
-    """griddepcontrol.wait: block until the previous kernel in the stream (launched before this
-    one with programmatic dependent launch) has finished and its writes are visible."""
-    gl.inline_asm_elementwise(
-        "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
-def _launch_dependents():
-    """griddepcontrol.launch_dependents: the next kernel in the stream may start its CTAs once
-    every CTA of this one has run this (they wait for this kernel's writes themselves)."""
-    gl.inline_asm_elementwise(
-        "griddepcontrol.launch_dependents; // $0",
-        "=r",
-        [],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@gluon.jit
 def _fragment_gemm_kernel(
     a_ptr,
     w_ptr,
@@ -247,8 +225,8 @@ def _fragment_gemm_kernel(
         # line); it waits for GEMM1's SwiGLU rows before reading them: for the whole grid, or
         # with TILE_READY tile by tile (ready_ptr).
         if SWIGLU:
-            _grid_dependency_wait()
-        _launch_dependents()
+            gdc_wait()
+        gdc_launch_dependents()
     if tile >= gl.load(num_tiles_ptr, cache_modifier=".cg"):
         return
     expert = gl.load(tiles_ptr + 2 * tile, cache_modifier=".cg").to(gl.int64)
@@ -325,7 +303,7 @@ def _fragment_gemm_kernel(
                 while gl.atomic_add(ready_ptr + tile, 0, sem="acquire", scope="gpu") < ready_target:
                     pass
             else:
-                _grid_dependency_wait()  # all of GEMM1
+                gdc_wait()  # all of GEMM1
     for p in gl.static_range(STAGES - 1):
         if p < num_steps:
             _issue_activations(act, act_lo, acts_src, p, copy_layout, CHUNKS, SPLIT_A)
