@@ -137,14 +137,15 @@ SWEEP = {
 # The same for triton.moe.wgmma (bf16-wgmma): decode tiles (prefill tiles:
 # benchmarks/results/moe_h200_session4.md and _session5.md).
 _DECODE = dict(block_w=64, block_t=8, num_warps=4, stages=2, gemm2_split_k=2, chunks=2, pdl=True)
+_POST = dict(block_w=64, block_t=2, num_warps=4, stages=2, gemm2_split_k=2, chunks=4, pdl=True)
 FRAGMENT_SWEEP = {
     m: [
-        FragmentConfig(**_DECODE | dict(pdl=False)),
-        FragmentConfig(**_DECODE | dict(chunks=4, pdl=False)),
-        FragmentConfig(**_DECODE | dict(chunks=4)),
-        FragmentConfig(**_DECODE | dict(chunks=4), tile_ready=True),
-        FragmentConfig(**_DECODE | dict(chunks=4), mma_in_flight=1),
-        FragmentConfig(**_DECODE | dict(chunks=4), mma_in_flight=1, tile_ready=True),
+        FragmentConfig(**_DECODE | dict(chunks=4, pdl=True)),
+        FragmentConfig(**_DECODE | dict(chunks=4, pdl=True), mma_in_flight=1, tile_ready=True),
+        FragmentConfig(**_POST, post_scale=True, mma_in_flight=1),
+        FragmentConfig(**_POST, post_scale=True, mma_in_flight=2),
+        FragmentConfig(**_POST, post_scale=True, mma_in_flight=1, tile_ready=True),
+        FragmentConfig(**_POST, post_scale=True, mma_in_flight=2, tile_ready=True),
     ]
     for m in (1, 4, 16)
 }
@@ -193,6 +194,9 @@ def main() -> int:
         default=4,
         help="distinct weight copies run in turn for the L2-cold decode time (M <= 64)",
     )
+    parser.add_argument(
+        "--sizes", default=None, help="comma-separated M to time (default: all of the table's)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -235,6 +239,8 @@ def main() -> int:
         one = [prepared]
         cold = weight_copies(prepared, args.layers)
         ms_list = (1, 4, 16, 64, 4096, 8192) if act == "bf16" else (1, 4096)
+        if args.sizes:
+            ms_list = tuple(int(m) for m in args.sizes.split(","))
         for m in ms_list:
             eager, distinct = run_case(one, m, act, scales, graph=False)
             decode = m <= 64

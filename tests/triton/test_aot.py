@@ -75,8 +75,17 @@ def test_hopper_moe_keeps_weight_fragments_in_registers(aot_rows):
     rows = [row for row in aot_rows["sm_90"] if row["name"].startswith("moe_wgmma_")]
     from tokenspeed_kernel_triton.moe import wgmma_gemm
 
-    # Every tile config in every (GEMM, intermediate, weight decode) form.
-    expected = len(wgmma_gemm._CONFIGS) * len(wgmma_gemm._AOT_VARIANTS)
+    # Every tile config in every (GEMM, intermediate, weight decode) form it takes: post-scaled
+    # configs take shift-decoded GEMM1 weights and fp16 GEMM2s only.
+    post_forms = [
+        (gemm1, inter, dec)
+        for gemm1, inter, dec in wgmma_gemm._AOT_VARIANTS
+        if dec == "shift" and (gemm1 or inter == "fp16")
+    ]
+    expected = sum(
+        len(post_forms if config.post_scale else wgmma_gemm._AOT_VARIANTS)
+        for _, config in wgmma_gemm._CONFIGS
+    )
     assert len(rows) == expected, [row["name"] for row in rows]
     for row in rows:
         assert row["ok"] and row["wgmma"], row

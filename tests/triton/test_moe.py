@@ -85,6 +85,34 @@ def test_routing_refuses_ready_counters_it_cannot_clear():
         route(logits[:2], None, None, top_k=4, num_experts=16, block_m=8, ready=ready.float())
 
 
+def test_router_prescales_rows_exactly():
+    """The one-program router's prescale programs (the post-scaled Hopper GEMM1's x): each row
+    times 2^(126 - E), E = floor(log2 max|row|) clamped to [0, 126], exact; rows beyond the
+    largest bf16 power, tiny rows and all-zero rows included."""
+    g = generator("moe-prescale", 5)
+    magnitudes = torch.tensor([1.0, 2.0**120, 2.0**-40, 0.0, 3.0])
+    x = (torch.randn(5, 80, generator=g) * magnitudes[:, None]).to(torch.bfloat16)
+    x[4, 7] = -(2.0**127)  # the largest magnitude may be negative; 2^127 is E = 126's edge
+    logits = torch.randn(5, 16, generator=g)
+    scaled, exponents = torch.empty_like(x), torch.empty(5, dtype=torch.int32)
+    x, logits, scaled, exponents = (t.to(DEVICE) for t in (x, logits, scaled, exponents))
+    route(logits, None, None, top_k=4, num_experts=16, block_m=2, prescale=(x, scaled, exponents))
+    amax = x.float().abs().amax(dim=1)
+    want_exp = torch.floor(torch.log2(amax)).clamp(0, 126).nan_to_num(0).to(torch.int32)
+    assert exponents.tolist() == want_exp.tolist()
+    assert want_exp[2:].tolist() == [0, 0, 126]  # tiny, zero, and 2^127 (clamped)
+    factor = torch.exp2(126.0 - want_exp.double())
+    assert torch.equal(scaled.double(), x.double() * factor[:, None])
+
+
+def test_router_refuses_prescaling_beyond_one_program():
+    logits = torch.randn(65, 16, generator=generator("moe-prescale", 65)).to(DEVICE)
+    x = torch.zeros(65, 32, dtype=torch.bfloat16, device=DEVICE)
+    exponents = torch.empty(65, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="prescale needs at most 256 pairs"):
+        route(logits, None, None, top_k=4, num_experts=16, block_m=2, prescale=(x, x, exponents))
+
+
 def _layer(shape: MoEShape, device=DEVICE):
     weights = moe_weights(shape, generator("moe-layer", shape))
     weights = MoEWeights(
@@ -351,3 +379,37 @@ def test_wgmma_programmatic_dependent_launch_changes_nothing():
         for variant in results[1:]:
             for i, (plain, overlapped) in enumerate(zip(results[0], variant, strict=True)):
                 assert torch.equal(plain, overlapped), f"M={m}, call {i}"
+
+
+@pytest.mark.gpu
+def test_wgmma_post_scaling_matches_the_reference_across_row_magnitudes():
+    """Post-scaled decode tiles (raw weight halves times x rows the router scaled by powers of
+    two, the e8m0 factors on the fp32 partials of block-diagonal activations): rows as large
+    as 2^100 and as small as 2^-30, and all-zero rows, next to ordinary ones, match the
+    reference; with and without dependent launch, waiting for the grid or tile by tile, one
+    or two chunks in flight."""
+    spec, plan, prepared = _wgmma_gpt_oss_layer()
+    assert (prepared.tensors["w13_decode"], prepared.tensors["w2_decode"]) == ("bf16", "fp16")
+    config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
+    reference = get_kernel("moe", "reference.moe")
+    ref_plan = moe_plan_for(reference, config, 4096, "cuda")
+    ref_prepared = reference.fn.prepare_weights(ref_plan, gpt_oss_weights())
+    g = torch.Generator(device="cuda").manual_seed(5)
+    post = dict(block_w=64, block_t=2, num_warps=4, stages=2, gemm2_split_k=2, chunks=4)
+    tiles = (
+        FragmentConfig(**post, mma_in_flight=1, post_scale=True),
+        FragmentConfig(**post, pdl=True, mma_in_flight=2, post_scale=True),
+        FragmentConfig(**post, pdl=True, tile_ready=True, mma_in_flight=1, post_scale=True),
+    )
+    row_scales = torch.tensor([2.0**100, 1.0, 2.0**-30, 0.0], device="cuda")
+    for m in (1, 4, 16):
+        x = torch.randn(m, 2880, generator=g, device="cuda") * row_scales.repeat(4)[:m, None]
+        x = x.to(torch.bfloat16)
+        logits = torch.randn(m, 128, generator=g, device="cuda")
+        expected = torch.empty_like(x)
+        reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
+        for tile in tiles:
+            out = torch.empty_like(x)
+            with FRAGMENT_PIN.pin(tile):
+                spec.fn.apply(plan, x, prepared, router_logits=logits, out=out)
+            assert_close(out, expected, dtype=torch.bfloat16, name=f"out (M={m}, {tile})")

@@ -343,3 +343,80 @@ def test_fragment_gemm_refuses_weights_encoded_for_another_operand():
         fragment_gemm(act16[:, :64], *w2, torch.zeros(8, 96), gemm1=False, decode="fp16", **common)
     with pytest.raises(ValueError, match="split_k"):
         fragment_gemm(x, *w13, act16, gemm1=True, decode="bf16", split_k=2, **common)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_raw_decode_ptx_gives_every_code_times_the_raw_exponent(kind):
+    """The post-scaled kernel's decode (no factor), interpreted: every code in every slot is
+    e2m1 * 2^-RAW_EXPONENT exactly (bf16's code 1 being the subnormal 2^-127)."""
+    ptx = shift_words.PTX_RAW_BF16 if kind == "bf16" else shift_words.PTX_RAW_F16
+    values = torch.tensor(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES))
+    for code in range(16):
+        codes = torch.tensor([(code + i) % 16 for i in range(8)], dtype=torch.uint8)
+        packed = codes[0::2] | (codes[1::2] << 4)
+        word = int(shift_words.encode(packed, kind)[0]) & 0xFFFFFFFF
+        got = _run_ptx(ptx.value, word, 0, HALF_TYPES[kind])
+        raw = 2.0 ** -shift_words.RAW_EXPONENT[kind]
+        assert got == (values[codes.long()].double() * raw).tolist(), (kind, code)
+
+
+def _run_factor_ptx(ptx: str, scale_word: int, selector: int) -> float:
+    """Interpret the factor PTX (prmt then mad.lo.u32) -> the fp32 it leaves in $0."""
+    regs = {"$1": scale_word, "$2": selector}
+    for line in ptx.strip("{} ").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        args = [a.strip() for a in args.split(",")]
+        if op == "prmt.b32":  # output byte i = byte (selector nibble i) of {b, a}
+            pool = regs[args[1]] | (int(args[2], 0) << 32)
+            sel = regs[args[3]]
+            regs[args[0]] = sum(
+                ((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4)
+            )
+        elif op == "mad.lo.u32":
+            regs[args[0]] = (regs[args[1]] * int(args[2]) + int(args[3])) & 0xFFFFFFFF
+        else:
+            raise AssertionError(f"instruction the interpreter does not know: {line}")
+    return torch.tensor([regs["$0"]], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_post_scale_factors_are_normal_powers_of_two(kind):
+    """POST_SCALE's fp32 factor of scale byte s (any of the four bytes of a scale word, the
+    others arbitrary) is 2^(s - 127 + POST_SCALE_BIAS), a normal fp32, over the exact range
+    of the layout."""
+    ptx = shift_words.PTX_FLOAT_FACTOR_BF16 if kind == "bf16" else shift_words.PTX_FLOAT_FACTOR_F16
+    bias = shift_words.POST_SCALE_BIAS[kind]
+    for s in shift_words.EXACT_SCALE_BYTES[kind]:
+        for byte in range(4):
+            others = 0xFFFFFFFF ^ (0xFF << (8 * byte))
+            word = (s << (8 * byte)) | (0x9D5A3CE1 & others)
+            got = _run_factor_ptx(ptx.value, word, 0x4440 + byte)
+            assert got == 2.0 ** (s - 127 + bias) >= torch.finfo(torch.float32).tiny, (s, byte)
+
+
+def test_post_scale_configs_refuse_what_the_kernel_cannot_run():
+    FragmentConfig(64, 2, 4, 2, chunks=4, mma_in_flight=2, post_scale=True)
+    assert FragmentConfig(64, 2, 4, 2, chunks=4, mma_in_flight=1, post_scale=True).mma_n == 8
+    with pytest.raises(ValueError, match="one or two chunks"):
+        FragmentConfig(64, 2, 4, 2, chunks=4, post_scale=True)  # all four in flight
+
+
+def test_post_scaled_gemms_refuse_weights_they_cannot_scale():
+    """Post-scaling needs raw shift halves: GEMM1 from shift words plus the router's x
+    exponents, GEMM2 from fp16 shift words. Anything else is refused before a launch."""
+    config = FragmentConfig(64, 2, 4, 2, chunks=4, mma_in_flight=1, post_scale=True)
+    w = torch.zeros(1, 64, 16, dtype=torch.int32)
+    scale = torch.zeros(1, 64, 4, dtype=torch.uint8)
+    routing = (None, None, None, None, 1, 4)
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    common = dict(k_valid=128, n_valid=64, config=config)
+    with pytest.raises(ValueError, match="post_scale needs shift-decoded"):
+        fragment_gemm(x, w, scale, None, x, routing, gemm1=True, decode="prmt", **common)
+    with pytest.raises(ValueError, match="needs x_exp"):
+        fragment_gemm(x, w, scale, None, x, routing, gemm1=True, decode="bf16", **common)
+    hilo = torch.zeros(2, 256, dtype=torch.bfloat16)  # GEMM2's bf16 [hi | lo] rows
+    with pytest.raises(ValueError, match="post_scale needs shift-decoded"):
+        fragment_gemm(hilo, w, scale, None, x, routing, gemm1=False, decode="bf16", **common)

@@ -5,6 +5,7 @@ tensors from `layout.prepare_weights`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -114,11 +115,20 @@ def moe_forward(
 
 
 def _route(
-    prepared, top_k, block_m, router_logits, topk_weights, topk_ids, pdl=False, ready=None
+    prepared,
+    top_k,
+    block_m,
+    router_logits,
+    topk_weights,
+    topk_ids,
+    pdl=False,
+    ready=None,
+    prescale=None,
 ) -> tuple:
     """routing.route for the grouped GEMMs: (weights, sorted pairs, tiles, tile count on the
     device, tile-count bound, top_k). pdl: the router lets GEMM1 start early; ready: the
-    GEMMs' per-tile counters, which it zeroes (wgmma_gemm.fragment_gemm)."""
+    GEMMs' per-tile counters, which it zeroes (wgmma_gemm.fragment_gemm); prescale: x's rows
+    scaled for the post-scaled GEMM1 (routing.route)."""
     weights, _, sorted_pairs, tiles, num_tiles, max_tiles = route(
         router_logits,
         topk_weights,
@@ -128,6 +138,7 @@ def _route(
         block_m=block_m,
         launch_dependents=pdl,
         ready=ready,
+        prescale=prescale,
     )
     return weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k
 
@@ -148,6 +159,14 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         )
     M = x.shape[0]
     config = pick_fragment_config(M * top_k)
+    prescale = None
+    if config.post_scale:
+        if prepared["w13_decode"] != "bf16" or not f16_intermediate:
+            # Post-scaling needs raw shift-decoded halves in both GEMMs.
+            config = dataclasses.replace(config, post_scale=False, block_t=8)
+        else:
+            # GEMM1 multiplies x's rows scaled up by powers of two (the router writes them).
+            prescale = (x, torch.empty_like(x), torch.empty(M, dtype=torch.int32, device=x.device))
     # Programmatic dependent launch (config.pdl): each kernel after the router starts its CTAs
     # while the previous one finishes; with tile_ready GEMM2 waits for GEMM1's rows tile by
     # tile through `ready`, zeroed by the router (wgmma_gemm.py).
@@ -156,7 +175,15 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         bound = tile_bound(M * top_k, prepared["num_experts"], config.block_t)
         ready = torch.empty(bound, dtype=torch.int32, device=x.device)
     routing = _route(
-        prepared, top_k, config.block_t, router_logits, topk_weights, topk_ids, config.pdl, ready
+        prepared,
+        top_k,
+        config.block_t,
+        router_logits,
+        topk_weights,
+        topk_ids,
+        config.pdl,
+        ready,
+        prescale,
     )
     H = prepared["hidden_size"]
     Ip = prepared["padded_intermediate_size"]
@@ -166,7 +193,7 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
     else:
         act = torch.empty(rows, 2 * Ip, dtype=torch.bfloat16, device=x.device)
     fragment_gemm(
-        x,
+        x if prescale is None else prescale[1],
         prepared["w13"],
         prepared["w13_scale"],
         prepared["w13_bias"],
@@ -178,6 +205,7 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         n_valid=2 * Ip,
         config=config,
         ready=ready,
+        x_exp=None if prescale is None else prescale[2],
         alpha=alpha,
         limit=limit,
     )

@@ -115,6 +115,22 @@ def _write_tiles(
 
 
 @triton.jit
+def _prescale_row(x_ptr, scaled_ptr, exp_ptr, row, H, stride_x, stride_s, BLOCK_H: tl.constexpr):
+    """Row `row` of x (bf16, at most BLOCK_H long) times 2^(126 - E), with E = floor(log2
+    max|row|) clamped to [0, 126], into scaled_ptr, and E into exp_ptr[row]. Exact: a power
+    of two at least 1, and the row's largest element stays below 2^127. Raw bf16 MXFP4 halves
+    (value * 2^-126) times the scaled row are normal fp32 products (the post-scaled Hopper
+    GEMM)."""
+    offs = tl.arange(0, BLOCK_H)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=offs < H, other=0.0).to(tl.float32)
+    bits = tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True)
+    exponent = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) - 127, 0), 126)
+    factor = ((253 - exponent) << 23).to(tl.float32, bitcast=True)
+    tl.store(scaled_ptr + row * stride_s + offs, (x * factor).to(tl.bfloat16), mask=offs < H)
+    tl.store(exp_ptr + row, exponent)
+
+
+@triton.jit
 def _route_small_kernel(
     logits_ptr,
     ids_ptr,
@@ -123,9 +139,15 @@ def _route_small_kernel(
     tiles_ptr,
     num_tiles_ptr,
     ready_ptr,
+    x_ptr,
+    scaled_ptr,
+    exp_ptr,
     M,
     E,
+    H,
     stride_lm,
+    stride_x,
+    stride_s,
     max_tiles,
     TOPK: tl.constexpr,
     HAS_LOGITS: tl.constexpr,
@@ -136,13 +158,23 @@ def _route_small_kernel(
     TILE_CHUNK: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
     CLEAR_READY: tl.constexpr,
+    PRESCALE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
-    """Everything for M <= BLOCK_T tokens in one program (decode: one launch instead of three).
+    """Everything for M <= BLOCK_T tokens in one program (decode: one launch instead of three);
+    with PRESCALE, M more programs scale x's rows for the post-scaled GEMM.
     LAUNCH_DEPENDENTS: let a GEMM launched behind this kernel with programmatic dependent
     launch start its CTAs now (they wait for this kernel's writes). CLEAR_READY: zero
     ready[0:max_tiles] (the GEMMs' per-tile counters)."""
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
+    if PRESCALE:
+        # Programs 1..M scale x's rows (_prescale_row); program 0 routes.
+        if tl.program_id(0) > 0:
+            _prescale_row(
+                x_ptr, scaled_ptr, exp_ptr, tl.program_id(0) - 1, H, stride_x, stride_s, BLOCK_H
+            )
+            return
     if CLEAR_READY:
         for t0 in range(0, max_tiles, TILE_CHUNK):
             t = t0 + tl.arange(0, TILE_CHUNK)
@@ -226,11 +258,13 @@ def route(
     block_m: int,
     launch_dependents: bool = False,
     ready: torch.Tensor | None = None,
+    prescale: tuple | None = None,
 ):
     """Route M tokens and group the pairs by expert. For the one-program decode kernel (at most
     FUSED_MAX_PAIRS pairs), on CUDA sm_90+: launch_dependents lets a kernel launched behind it
     with programmatic dependent launch start early; ready, int32 [>= max_tiles], is zeroed for
-    the GEMMs' per-tile counters.
+    the GEMMs' per-tile counters; prescale = (x [M, H] bf16, scaled [M, H] bf16, exponents [M]
+    int32) also writes `_prescale_row` of each row of x into scaled and exponents.
 
     router_logits [M, E] (or None with precomputed topk_weights [M, k] float32 and topk_ids
     [M, k] int32). Returns (topk_weights, topk_ids, sorted_pairs [max_tiles * block_m] int32,
@@ -261,9 +295,13 @@ def route(
             f"route: `ready` needs at most {FUSED_MAX_PAIRS} pairs (got {num_pairs}) and "
             f"{n_tiles} int32 counters (got {ready.numel()} {ready.dtype})"
         )
+    if prescale is not None and num_pairs > FUSED_MAX_PAIRS:
+        raise ValueError(f"route: prescale needs at most {FUSED_MAX_PAIRS} pairs, got {num_pairs}")
     if num_pairs <= FUSED_MAX_PAIRS:
         block_t = triton.next_power_of_2(M)
-        _route_small_kernel[(1,)](
+        x, scaled, exponents = prescale if prescale is not None else (logits, logits, num_tiles)
+        hidden = x.shape[1] if prescale is not None else 0
+        _route_small_kernel[(1 + (M if prescale is not None else 0),)](
             logits,
             topk_ids,
             topk_weights,
@@ -271,9 +309,15 @@ def route(
             tiles,
             num_tiles,
             ready if ready is not None else num_tiles,
+            x,
+            scaled,
+            exponents,
             M,
             num_experts,
+            hidden,
             stride,
+            x.stride(0) if prescale is not None else 0,
+            scaled.stride(0) if prescale is not None else 0,
             n_tiles,
             TOPK=top_k,
             HAS_LOGITS=has_logits,
@@ -284,6 +328,8 @@ def route(
             TILE_CHUNK=tile_chunk,
             LAUNCH_DEPENDENTS=launch_dependents,
             CLEAR_READY=ready is not None,
+            PRESCALE=prescale is not None,
+            BLOCK_H=triton.next_power_of_2(hidden) if prescale is not None else 1,
             # One warp for a decode step's handful of pairs: every reduction stays in
             # shuffles (M=1 on an H200: 2.2 us against 2.9 with two warps, session 6).
             num_warps=1 if num_pairs <= 16 else 4,
@@ -338,9 +384,15 @@ def aot_specs(kind) -> list:
         tiles_ptr="*i32",
         num_tiles_ptr="*i32",
         ready_ptr="*i32",
+        x_ptr="*bf16",
+        scaled_ptr="*bf16",
+        exp_ptr="*i32",
         M="i32",
         E="i32",
+        H="i32",
         stride_lm="i32",
+        stride_x="i32",
+        stride_s="i32",
         max_tiles="i32",
     )
     return [
@@ -356,6 +408,8 @@ def aot_specs(kind) -> list:
                 TILE_CHUNK=_TILE_CHUNK,
                 LAUNCH_DEPENDENTS=kind.arch == "sm_90",
                 CLEAR_READY=kind.arch == "sm_90",
+                PRESCALE=kind.arch == "sm_90",
+                BLOCK_H=4096,
                 **common,
             ),
             4,

@@ -91,9 +91,10 @@ def _shifted(dst_bit: int, src_bit: int, name: str) -> tuple[str, list[str]]:
     return name, [f"shr.u32 {name}, $8, {src_bit - dst_bit};"]
 
 
-def _decode_ptx(kind: str) -> str:
+def _decode_ptx(kind: str, scaled: bool = True) -> str:
     """PTX for one word ($8) times the x2 factor ($9) -> 8 halves $0..$7 (ptxas merges the
-    shifts that several registers share)."""
+    shifts that several registers share). Unscaled: the raw halves (value * 2^-126 for bf16,
+    2^-14 for fp16), for kernels that apply the e8m0 factor to their fp32 accumulators."""
     layout = LAYOUTS[kind]
     field = layout["field"]
     magnitudes = (7 << field) | (7 << (field + 16))
@@ -113,12 +114,18 @@ def _decode_ptx(kind: str) -> str:
                 f"and.b32 r, {t}, {magnitudes:#x};",
                 f"lop3.b32 r, r, {u}, 0x80008000, 0xF8;",  # r | (u & 0x80008000)
             ]
-        lines += [f"{mul} r, r, $9;", f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, r;"]
+        if scaled:
+            lines.append(f"{mul} r, r, $9;")
+        lines.append(f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, r;")
     return "\n".join([*lines, "}"])
 
 
 PTX_DECODE_BF16 = tl.constexpr(_decode_ptx("bf16"))
 PTX_DECODE_F16 = tl.constexpr(_decode_ptx("fp16"))
+PTX_RAW_BF16 = tl.constexpr(_decode_ptx("bf16", scaled=False))
+PTX_RAW_F16 = tl.constexpr(_decode_ptx("fp16", scaled=False))
+# Raw halves are value * 2^-RAW_EXPONENT: the e8m0 factor of a kernel that scales after the MMA.
+RAW_EXPONENT = {"bf16": 126, "fp16": 14}
 
 
 def factor_constants(kind: str) -> tuple[int, int]:
@@ -142,6 +149,57 @@ def decode_word_slots_bf16(words, factor):
 def decode_word_slots_f16(words, factor):
     """The same for the fp16 layout -> fp16."""
     return word_to_halves(PTX_DECODE_F16, words, factor, tl.float16)
+
+
+@triton.jit
+def decode_word_slots_raw_bf16(words):
+    """Shift-decode int32 `words` (bf16 layout) without a factor -> slots 0..7 as raw bf16:
+    value * 2^-126 (code 1 is the subnormal 2^-127). Called from the Gluon kernel."""
+    return tl.inline_asm_elementwise(
+        PTX_RAW_BF16,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r",
+        [words],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def decode_word_slots_raw_f16(words):
+    """The same for the fp16 layout -> raw fp16: value * 2^-14."""
+    return tl.inline_asm_elementwise(
+        PTX_RAW_F16,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r",
+        [words],
+        dtype=(tl.float16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+def _float_factor_ptx(bias: int) -> str:
+    """PTX: byte b of scale word $1, picked by prmt selector $2 = 0x4440 + b (zeros above it),
+    -> the fp32 2^(s - 127 + bias) in $0."""
+    return f"{{ .reg .b32 s; prmt.b32 s, $1, 0, $2; mad.lo.u32 $0, s, {1 << 23}, {bias << 23}; }}"
+
+
+# Post-scaling (the Hopper GEMM's POST_SCALE): raw halves times the fp32 factors
+# 2^(s - 127 + POST_SCALE_BIAS). The bias keeps every factor normal over the scale bytes each
+# layout takes (EXACT_SCALE_BYTES), and for fp16 cancels the raw halves' 2^-14.
+POST_SCALE_BIAS = {"bf16": 64, "fp16": 14}
+PTX_FLOAT_FACTOR_BF16 = tl.constexpr(_float_factor_ptx(POST_SCALE_BIAS["bf16"]))
+PTX_FLOAT_FACTOR_F16 = tl.constexpr(_float_factor_ptx(POST_SCALE_BIAS["fp16"]))
+
+
+@triton.jit
+def float_factors(scale_words, selector, F16: tl.constexpr):
+    """POST_SCALE_BIAS's fp32 factors of the fp16 (F16) or bf16 layout from int32 scale words
+    and prmt selectors 0x4440 + b (same shape)."""
+    ptx: tl.constexpr = PTX_FLOAT_FACTOR_F16 if F16 else PTX_FLOAT_FACTOR_BF16
+    return tl.inline_asm_elementwise(
+        ptx, "=r,r,r", [scale_words, selector], dtype=tl.float32, is_pure=True, pack=1
+    )
 
 
 def pick(scale: torch.Tensor, kinds: tuple[str, ...]) -> str | None:

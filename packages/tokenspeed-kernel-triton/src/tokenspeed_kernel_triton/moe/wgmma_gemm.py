@@ -55,6 +55,7 @@ def _decode_fragment(
     BLOCK_W: gl.constexpr,
     SHIFT: gl.constexpr,
     F16: gl.constexpr,
+    RAW: gl.constexpr,
 ):
     """words [BLOCK_W, 16] int32 in the words layout and scale_words [BLOCK_W] int32 (a row's
     four e8m0 bytes of this K chunk, in the words layout's row slice) -> [BLOCK_W, 128] bf16
@@ -62,11 +63,17 @@ def _decode_fragment(
     32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0 in slot 4 * b2 + 2 * b1 + b0 (fragment_layout),
     so it is scaled by byte jlo. SHIFT: words in shift_words' layout for the output type; else
     mxfp4_words' byte-permute layout (bf16 only), whose lo_table / hi_table scalars
-    (LOOKUP_TABLE_WORDS) are loaded at run time so that they stay in registers."""
+    (LOOKUP_TABLE_WORDS) are loaded at run time so that they stay in registers. RAW: shift
+    words without their factors (shift_words.RAW_EXPONENT; scale_words unused)."""
     jlo = gl.arange(0, 16, layout=gl.SliceLayout(0, words.type.layout)) % 4
     zero = gl.zeros_like(words)
     selector = (jlo * 0x0101 + 0x4040)[None, :] + zero
-    if SHIFT:
+    if RAW:
+        if F16:
+            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words.decode_word_slots_raw_f16(words)
+        else:
+            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words.decode_word_slots_raw_bf16(words)
+    elif SHIFT:
         factor = shift_words.scale_factors(scale_words[:, None] + zero, selector, F16)
         if F16:
             e0, e1, e2, e3, e4, e5, e6, e7 = shift_words.decode_word_slots_f16(words, factor)
@@ -108,20 +115,24 @@ def _issue_activations(
     copy_layout: gl.constexpr,
     CHUNKS: gl.constexpr,
     SPLIT_A: gl.constexpr,
+    BLOCK_DIAGONAL: gl.constexpr,
 ):
     """The activations of cp.async ring step `step` (this CTA's K chunks CHUNKS * step + c,
     c < CHUNKS, counted from chunk k_first) into ring slot step % STAGES: one [BLOCK_T, CHUNKS *
     128] copy (and the lo half, K columns further, for GEMM2). source: (a_ptr, a_rows, row_ok,
-    k_first, num_k, K, K_VALID, stride_am). Columns of chunks from num_k on, and from K_VALID on
-    (x's row ends at H, the weights are padded beyond it), are zero-filled, never read."""
-    a_ptr, a_rows, row_ok, k_first, num_k, K, K_VALID, stride_am = source
+    k_first, num_k, K, K_VALID, stride_am, row_block). Columns of chunks from num_k on, and from
+    K_VALID on (x's row ends at H, the weights are padded beyond it), are zero-filled, never
+    read. BLOCK_DIAGONAL (POST_SCALE): tile row r takes only the K elements of scale block
+    row_block[r] of each chunk; the rest is zero-filled."""
+    a_ptr, a_rows, row_ok, k_first, num_k, K, K_VALID, stride_am, row_block = source
     chunk0 = step * CHUNKS
-    cols = (k_first + chunk0) * 128 + gl.arange(
-        0, CHUNKS * 128, layout=gl.SliceLayout(0, copy_layout)
-    )
+    local = gl.arange(0, CHUNKS * 128, layout=gl.SliceLayout(0, copy_layout))
+    cols = (k_first + chunk0) * 128 + local
     ptrs = a_ptr + a_rows[:, None] * stride_am + cols[None, :]
     cols_ok = (cols < K_VALID) & (cols < (k_first + num_k) * 128)
     mask = row_ok[:, None] & cols_ok[None, :]
+    if BLOCK_DIAGONAL:
+        mask = mask & ((local // 32 % 4)[None, :] == row_block[:, None])
     slot = step % act.shape[0]
     async_copy.async_copy_global_to_shared(act.index(slot), ptrs, mask=mask)
     if SPLIT_A:
@@ -162,6 +173,118 @@ def _issue_weights(
 
 
 @gluon.jit
+def _post_scaled_step(
+    acc,
+    ring_words,
+    ring_scales,
+    act,
+    ring_step,
+    words_layout: gl.constexpr,
+    dot_a: gl.constexpr,
+    mma: gl.constexpr,
+    BLOCK_W: gl.constexpr,
+    BLOCK_T: gl.constexpr,
+    CHUNKS: gl.constexpr,
+    IN_FLIGHT: gl.constexpr,
+):
+    """One ring step with the e8m0 factors applied after the MMA (POST_SCALE). The activation
+    tile is block-diagonal: MMA column 4-way group g holds the tile's BLOCK_T tokens at the K
+    elements of scale block g (32 * g .. of each chunk) and zeros elsewhere, so each chunk's
+    product [BLOCK_W, 4 * BLOCK_T] holds per-block partial sums, and a thread's columns all
+    belong to one block: its accumulator takes them times one fp32 factor per row. That costs
+    a few FMAs per chunk instead of a half multiply per weight pair; the epilogue sums the
+    four groups."""
+    cols = gl.arange(0, 4 * BLOCK_T, layout=gl.SliceLayout(0, mma))
+    # prmt selector of each column's scale byte (its group), zeros above it.
+    selector = gl.zeros([BLOCK_W, 4 * BLOCK_T], gl.int32, mma) + (0x4440 + cols // BLOCK_T)[None, :]
+    # The partials and factors of the last two chunks (set from chunk 0 on): chunk c - IN_FLIGHT
+    # joins `acc` once chunk c's wgmma is issued, so IN_FLIGHT chunks multiply meanwhile.
+    prev = acc
+    factor = acc
+    older = acc
+    older_factor = acc
+    for c in gl.static_range(CHUNKS):
+        slot = ring_step * CHUNKS + c
+        words = ring_words.index(slot).load(words_layout)
+        scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
+        frag = _decode_fragment(
+            words, scale_words, 0, 0, dot_a, BLOCK_W, True, act.dtype == gl.float16, True
+        )
+        b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
+        part = warpgroup_mma(frag, b, acc, use_acc=False, is_async=True)
+        if IN_FLIGHT == 1:
+            if c > 0:
+                prev = warpgroup_mma_wait(1, deps=[prev])
+                acc += prev * factor
+        else:
+            if c > 1:
+                older = warpgroup_mma_wait(2, deps=[older])
+                acc += older * older_factor
+            older = prev
+            older_factor = factor
+        rows_scale = gl.convert_layout(scale_words, gl.SliceLayout(1, mma))
+        factor = shift_words.float_factors(
+            rows_scale[:, None] + selector * 0, selector, act.dtype == gl.float16
+        )
+        prev = part
+    if IN_FLIGHT == 2:
+        if CHUNKS > 1:
+            older = warpgroup_mma_wait(1, deps=[older])
+            acc += older * older_factor
+    prev = warpgroup_mma_wait(0, deps=[prev])
+    return acc + prev * factor
+
+
+@gluon.jit
+def _mma_step(
+    acc,
+    ring_words,
+    ring_scales,
+    act,
+    act_lo,
+    ring_step,
+    lo_table,
+    hi_table,
+    words_layout: gl.constexpr,
+    dot_a: gl.constexpr,
+    BLOCK_W: gl.constexpr,
+    CHUNKS: gl.constexpr,
+    SHIFT_DECODE: gl.constexpr,
+    SPLIT_A: gl.constexpr,
+    MMA_IN_FLIGHT: gl.constexpr,
+):
+    """One ring step with scaled fragments (the e8m0 factor multiplied into the halves)."""
+    for c in gl.static_range(CHUNKS):
+        slot = ring_step * CHUNKS + c
+        words = ring_words.index(slot).load(words_layout)
+        scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
+        frag = _decode_fragment(
+            words,
+            scale_words,
+            lo_table,
+            hi_table,
+            dot_a,
+            BLOCK_W,
+            SHIFT_DECODE,
+            act.dtype == gl.float16,
+            False,
+        )
+        # Asynchronous, so that the next chunk decodes while this one multiplies; its
+        # A registers stay untouched until the wait below (a fresh value per chunk).
+        b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
+        acc = warpgroup_mma(frag, b, acc, is_async=True)
+        if SPLIT_A:
+            b_lo = act_lo.index(ring_step).slice(c * 128, 128, dim=1)
+            b_lo = b_lo.permute((1, 0))
+            acc = warpgroup_mma(frag, b_lo, acc, is_async=True)
+        if c >= MMA_IN_FLIGHT:
+            # At most MMA_IN_FLIGHT chunks multiply while the next one decodes: the
+            # registers of older fragments are free again (long steps, few registers).
+            acc = warpgroup_mma_wait(MMA_IN_FLIGHT * (2 if SPLIT_A else 1), deps=[acc])
+    return warpgroup_mma_wait(0, deps=[acc])
+
+
+@gluon.jit
 def _fragment_gemm_kernel(
     a_ptr,
     w_ptr,
@@ -174,6 +297,7 @@ def _fragment_gemm_kernel(
     num_tiles_ptr,
     table_ptr,
     ready_ptr,
+    x_exp_ptr,
     N,
     K,
     K_VALID,
@@ -201,6 +325,8 @@ def _fragment_gemm_kernel(
     PDL: gl.constexpr,
     TILE_READY: gl.constexpr,
     MMA_IN_FLIGHT: gl.constexpr,
+    POST_SCALE: gl.constexpr,
+    SCALE_BIAS: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
@@ -232,8 +358,11 @@ def _fragment_gemm_kernel(
     expert = gl.load(tiles_ptr + 2 * tile, cache_modifier=".cg").to(gl.int64)
     row_end = gl.load(tiles_ptr + 2 * tile + 1, cache_modifier=".cg")
 
-    # Activation rows of this tile (B operand), in the copy layout.
-    offs_t = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, copy_layout))
+    # Activation rows of this tile (B operand), in the copy layout: the MMA's columns, one per
+    # token, or with POST_SCALE four groups of the tile's tokens (_post_scaled_step).
+    MMA_N: gl.constexpr = 4 * BLOCK_T if POST_SCALE else BLOCK_T
+    mma_col = gl.arange(0, MMA_N, layout=gl.SliceLayout(1, copy_layout))
+    offs_t = tile * BLOCK_T + mma_col % BLOCK_T
     t_ok = offs_t < row_end
     if SWIGLU:
         pair = gl.load(sorted_ptr + offs_t, mask=t_ok, other=0)
@@ -249,9 +378,9 @@ def _fragment_gemm_kernel(
     # The ring: STAGES steps of CHUNKS K chunks (128 columns) each. A step's activations are
     # one [BLOCK_T, CHUNKS * 128] tile; its chunk c of words and scales is buffer s * CHUNKS + c
     # (the copy sees each step as one [CHUNKS, ...] view: _step_view).
-    act = gl.allocate_shared_memory(a_dtype, [STAGES, BLOCK_T, CHUNKS * 128], smem_layout)
+    act = gl.allocate_shared_memory(a_dtype, [STAGES, MMA_N, CHUNKS * 128], smem_layout)
     act_lo = gl.allocate_shared_memory(
-        a_dtype, [STAGES if SPLIT_A else 1, BLOCK_T, CHUNKS * 128], smem_layout
+        a_dtype, [STAGES if SPLIT_A else 1, MMA_N, CHUNKS * 128], smem_layout
     )
     ring_words = gl.allocate_shared_memory(
         gl.int32, [STAGES * CHUNKS, BLOCK_W, 16], words_smem_layout
@@ -288,7 +417,7 @@ def _fragment_gemm_kernel(
 
     # What the ring copies read (_issue_weights, _issue_activations).
     weights_src = (ring_words, ring_scales, w_copy_ptrs, s_copy_ptrs, num_k)
-    acts_src = (a_ptr, a_rows, t_ok, k_first, num_k, K, K_VALID, stride_am)
+    acts_src = (a_ptr, a_rows, t_ok, k_first, num_k, K, K_VALID, stride_am, mma_col // BLOCK_T)
     # Prologue: the first STAGES - 1 steps into the ring, weights first. They depend on nothing
     # the previous kernel writes, so under PDL GEMM2 streams them while GEMM1 finishes.
     num_steps = gl.cdiv(num_k, CHUNKS)
@@ -306,13 +435,13 @@ def _fragment_gemm_kernel(
                 gdc_wait()  # all of GEMM1
     for p in gl.static_range(STAGES - 1):
         if p < num_steps:
-            _issue_activations(act, act_lo, acts_src, p, copy_layout, CHUNKS, SPLIT_A)
+            _issue_activations(act, act_lo, acts_src, p, copy_layout, CHUNKS, SPLIT_A, POST_SCALE)
         async_copy.commit_group()
 
     # Iteration `it` copies step `it` into the ring and computes step it - (STAGES - 1). A
     # step's chunks past num_k are zeros (which decode to zeros) rather than branches around
     # the MMA chain.
-    acc = gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=mma)
+    acc = gl.zeros([BLOCK_W, MMA_N], gl.float32, layout=mma)
     for it in range(STAGES - 1, num_steps + STAGES - 1):
         # The step computed below landed (this thread's copies, then everyone's). Past this
         # barrier every warp is done with the previous iteration (its ring reads, and its
@@ -321,45 +450,62 @@ def _fragment_gemm_kernel(
         gl.thread_barrier()
         if it < num_steps:
             _issue_weights(weights_src, it, words_step_layout, scales_step_layout, CHUNKS)
-            _issue_activations(act, act_lo, acts_src, it, copy_layout, CHUNKS, SPLIT_A)
+            _issue_activations(act, act_lo, acts_src, it, copy_layout, CHUNKS, SPLIT_A, POST_SCALE)
         async_copy.commit_group()
         ring_step = (it - (STAGES - 1)) % STAGES
         # The step's copies (generic proxy) before the wgmmas that read them (async proxy):
         # one fence for all of its chunks.
         fence_async_shared()
-        for c in gl.static_range(CHUNKS):
-            slot = ring_step * CHUNKS + c
-            words = ring_words.index(slot).load(words_layout)
-            scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
-            frag = _decode_fragment(
-                words,
-                scale_words,
+        if POST_SCALE:
+            acc = _post_scaled_step(
+                acc,
+                ring_words,
+                ring_scales,
+                act,
+                ring_step,
+                words_layout,
+                dot_a,
+                mma,
+                BLOCK_W,
+                BLOCK_T,
+                CHUNKS,
+                MMA_IN_FLIGHT,
+            )
+        else:
+            acc = _mma_step(
+                acc,
+                ring_words,
+                ring_scales,
+                act,
+                act_lo,
+                ring_step,
                 lo_table,
                 hi_table,
+                words_layout,
                 dot_a,
                 BLOCK_W,
+                CHUNKS,
                 SHIFT_DECODE,
-                a_dtype == gl.float16,
+                SPLIT_A,
+                MMA_IN_FLIGHT,
             )
-            # Asynchronous, so that the next chunk decodes while this one multiplies; its
-            # A registers stay untouched until the wait below (a fresh value per chunk).
-            b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
-            acc = warpgroup_mma(frag, b, acc, is_async=True)
-            if SPLIT_A:
-                b_lo = act_lo.index(ring_step).slice(c * 128, 128, dim=1)
-                b_lo = b_lo.permute((1, 0))
-                acc = warpgroup_mma(frag, b_lo, acc, is_async=True)
-            if c >= MMA_IN_FLIGHT:
-                # At most MMA_IN_FLIGHT chunks multiply while the next one decodes: the
-                # registers of older fragments are free again (long steps, few registers).
-                acc = warpgroup_mma_wait(MMA_IN_FLIGHT * (2 if SPLIT_A else 1), deps=[acc])
-        acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
+    if POST_SCALE:
+        # Sum the four scale-block groups of each token's columns (across a quad's lanes).
+        acc = gl.sum(gl.reshape(acc, [BLOCK_W, 4, BLOCK_T]), axis=1)
     # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
-    rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, mma))
-    cols = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, mma))
+    out_layout: gl.constexpr = acc.type.layout
+    rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, out_layout))
+    cols = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_layout))
     col_ok = cols < row_end
+    if POST_SCALE:
+        if SWIGLU:
+            # x's row of token t was multiplied by 2^(126 - E_t) (x_exp_ptr: E_t), which the
+            # raw bf16 weights' 2^-126 and the factors' bias leave as 2^(SCALE_BIAS - E_t).
+            col_pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0)
+            e = gl.load(x_exp_ptr + col_pair // TOPK, mask=col_ok, other=SCALE_BIAS)
+            acc *= ((e - SCALE_BIAS + 127) << 23).to(gl.float32, bitcast=True)[None, :]
     if HAS_BIAS:
         if split == 0:  # one split adds the bias
             acc += gl.load(bias_ptr + expert * stride_be + rows)[:, None]
@@ -459,6 +605,7 @@ class FragmentConfig:
     pdl: bool = False
     tile_ready: bool = False
     mma_in_flight: int | None = None
+    post_scale: bool = False
 
     def __post_init__(self) -> None:
         # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
@@ -466,12 +613,19 @@ class FragmentConfig:
             raise ValueError(f"FragmentConfig: stages {self.stages} < 2")
         if self.chunks < 1 or self.chunks & (self.chunks - 1):
             raise ValueError(f"FragmentConfig: chunks {self.chunks} is not a power of two")
+        if self.post_scale and self.in_flight > 2:
+            raise ValueError("FragmentConfig: post_scale keeps one or two chunks' wgmmas in flight")
         if self.tile_ready and not self.pdl:
             raise ValueError("FragmentConfig: tile_ready needs pdl")
         if not 1 <= self.in_flight <= self.chunks:
             raise ValueError(
                 f"FragmentConfig: mma_in_flight {self.mma_in_flight} not in [1, chunks]"
             )
+
+    @property
+    def mma_n(self) -> int:
+        """wgmma's N: the tile's tokens, four times over with post_scale."""
+        return 4 * self.block_t if self.post_scale else self.block_t
 
     @property
     def in_flight(self) -> int:
@@ -483,20 +637,34 @@ class FragmentConfig:
 # fp16 SwiGLU intermediate, CUDA-graph timed end to end over 4 layers' weights (L2-cold) for
 # M <= 64 (benchmarks/results/moe_h200_session6.md; earlier alternatives in _session4/5.md).
 _CONFIGS = (
-    # Decode: wgmma's smallest N (8 tokens) and M (64 weight rows, one warpgroup), GEMM2 split
-    # in two, programmatic dependent launch. Run 6, M=1 / 4 / 16: two chunks per step without
-    # PDL (session 5's config) 32.1 / 85.4 / 238.4 us.
-    # M=1 (4 pairs): ring steps of four K chunks, all in flight, GEMM2 waiting for GEMM1's grid:
-    # 28.8 us; waiting tile by tile 29.3, one chunk in flight 30.2.
-    (4, FragmentConfig(64, 8, 4, 2, gemm2_split_k=2, chunks=4, pdl=True)),
-    # M=4 / 16: four chunks per step, one wgmma chunk in flight (the registers of two chunks,
-    # not four), GEMM2 waiting for GEMM1 tile by tile (it starts in GEMM1's last wave): 75.8 /
-    # 232.9 us; for the grid 78.8 / 230.4; all four chunks in flight 80.0 / 243.4. Session 4:
-    # 6-8 stages, 16 tokens and 128 rows were slower.
+    # Decode: wgmma's smallest M (64 weight rows, one warpgroup), ring steps of four K chunks,
+    # GEMM2 split in two, programmatic dependent launch, and the e8m0 factors applied after
+    # the MMA (post_scale: two tokens per tile, block-diagonal activations as wgmma's N = 8).
+    # Session 7 run 3, M=1 / 4 / 16 (us): post-scaled 27.1 / 71.9 / 228.9 (with each M's wait
+    # below), against session 6's scaled-fragment configs 27.7 / 75.3 / 234.6.
+    # M=1: GEMM2 waits for GEMM1's grid, two chunks' wgmmas in flight (one: 28.1; tile by
+    # tile: 27.3).
+    (
+        4,
+        FragmentConfig(
+            64, 2, 4, 2, gemm2_split_k=2, chunks=4, pdl=True, mma_in_flight=2, post_scale=True
+        ),
+    ),
+    # M=4 / 16: GEMM2 waits for GEMM1 tile by tile (it starts in GEMM1's last wave), one
+    # chunk's wgmma in flight (two: 79.8 / 246.3 us; the grid wait: 76.7 / 229.7).
     (
         64,
         FragmentConfig(
-            64, 8, 4, 2, gemm2_split_k=2, chunks=4, pdl=True, tile_ready=True, mma_in_flight=1
+            64,
+            2,
+            4,
+            2,
+            gemm2_split_k=2,
+            chunks=4,
+            pdl=True,
+            tile_ready=True,
+            mma_in_flight=1,
+            post_scale=True,
         ),
     ),
     # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert
@@ -556,6 +724,7 @@ def fragment_gemm(
     split_k: int = 1,
     ready: torch.Tensor | None = None,
     ready_target: int = 0,
+    x_exp: torch.Tensor | None = None,
     alpha: float = 0.0,
     limit: float = 0.0,
 ) -> None:
@@ -593,6 +762,15 @@ def fragment_gemm(
         ready is None or ready.numel() < max_tiles or ready.dtype != torch.int32
     ):
         raise ValueError("fragment_gemm: tile_ready needs `ready`, one zeroed int32 per tile")
+    # Post-scaling needs raw halves that multiply exactly: shift-decoded fp16 weights, or
+    # bf16 weights against x rows scaled up by 2^(126 - x_exp) (routing's _prescale_row).
+    if config.post_scale and (decode == "prmt" or not (gemm1 or operand == "fp16")):
+        raise ValueError(
+            f"fragment_gemm: post_scale needs shift-decoded weights for GEMM1 or an "
+            f"fp16 GEMM2, got {decode} weights for a {operand} operand"
+        )
+    if config.post_scale and gemm1 and x_exp is None:
+        raise ValueError("fragment_gemm: post-scaled GEMM1 needs x_exp (route's prescale)")
     N = w.shape[1]
     # A row's four e8m0 bytes of one 128-element K chunk, as one int32.
     scale_words = w_scale.view(torch.int32)
@@ -609,6 +787,7 @@ def fragment_gemm(
         num_tiles,
         _lookup_tables(a.device),
         ready if ready is not None else num_tiles,
+        x_exp if x_exp is not None else num_tiles,
         N,
         K,
         k_valid,
@@ -636,9 +815,11 @@ def fragment_gemm(
         PDL=config.pdl,
         TILE_READY=config.tile_ready,
         MMA_IN_FLIGHT=config.in_flight,
+        POST_SCALE=config.post_scale,
+        SCALE_BIAS=shift_words.POST_SCALE_BIAS[operand],
         num_warps=config.num_warps,
         launch_pdl=config.pdl,
-        **_layouts(config.block_w, config.block_t, config.num_warps, config.chunks),
+        **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
     )
 
 
@@ -672,6 +853,7 @@ def aot_specs(kind) -> list:
         num_tiles_ptr="*i32",
         table_ptr="*i32",
         ready_ptr="*i32",
+        x_exp_ptr="*i32",
     )
     ints = (
         "N",
@@ -688,6 +870,8 @@ def aot_specs(kind) -> list:
     specs = []
     for _, config in _CONFIGS:
         for gemm1, intermediate, decode in _AOT_VARIANTS:
+            if config.post_scale and (decode == "prmt" or not (gemm1 or intermediate == "fp16")):
+                continue  # prepare_weights' other forms take the unscaled config
             signature = {
                 **pointers,
                 "a_ptr": "*bf16" if gemm1 else f"*{intermediate}",
@@ -711,14 +895,17 @@ def aot_specs(kind) -> list:
                 PDL=config.pdl,
                 TILE_READY=config.tile_ready,
                 MMA_IN_FLIGHT=config.in_flight,
-                **_layouts(config.block_w, config.block_t, config.num_warps, config.chunks),
+                POST_SCALE=config.post_scale,
+                SCALE_BIAS=shift_words.POST_SCALE_BIAS["bf16" if gemm1 else intermediate],
+                **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
             )
             gemm = "gemm1" if gemm1 else "gemm2"
             specs.append(
                 AotSpec(
                     f"moe_wgmma_{gemm}_{intermediate}_{decode}_w{config.block_w}_t{config.block_t}"
                     f"_s{config.stages}_c{config.chunks}{'_pdl' if config.pdl else ''}"
-                    f"{'_tiles' if config.tile_ready else ''}",
+                    f"{'_tiles' if config.tile_ready else ''}"
+                    f"{'_post' if config.post_scale else ''}",
                     _fragment_gemm_kernel,
                     signature,
                     constexprs,
