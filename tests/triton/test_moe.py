@@ -357,7 +357,7 @@ def test_wgmma_programmatic_dependent_launch_changes_nothing():
     spec, plan, prepared = _wgmma_gpt_oss_layer()
     g = torch.Generator(device="cuda").manual_seed(3)
     # Up to 64 tokens (the one-program router's 256 pairs): decode tiles, and the prefill
-    # tile at M=64 (GEMM2 then waits for 46 GEMM1 CTAs per tile).
+    # tile at M=64 (GEMM2 then waits for 45 GEMM1 CTAs per tile).
     decode = dict(block_w=64, block_t=8, num_warps=4, gemm2_split_k=2)
     tiles = {
         1: dict(decode, stages=2, chunks=4),

@@ -186,6 +186,7 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         prescale,
     )
     H = prepared["hidden_size"]
+    I = prepared["intermediate_size"]  # noqa: E741
     Ip = prepared["padded_intermediate_size"]
     rows = routing[4] * config.block_t  # the tile-count bound
     if f16_intermediate:
@@ -202,7 +203,7 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         gemm1=True,
         decode=prepared["w13_decode"],
         k_valid=H,
-        n_valid=2 * Ip,
+        n_valid=2 * I,
         config=config,
         ready=ready,
         x_exp=None if prescale is None else prescale[2],
@@ -220,12 +221,12 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         routing,
         gemm1=False,
         decode=prepared["w2_decode"],
-        k_valid=Ip,
+        k_valid=I,  # GEMM1 wrote channels up to I only; the rest are zero-filled
         n_valid=H,
         config=config,
         split_k=splits,
         ready=ready,
-        ready_target=prepared["w13"].shape[1] // config.block_w,
+        ready_target=-(-2 * I // config.block_w),  # GEMM1's CTAs per tile
     )
     # A token's rows: its top_k pairs, each in `splits` consecutive partial rows.
     combine(y, out, top_k=top_k * splits, pdl=config.pdl)

@@ -340,7 +340,9 @@ def _fragment_gemm_kernel(
     scales_step_layout: gl.constexpr,
 ):
     pid = gl.program_id(0)
-    num_w = N // BLOCK_W
+    # Row blocks of the real rows only: GEMM1's rows past 2I are zero padding (their SwiGLU
+    # columns are zero-filled by GEMM2's copies, never written).
+    num_w = gl.cdiv(N_VALID, BLOCK_W)
     split = pid % SPLIT_K
     tile = pid // SPLIT_K // num_w
     pid_w = pid // SPLIT_K % num_w
@@ -737,7 +739,9 @@ def fragment_gemm(
     shift_words' "bf16" or "fp16" layout, or "prmt"); w_scale [E, N, K/32] uint8; bias
     [E, N] float32 or None. Outputs as grouped_gemm.grouped_gemm, except that GEMM2 with
     split_k > 1 (gemm2_splits) writes split_k partial rows per pair: row pair * split_k + split
-    of `out` [pairs * split_k, H], for the combine to sum.
+    of `out` [pairs * split_k, H], for the combine to sum. Only the row blocks holding the first
+    n_valid rows are computed (GEMM1's zero-padded rows past 2I are skipped: GEMM2 then takes
+    k_valid = I, and its copies zero-fill the columns GEMM1 did not write).
 
     With config.tile_ready, ready [tile-count bound] int32, zero before GEMM1 (the router
     clears it):
@@ -774,7 +778,7 @@ def fragment_gemm(
     N = w.shape[1]
     # A row's four e8m0 bytes of one 128-element K chunk, as one int32.
     scale_words = w_scale.view(torch.int32)
-    grid = (max_tiles * (N // config.block_w) * split_k,)
+    grid = (max_tiles * -(-n_valid // config.block_w) * split_k,)
     _fragment_gemm_kernel[grid](
         a,
         w,
