@@ -155,27 +155,13 @@ def decode_word_slots_f16(words, factor):
 def decode_word_slots_raw_bf16(words):
     """Shift-decode int32 `words` (bf16 layout) without a factor -> slots 0..7 as raw bf16:
     value * 2^-126 (code 1 is the subnormal 2^-127). Called from the Gluon kernel."""
-    return tl.inline_asm_elementwise(
-        PTX_RAW_BF16,
-        "=h,=h,=h,=h,=h,=h,=h,=h,r",
-        [words],
-        dtype=(tl.bfloat16,) * 8,
-        is_pure=True,
-        pack=1,
-    )
+    return word_to_halves(PTX_RAW_BF16, words, words, tl.bfloat16)  # the PTX ignores $9
 
 
 @triton.jit
 def decode_word_slots_raw_f16(words):
     """The same for the fp16 layout -> raw fp16: value * 2^-14."""
-    return tl.inline_asm_elementwise(
-        PTX_RAW_F16,
-        "=h,=h,=h,=h,=h,=h,=h,=h,r",
-        [words],
-        dtype=(tl.float16,) * 8,
-        is_pure=True,
-        pack=1,
-    )
+    return word_to_halves(PTX_RAW_F16, words, words, tl.float16)
 
 
 def _float_factor_ptx(bias: int) -> str:
