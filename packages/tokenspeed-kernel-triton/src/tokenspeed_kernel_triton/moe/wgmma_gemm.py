@@ -35,253 +35,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import shift_words
+from . import fragment_steps, shift_words
 from ._common import ConfigPin, first_match
-from .mxfp4_words import LOOKUP_TABLE_WORDS, bf16_scale_factors, decode_word_slots_tables
-
-
-@gluon.jit
-def _decode_fragment(
-    words,
-    scale_words,
-    lo_table,
-    hi_table,
-    dot_a: gl.constexpr,
-    BLOCK_W: gl.constexpr,
-    SHIFT: gl.constexpr,
-    F16: gl.constexpr,
-    RAW: gl.constexpr,
-):
-    """words [BLOCK_W, 16] int32 in the words layout and scale_words [BLOCK_W] int32 (a row's
-    four e8m0 bytes of this K chunk, in the words layout's row slice) -> [BLOCK_W, 128] bf16
-    (fp16 with F16) in wgmma's A-operand layout. Word j = 4 * jhi + jlo holds K elements
-    32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0 in slot 4 * b2 + 2 * b1 + b0 (fragment_layout),
-    so it is scaled by byte jlo. SHIFT: words in shift_words' layout for the output type; else
-    mxfp4_words' byte-permute layout (bf16 only), whose lo_table / hi_table scalars
-    (LOOKUP_TABLE_WORDS) are loaded at run time so that they stay in registers. RAW: shift
-    words without their factors (shift_words.RAW_EXPONENT; scale_words unused)."""
-    jlo = gl.arange(0, 16, layout=gl.SliceLayout(0, words.type.layout)) % 4
-    zero = gl.zeros_like(words)
-    selector = (jlo * 0x0101 + 0x4040)[None, :] + zero
-    if RAW:
-        if F16:
-            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words.decode_word_slots_raw_f16(words)
-        else:
-            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words.decode_word_slots_raw_bf16(words)
-    elif SHIFT:
-        factor = shift_words.scale_factors(scale_words[:, None] + zero, selector, F16)
-        if F16:
-            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words.decode_word_slots_f16(words, factor)
-        else:
-            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words.decode_word_slots_bf16(words, factor)
-    else:
-        factor = bf16_scale_factors(scale_words[:, None] + zero, selector)
-        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots_tables(
-            words, factor, lo_table + zero, hi_table + zero
-        )
-    low = gl.join(gl.join(e0, e1), gl.join(e2, e3))
-    high = gl.join(gl.join(e4, e5), gl.join(e6, e7))
-    slots = gl.join(low, high)  # [W, 16, b0, b1, b2]
-    slots = gl.reshape(slots, [BLOCK_W, 4, 4, 2, 2, 2])  # [W, jhi, jlo, b0, b1, b2]
-    frag = gl.permute(slots, (0, 2, 5, 4, 1, 3))  # [W, jlo, b2, b1, jhi, b0]: K order
-    frag = gl.reshape(frag, [BLOCK_W, 128])
-    return gl.convert_layout(frag, dot_a, assert_trivial=True)
-
-
-@gluon.jit
-def _step_view(ring, slot, CHUNKS: gl.constexpr, step_layout: gl.constexpr):
-    """Ring step `slot` of an unswizzled ring [STAGES * CHUNKS, ...] as one [CHUNKS, ...] view of
-    its buffers (the same row-major bytes), for the step's single copy. A copy per chunk would
-    make Gluon's barrier analysis put a CTA barrier between them (a write after a write to one
-    allocation)."""
-    if len(ring.shape) == 3:
-        shape: gl.constexpr = [ring.shape[0] // CHUNKS, CHUNKS, ring.shape[1], ring.shape[2]]
-    else:
-        shape: gl.constexpr = [ring.shape[0] // CHUNKS, CHUNKS, ring.shape[1]]
-    return ring._reinterpret(ring.dtype, shape, step_layout).index(slot)
-
-
-@gluon.jit
-def _issue_activations(
-    act,
-    act_lo,
-    source,
-    step,
-    copy_layout: gl.constexpr,
-    CHUNKS: gl.constexpr,
-    SPLIT_A: gl.constexpr,
-    BLOCK_DIAGONAL: gl.constexpr,
-):
-    """The activations of cp.async ring step `step` (this CTA's K chunks CHUNKS * step + c,
-    c < CHUNKS, counted from chunk k_first) into ring slot step % STAGES: one [BLOCK_T, CHUNKS *
-    128] copy (and the lo half, K columns further, for GEMM2). source: (a_ptr, a_rows, row_ok,
-    k_first, num_k, K, K_VALID, stride_am, row_block). Columns of chunks from num_k on, and from
-    K_VALID on (x's row ends at H, the weights are padded beyond it), are zero-filled, never
-    read. BLOCK_DIAGONAL (POST_SCALE): tile row r takes only the K elements of scale block
-    row_block[r] of each chunk; the rest is zero-filled."""
-    a_ptr, a_rows, row_ok, k_first, num_k, K, K_VALID, stride_am, row_block = source
-    chunk0 = step * CHUNKS
-    local = gl.arange(0, CHUNKS * 128, layout=gl.SliceLayout(0, copy_layout))
-    cols = (k_first + chunk0) * 128 + local
-    ptrs = a_ptr + a_rows[:, None] * stride_am + cols[None, :]
-    cols_ok = (cols < K_VALID) & (cols < (k_first + num_k) * 128)
-    mask = row_ok[:, None] & cols_ok[None, :]
-    if BLOCK_DIAGONAL:
-        mask = mask & ((local // 32 % 4)[None, :] == row_block[:, None])
-    slot = step % act.shape[0]
-    async_copy.async_copy_global_to_shared(act.index(slot), ptrs, mask=mask)
-    if SPLIT_A:
-        async_copy.async_copy_global_to_shared(act_lo.index(slot), ptrs + K, mask=mask)
-
-
-@gluon.jit
-def _issue_weights(
-    source,
-    step,
-    words_step: gl.constexpr,
-    scales_step: gl.constexpr,
-    CHUNKS: gl.constexpr,
-):
-    """The weight words and scale words of ring step `step` into its slot, one copy per buffer.
-    source: (ring_words, ring_scales, w_ptrs [CHUNKS, BLOCK_W, 16], s_ptrs [CHUNKS, BLOCK_W],
-    num_k), the pointers at the CTA's chunks k_first + c. Chunks from num_k on are zero-filled
-    (nothing is read)."""
-    ring_words, ring_scales, w_ptrs, s_ptrs, num_k = source
-    chunk0 = step * CHUNKS
-    slot = step % (ring_words.shape[0] // CHUNKS)
-    words_layout: gl.constexpr = w_ptrs.type.layout
-    words_c = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
-    words_ok = (chunk0 + words_c)[:, None, None] + gl.zeros(w_ptrs.shape, gl.int32, words_layout)
-    async_copy.async_copy_global_to_shared(
-        _step_view(ring_words, slot, CHUNKS, words_step),
-        w_ptrs + chunk0 * 16,
-        mask=words_ok < num_k,
-    )
-    scales_layout: gl.constexpr = s_ptrs.type.layout
-    scales_c = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, scales_layout))
-    scales_ok = (chunk0 + scales_c)[:, None] + gl.zeros(s_ptrs.shape, gl.int32, scales_layout)
-    async_copy.async_copy_global_to_shared(
-        _step_view(ring_scales, slot, CHUNKS, scales_step),
-        s_ptrs + chunk0,
-        mask=scales_ok < num_k,
-    )
-
-
-@gluon.jit
-def _post_scaled_step(
-    acc,
-    ring_words,
-    ring_scales,
-    act,
-    ring_step,
-    words_layout: gl.constexpr,
-    dot_a: gl.constexpr,
-    mma: gl.constexpr,
-    BLOCK_W: gl.constexpr,
-    BLOCK_T: gl.constexpr,
-    CHUNKS: gl.constexpr,
-    IN_FLIGHT: gl.constexpr,
-):
-    """One ring step with the e8m0 factors applied after the MMA (POST_SCALE). The activation
-    tile is block-diagonal: MMA column 4-way group g holds the tile's BLOCK_T tokens at the K
-    elements of scale block g (32 * g .. of each chunk) and zeros elsewhere, so each chunk's
-    product [BLOCK_W, 4 * BLOCK_T] holds per-block partial sums, and a thread's columns all
-    belong to one block: its accumulator takes them times one fp32 factor per row. That costs
-    a few FMAs per chunk instead of a half multiply per weight pair; the epilogue sums the
-    four groups."""
-    cols = gl.arange(0, 4 * BLOCK_T, layout=gl.SliceLayout(0, mma))
-    # prmt selector of each column's scale byte (its group), zeros above it.
-    selector = gl.zeros([BLOCK_W, 4 * BLOCK_T], gl.int32, mma) + (0x4440 + cols // BLOCK_T)[None, :]
-    # The partials and factors of the last two chunks (set from chunk 0 on): chunk c - IN_FLIGHT
-    # joins `acc` once chunk c's wgmma is issued, so IN_FLIGHT chunks multiply meanwhile.
-    prev = acc
-    factor = acc
-    older = acc
-    older_factor = acc
-    for c in gl.static_range(CHUNKS):
-        slot = ring_step * CHUNKS + c
-        words = ring_words.index(slot).load(words_layout)
-        scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
-        frag = _decode_fragment(
-            words, scale_words, 0, 0, dot_a, BLOCK_W, True, act.dtype == gl.float16, True
-        )
-        b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
-        part = warpgroup_mma(frag, b, acc, use_acc=False, is_async=True)
-        if IN_FLIGHT == 1:
-            if c > 0:
-                prev = warpgroup_mma_wait(1, deps=[prev])
-                acc += prev * factor
-        else:
-            if c > 1:
-                older = warpgroup_mma_wait(2, deps=[older])
-                acc += older * older_factor
-            older = prev
-            older_factor = factor
-        rows_scale = gl.convert_layout(scale_words, gl.SliceLayout(1, mma))
-        factor = shift_words.float_factors(
-            rows_scale[:, None] + selector * 0, selector, act.dtype == gl.float16
-        )
-        prev = part
-    if IN_FLIGHT == 2:
-        if CHUNKS > 1:
-            older = warpgroup_mma_wait(1, deps=[older])
-            acc += older * older_factor
-    prev = warpgroup_mma_wait(0, deps=[prev])
-    return acc + prev * factor
-
-
-@gluon.jit
-def _mma_step(
-    acc,
-    ring_words,
-    ring_scales,
-    act,
-    act_lo,
-    ring_step,
-    lo_table,
-    hi_table,
-    words_layout: gl.constexpr,
-    dot_a: gl.constexpr,
-    BLOCK_W: gl.constexpr,
-    CHUNKS: gl.constexpr,
-    SHIFT_DECODE: gl.constexpr,
-    SPLIT_A: gl.constexpr,
-    MMA_IN_FLIGHT: gl.constexpr,
-):
-    """One ring step with scaled fragments (the e8m0 factor multiplied into the halves)."""
-    for c in gl.static_range(CHUNKS):
-        slot = ring_step * CHUNKS + c
-        words = ring_words.index(slot).load(words_layout)
-        scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
-        frag = _decode_fragment(
-            words,
-            scale_words,
-            lo_table,
-            hi_table,
-            dot_a,
-            BLOCK_W,
-            SHIFT_DECODE,
-            act.dtype == gl.float16,
-            False,
-        )
-        # Asynchronous, so that the next chunk decodes while this one multiplies; its
-        # A registers stay untouched until the wait below (a fresh value per chunk).
-        b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
-        acc = warpgroup_mma(frag, b, acc, is_async=True)
-        if SPLIT_A:
-            b_lo = act_lo.index(ring_step).slice(c * 128, 128, dim=1)
-            b_lo = b_lo.permute((1, 0))
-            acc = warpgroup_mma(frag, b_lo, acc, is_async=True)
-        if c >= MMA_IN_FLIGHT:
-            # At most MMA_IN_FLIGHT chunks multiply while the next one decodes: the
-            # registers of older fragments are free again (long steps, few registers).
-            acc = warpgroup_mma_wait(MMA_IN_FLIGHT * (2 if SPLIT_A else 1), deps=[acc])
-    return warpgroup_mma_wait(0, deps=[acc])
+from .mxfp4_words import LOOKUP_TABLE_WORDS
 
 
 @gluon.jit
@@ -361,7 +120,7 @@ def _fragment_gemm_kernel(
     row_end = gl.load(tiles_ptr + 2 * tile + 1, cache_modifier=".cg")
 
     # Activation rows of this tile (B operand), in the copy layout: the MMA's columns, one per
-    # token, or with POST_SCALE four groups of the tile's tokens (_post_scaled_step).
+    # token, or with POST_SCALE four groups of the tile's tokens (fragment_steps.post_scaled_step).
     MMA_N: gl.constexpr = 4 * BLOCK_T if POST_SCALE else BLOCK_T
     mma_col = gl.arange(0, MMA_N, layout=gl.SliceLayout(1, copy_layout))
     offs_t = tile * BLOCK_T + mma_col % BLOCK_T
@@ -379,7 +138,7 @@ def _fragment_gemm_kernel(
     a_dtype: gl.constexpr = a_ptr.dtype.element_ty
     # The ring: STAGES steps of CHUNKS K chunks (128 columns) each. A step's activations are
     # one [BLOCK_T, CHUNKS * 128] tile; its chunk c of words and scales is buffer s * CHUNKS + c
-    # (the copy sees each step as one [CHUNKS, ...] view: _step_view).
+    # (the copy sees each step as one [CHUNKS, ...] view: fragment_steps.step_view).
     act = gl.allocate_shared_memory(a_dtype, [STAGES, MMA_N, CHUNKS * 128], smem_layout)
     act_lo = gl.allocate_shared_memory(
         a_dtype, [STAGES if SPLIT_A else 1, MMA_N, CHUNKS * 128], smem_layout
@@ -417,7 +176,7 @@ def _fragment_gemm_kernel(
     lo_table = gl.load(table_ptr)
     hi_table = gl.load(table_ptr + 1)
 
-    # What the ring copies read (_issue_weights, _issue_activations).
+    # What the ring copies read (fragment_steps.issue_weights, issue_activations).
     weights_src = (ring_words, ring_scales, w_copy_ptrs, s_copy_ptrs, num_k)
     acts_src = (a_ptr, a_rows, t_ok, k_first, num_k, K, K_VALID, stride_am, mma_col // BLOCK_T)
     # Prologue: the first STAGES - 1 steps into the ring, weights first. They depend on nothing
@@ -425,7 +184,9 @@ def _fragment_gemm_kernel(
     num_steps = gl.cdiv(num_k, CHUNKS)
     for p in gl.static_range(STAGES - 1):
         if p < num_steps:
-            _issue_weights(weights_src, p, words_step_layout, scales_step_layout, CHUNKS)
+            fragment_steps.issue_weights(
+                weights_src, p, words_step_layout, scales_step_layout, CHUNKS
+            )
     if PDL:
         if not SWIGLU:
             if TILE_READY:
@@ -437,7 +198,9 @@ def _fragment_gemm_kernel(
                 gdc_wait()  # all of GEMM1
     for p in gl.static_range(STAGES - 1):
         if p < num_steps:
-            _issue_activations(act, act_lo, acts_src, p, copy_layout, CHUNKS, SPLIT_A, POST_SCALE)
+            fragment_steps.issue_activations(
+                act, act_lo, acts_src, p, copy_layout, CHUNKS, SPLIT_A, POST_SCALE
+            )
         async_copy.commit_group()
 
     # Iteration `it` copies step `it` into the ring and computes step it - (STAGES - 1). A
@@ -451,15 +214,19 @@ def _fragment_gemm_kernel(
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         if it < num_steps:
-            _issue_weights(weights_src, it, words_step_layout, scales_step_layout, CHUNKS)
-            _issue_activations(act, act_lo, acts_src, it, copy_layout, CHUNKS, SPLIT_A, POST_SCALE)
+            fragment_steps.issue_weights(
+                weights_src, it, words_step_layout, scales_step_layout, CHUNKS
+            )
+            fragment_steps.issue_activations(
+                act, act_lo, acts_src, it, copy_layout, CHUNKS, SPLIT_A, POST_SCALE
+            )
         async_copy.commit_group()
         ring_step = (it - (STAGES - 1)) % STAGES
         # The step's copies (generic proxy) before the wgmmas that read them (async proxy):
         # one fence for all of its chunks.
         fence_async_shared()
         if POST_SCALE:
-            acc = _post_scaled_step(
+            acc = fragment_steps.post_scaled_step(
                 acc,
                 ring_words,
                 ring_scales,
@@ -474,7 +241,7 @@ def _fragment_gemm_kernel(
                 MMA_IN_FLIGHT,
             )
         else:
-            acc = _mma_step(
+            acc = fragment_steps.mma_step(
                 acc,
                 ring_words,
                 ring_scales,
