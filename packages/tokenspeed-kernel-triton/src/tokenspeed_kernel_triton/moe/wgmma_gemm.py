@@ -363,7 +363,11 @@ class FragmentConfig:
     the previous kernel finishes; GEMM2 streams its first weights before it waits for GEMM1's
     grid, or with tile_ready for the GEMM1 CTAs of its tile, on counters);
     mma_in_flight: wait for older chunks' wgmmas within a step so that at most this many hold
-    their fragment registers (long steps without the registers of all their chunks)."""
+    their fragment registers (long steps without the registers of all their chunks);
+    post_scale: raw weight halves into the MMA against block-diagonal activations (wgmma's N is
+    4 * block_t), the e8m0 factors applied to fp32 partials (fragment_steps.post_scaled_step;
+    shift-decoded weights with an fp16 intermediate only, else moe_forward falls back to
+    scaled fragments)."""
 
     block_w: int
     block_t: int
