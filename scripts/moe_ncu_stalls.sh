@@ -27,7 +27,7 @@ sys.path.insert(0, "benchmarks")
 from bench_moe import gpt_oss_tensors, run_case  # noqa: E402
 
 prepared, scales = gpt_oss_tensors(False, "fragment")
-run_case(prepared, int(sys.argv[1]), "bf16", scales, graph=False)
+run_case([prepared], int(sys.argv[1]), "bf16", scales, graph=False)
 PY
 sizes=("$@")
 [ ${#sizes[@]} -eq 0 ] && sizes=(1 4096)

@@ -114,20 +114,23 @@ def _fragment_gemm_kernel(
         if SWIGLU:
             gdc_wait()
         gdc_launch_dependents()
-    if tile >= gl.load(num_tiles_ptr, cache_modifier=".cg"):
-        return
+    # The routing outputs this CTA reads, all at once rather than one latency after another:
+    # the buffers hold max_tiles tiles, so the reads past num_tiles stay in bounds.
+    num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
     expert = gl.load(tiles_ptr + 2 * tile, cache_modifier=".cg").to(gl.int64)
     row_end = gl.load(tiles_ptr + 2 * tile + 1, cache_modifier=".cg")
-
     # Activation rows of this tile (B operand), in the copy layout: the MMA's columns, one per
     # token, or with POST_SCALE four groups of the tile's tokens (fragment_steps.post_scaled_step).
     MMA_N: gl.constexpr = 4 * BLOCK_T if POST_SCALE else BLOCK_T
     mma_col = gl.arange(0, MMA_N, layout=gl.SliceLayout(1, copy_layout))
     offs_t = tile * BLOCK_T + mma_col % BLOCK_T
+    if SWIGLU:
+        pair = gl.load(sorted_ptr + offs_t, cache_modifier=".cg")
+    if tile >= num_tiles:
+        return
     t_ok = offs_t < row_end
     if SWIGLU:
-        pair = gl.load(sorted_ptr + offs_t, mask=t_ok, other=0)
-        a_rows = (pair // TOPK).to(gl.int64)
+        a_rows = (gl.where(t_ok, pair, 0) // TOPK).to(gl.int64)
     else:
         a_rows = offs_t.to(gl.int64)
     # This CTA's K chunks: split SPLIT_K ways (GEMM2 only: its epilogue is linear, and the
@@ -203,10 +206,30 @@ def _fragment_gemm_kernel(
             )
         async_copy.commit_group()
 
+    acc = gl.zeros([BLOCK_W, MMA_N], gl.float32, layout=mma)
+    # The epilogue's layout: the accumulator's, or with POST_SCALE its sum over the groups.
+    out_layout: gl.constexpr = _token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T).type.layout
+    # Small tiles load what the epilogue reads now: its latency hides behind the main loop
+    # instead of following it (a few registers; 64-token tiles would hold 32 per thread).
+    PRELOAD: gl.constexpr = BLOCK_T <= 8
+    epilogue_src = (sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, expert, tile, pid_w, row_end)
+    if PRELOAD:
+        operands = _epilogue_operands(
+            epilogue_src,
+            stride_be,
+            TOPK,
+            SWIGLU,
+            HAS_BIAS,
+            POST_SCALE,
+            SCALE_BIAS,
+            BLOCK_W,
+            BLOCK_T,
+            out_layout,
+        )
+
     # Iteration `it` copies step `it` into the ring and computes step it - (STAGES - 1). A
     # step's chunks past num_k are zeros (which decode to zeros) rather than branches around
     # the MMA chain.
-    acc = gl.zeros([BLOCK_W, MMA_N], gl.float32, layout=mma)
     for it in range(STAGES - 1, num_steps + STAGES - 1):
         # The step computed below landed (this thread's copies, then everyone's). Past this
         # barrier every warp is done with the previous iteration (its ring reads, and its
@@ -260,24 +283,28 @@ def _fragment_gemm_kernel(
             )
     async_copy.wait_group(0)
 
-    if POST_SCALE:
-        # Sum the four scale-block groups of each token's columns (across a quad's lanes).
-        acc = gl.sum(gl.reshape(acc, [BLOCK_W, 4, BLOCK_T]), axis=1)
+    acc = _token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T)
+    if not PRELOAD:
+        operands = _epilogue_operands(
+            epilogue_src,
+            stride_be,
+            TOPK,
+            SWIGLU,
+            HAS_BIAS,
+            POST_SCALE,
+            SCALE_BIAS,
+            BLOCK_W,
+            BLOCK_T,
+            out_layout,
+        )
     # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
-    out_layout: gl.constexpr = acc.type.layout
-    rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, out_layout))
-    cols = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_layout))
-    col_ok = cols < row_end
-    if POST_SCALE:
-        if SWIGLU:
-            # x's row of token t was multiplied by 2^(126 - E_t) (x_exp_ptr: E_t), which the
-            # raw bf16 weights' 2^-126 and the factors' bias leave as 2^(SCALE_BIAS - E_t).
-            col_pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0)
-            e = gl.load(x_exp_ptr + col_pair // TOPK, mask=col_ok, other=SCALE_BIAS)
-            acc *= ((e - SCALE_BIAS + 127) << 23).to(gl.float32, bitcast=True)[None, :]
+    rows, cols, col_ok, col_pair, bias, col_factor = operands
+    if SWIGLU:
+        if POST_SCALE:
+            acc *= col_factor[None, :]
     if HAS_BIAS:
         if split == 0:  # one split adds the bias
-            acc += gl.load(bias_ptr + expert * stride_be + rows)[:, None]
+            acc += bias[:, None]
     if SWIGLU:
         _swiglu_store(
             out_ptr,
@@ -298,13 +325,58 @@ def _fragment_gemm_kernel(
             gl.thread_barrier()
             gl.atomic_add(ready_ptr + tile, 1, sem="release", scope="gpu")
     else:
-        pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0, cache_modifier=".cg")
-        route_w = gl.load(route_w_ptr + pair, mask=col_ok, other=0.0, cache_modifier=".cg")
-        acc *= route_w[None, :]
+        acc *= col_factor[None, :]  # the routing weight
         # Row pair * SPLIT_K + split: the combine sums a token's top_k * SPLIT_K rows.
-        out_row = pair.to(gl.int64) * SPLIT_K + split
+        out_row = col_pair.to(gl.int64) * SPLIT_K + split
         ptrs = out_ptr + out_row[None, :] * stride_om + rows[:, None]
         gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < N_VALID)[:, None])
+
+
+@gluon.jit
+def _token_columns(acc, POST_SCALE: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr):
+    """The accumulator [BLOCK_W, BLOCK_T] by token: with POST_SCALE the sum of its four
+    scale-block groups (across a quad's lanes)."""
+    if POST_SCALE:
+        acc = gl.sum(gl.reshape(acc, [BLOCK_W, 4, BLOCK_T]), axis=1)
+    return acc
+
+
+@gluon.jit
+def _epilogue_operands(
+    source,
+    stride_be,
+    TOPK: gl.constexpr,
+    SWIGLU: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    POST_SCALE: gl.constexpr,
+    SCALE_BIAS: gl.constexpr,
+    BLOCK_W: gl.constexpr,
+    BLOCK_T: gl.constexpr,
+    out_layout: gl.constexpr,
+):
+    """What the epilogue reads besides the accumulator, in its layout: the weight rows, the
+    token columns, which of them are valid, their pairs, the bias of the rows (zeros without
+    one), and a factor per column: GEMM2 the routing weight; GEMM1 post-scaled 2^(E_t -
+    SCALE_BIAS), since x's row of token t was multiplied by 2^(126 - E_t) (x_exp_ptr: E_t),
+    which the raw bf16 weights' 2^-126 and the factors' bias leave as 2^(SCALE_BIAS - E_t);
+    else ones (unused). source: (sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, expert, tile, pid_w,
+    row_end)."""
+    sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, expert, tile, pid_w, row_end = source
+    rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, out_layout))
+    cols = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_layout))
+    col_ok = cols < row_end
+    pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0, cache_modifier=".cg")
+    bias = gl.zeros([BLOCK_W], gl.float32, gl.SliceLayout(1, out_layout))
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + expert * stride_be + rows)
+    factor = gl.full([BLOCK_T], 1.0, gl.float32, gl.SliceLayout(0, out_layout))
+    if SWIGLU:
+        if POST_SCALE:
+            e = gl.load(x_exp_ptr + pair // TOPK, mask=col_ok, other=SCALE_BIAS)
+            factor = ((e - SCALE_BIAS + 127) << 23).to(gl.float32, bitcast=True)
+    else:
+        factor = gl.load(route_w_ptr + pair, mask=col_ok, other=0.0, cache_modifier=".cg")
+    return rows, cols, col_ok, pair, bias, factor
 
 
 @gluon.jit
