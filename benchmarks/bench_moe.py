@@ -134,18 +134,18 @@ SWEEP = {
 }
 
 
-# The same for triton.moe.wgmma (bf16-wgmma): decode tiles (prefill tiles:
-# benchmarks/results/moe_h200_session4.md and _session5.md).
-_DECODE = dict(block_w=64, block_t=8, num_warps=4, stages=2, gemm2_split_k=2, chunks=2, pdl=True)
-_POST = dict(block_w=64, block_t=2, num_warps=4, stages=2, gemm2_split_k=2, chunks=4, pdl=True)
+# The same for triton.moe.wgmma (bf16-wgmma): post-scaled decode tiles, the ring two or three
+# steps deep, GEMM2 waiting for GEMM1's grid or tile by tile (earlier alternatives:
+# benchmarks/results/moe_h200_session4.md to _session7.md).
+_POST = dict(block_w=64, block_t=2, num_warps=4, gemm2_split_k=2, chunks=4, pdl=True)
 FRAGMENT_SWEEP = {
     m: [
-        FragmentConfig(**_DECODE | dict(chunks=4, pdl=True)),
-        FragmentConfig(**_DECODE | dict(chunks=4, pdl=True), mma_in_flight=1, tile_ready=True),
-        FragmentConfig(**_POST, post_scale=True, mma_in_flight=1),
-        FragmentConfig(**_POST, post_scale=True, mma_in_flight=2),
-        FragmentConfig(**_POST, post_scale=True, mma_in_flight=1, tile_ready=True),
-        FragmentConfig(**_POST, post_scale=True, mma_in_flight=2, tile_ready=True),
+        FragmentConfig(
+            **_POST, stages=stages, mma_in_flight=in_flight, tile_ready=tiles, post_scale=True
+        )
+        for stages in (2, 3)
+        for in_flight in (1, 2)
+        for tiles in (False, True)
     ]
     for m in (1, 4, 16)
 }
@@ -264,6 +264,8 @@ def main() -> int:
             ]
             table = SWEEP if label == "bf16" else FRAGMENT_SWEEP
             for m, configs in table.items():
+                if m not in ms_list:
+                    continue
                 for config in configs:
                     layers = cold if m <= 64 else one
                     try:

@@ -15,9 +15,12 @@ import torch
 
 from tokenspeed_kernel_triton.moe import shift_words
 from tokenspeed_kernel_triton.moe.fragment_layout import (
+    PANEL_ROWS,
     fragment_order,
     group_gate_up,
     kernel_layouts,
+    panel_major,
+    panel_view,
 )
 from tokenspeed_kernel_triton.moe.kernel import moe_forward, swiglu_fits_f16
 from tokenspeed_kernel_triton.moe.layout import prepare_weights
@@ -89,8 +92,15 @@ def _checkpoint(E=2, H=96, I=80, seed=1):  # noqa: E741
     )
 
 
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """Prepared words or scales [E, N / 64, 64, K / 128, 16 or 4] -> [E, N, K / 8 or K / 32]."""
+    return t.reshape(t.shape[0], t.shape[1] * t.shape[2], -1)
+
+
 def _undo_fragment_order(words: torch.Tensor, decode: str) -> torch.Tensor:
-    """Prepared words [..., K/8] in `decode`'s encoding -> codes [..., K] in natural K order."""
+    """Prepared words [E, N / 64, 64, K / 128, 16] in `decode`'s encoding -> codes [E, N, K] in
+    natural K order."""
+    words = _row_major(words)
     if decode == "prmt":
         packed = decode_words_reference(words)
     else:
@@ -128,11 +138,31 @@ def test_prepare_in_fragment_order_is_a_pure_relayout():
         if old_row < 2 * I:
             assert torch.equal(w13[:, new_row, :H], _codes(ckpt["w13"][:, old_row]))
             assert torch.equal(
-                prepared["w13_scale"][:, new_row, : H // 32], ckpt["w13_scale"][:, old_row]
+                _row_major(prepared["w13_scale"])[:, new_row, : H // 32],
+                ckpt["w13_scale"][:, old_row],
             )
             assert torch.equal(prepared["w13_bias"][:, new_row], ckpt["w13_bias"][:, old_row])
         else:
             assert not w13[:, new_row].any()
+
+
+def test_fragment_weights_are_stored_panel_major():
+    """A chunk's 64 rows of words (of scale bytes) are one contiguous run, the chunks of a
+    panel follow one another: a ring step's copy reads one block of memory."""
+    H, I = 320, 200  # noqa: E741 - padded to 3 and 2 chunks
+    ckpt = _checkpoint(H=H, I=I)
+    prepared = prepare_weights("mxfp4", H, I, word_order="fragment", **ckpt)
+    for name, per_chunk in (("w13", 16), ("w2", 16), ("w13_scale", 4), ("w2_scale", 4)):
+        t = prepared[name]
+        E, panels, rows, chunks, width = t.shape
+        assert (rows, width, chunks) == (PANEL_ROWS, per_chunk, 3 if "13" in name else 2), name
+        assert t.stride()[1:] == (chunks * rows * width, width, rows * width, 1), name
+        assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes, name
+    words = torch.randint(-(2**31), 2**31, (3, 128, 48), dtype=torch.int32)
+    assert torch.equal(panel_major(words), panel_view(words))
+    assert torch.equal(_row_major(panel_major(words)), words)
+    with pytest.raises(ValueError, match="whole panels"):
+        panel_view(torch.zeros(1, 96, 16, dtype=torch.int32))
 
 
 def test_fragment_order_needs_mxfp4_weights():

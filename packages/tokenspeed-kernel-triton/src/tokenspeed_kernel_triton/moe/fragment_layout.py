@@ -14,6 +14,13 @@ word then takes shift_words' or mxfp4_words' bit encoding of its 8 slots (layout
 
 GEMM1's rows are regrouped too: each 16-row group holds the gate rows of 8 intermediate channels
 then their up rows, because the accumulator gives rows r and r + 8 to the same thread.
+
+Storage is panel-major: a panel of 64 rows (wgmma's M, the smallest row block a CTA takes) keeps
+each K chunk's 64 x 16 words (64 x 4 scale bytes) together, chunk after chunk. A ring step's
+copy (64 rows x a few chunks) is then one run of contiguous bytes; in row-major words it is 64
+runs of 256 bytes, 1.5 KB apart, which the HBM serves at a fraction of its streaming rate.
+The tensors keep the logical index order [E, N / 64, 64, K / 128, 16 words or 4 scale bytes]
+(a permuted view), so the kernel takes any of these layouts through its strides.
 """
 
 from __future__ import annotations
@@ -22,6 +29,26 @@ import torch
 
 CHUNK_K = 128
 CHUNK_WORDS = CHUNK_K // 8
+PANEL_ROWS = 64
+
+
+def panel_view(t: torch.Tensor) -> torch.Tensor:
+    """[E, N, K / 8] words or [E, N, K / 32] scale bytes -> the view [E, N / 64, 64, K / 128,
+    16 or 4] of the same storage (N a multiple of 64, K of 128)."""
+    E, N, width = t.shape
+    per_chunk = {torch.int32: CHUNK_WORDS, torch.uint8: CHUNK_K // 32}[t.dtype]
+    if N % PANEL_ROWS or width % per_chunk:
+        raise ValueError(
+            f"panel_view: {N} rows x {width} {t.dtype} is not whole panels of {PANEL_ROWS} rows "
+            f"and chunks of {per_chunk}"
+        )
+    return t.reshape(E, N // PANEL_ROWS, PANEL_ROWS, width // per_chunk, per_chunk)
+
+
+def panel_major(t: torch.Tensor) -> torch.Tensor:
+    """panel_view(t) stored panel-major: each panel's chunks one after another, a chunk's rows
+    contiguous (a fresh tensor, same logical indices)."""
+    return panel_view(t).transpose(2, 3).contiguous().transpose(2, 3)
 
 
 def fragment_order(packed: torch.Tensor) -> torch.Tensor:

@@ -117,9 +117,9 @@ def issue_weights(
 ):
     """The weight words and scale words of ring step `step` into its slot, one copy per buffer.
     source: (ring_words, ring_scales, w_ptrs [CHUNKS, BLOCK_W, 16], s_ptrs [CHUNKS, BLOCK_W],
-    num_k), the pointers at the CTA's chunks k_first + c. Chunks from num_k on are zero-filled
-    (nothing is read)."""
-    ring_words, ring_scales, w_ptrs, s_ptrs, num_k = source
+    the words' and scales' chunk strides, num_k), the pointers at the CTA's chunks k_first + c.
+    Chunks from num_k on are zero-filled (nothing is read)."""
+    ring_words, ring_scales, w_ptrs, s_ptrs, words_chunk_stride, scales_chunk_stride, num_k = source
     chunk0 = step * CHUNKS
     slot = step % (ring_words.shape[0] // CHUNKS)
     words_layout: gl.constexpr = w_ptrs.type.layout
@@ -127,7 +127,7 @@ def issue_weights(
     words_ok = (chunk0 + words_c)[:, None, None] + gl.zeros(w_ptrs.shape, gl.int32, words_layout)
     async_copy.async_copy_global_to_shared(
         step_view(ring_words, slot, CHUNKS, words_step),
-        w_ptrs + chunk0 * 16,
+        w_ptrs + chunk0 * words_chunk_stride,
         mask=words_ok < num_k,
     )
     scales_layout: gl.constexpr = s_ptrs.type.layout
@@ -135,7 +135,7 @@ def issue_weights(
     scales_ok = (chunk0 + scales_c)[:, None] + gl.zeros(s_ptrs.shape, gl.int32, scales_layout)
     async_copy.async_copy_global_to_shared(
         step_view(ring_scales, slot, CHUNKS, scales_step),
-        s_ptrs + chunk0,
+        s_ptrs + chunk0 * scales_chunk_stride,
         mask=scales_ok < num_k,
     )
 

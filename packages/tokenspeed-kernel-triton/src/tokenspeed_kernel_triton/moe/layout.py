@@ -15,7 +15,7 @@ import torch
 
 from . import shift_words
 from ._common import PAD_MULTIPLE, round_up
-from .fragment_layout import fragment_order, group_gate_up
+from .fragment_layout import fragment_order, group_gate_up, panel_major
 from .mxfp4_words import encode_words
 
 # e8m0 bytes above this would overflow the kernel's 2^(scale - 113) float32 factor (elements of
@@ -56,12 +56,13 @@ def prepare_weights(
     """Checkpoint tensors (see the MoE contract) -> dict of padded tensors for `moe_forward`.
 
     word_order "fragment" (MXFP4 only) lays the words and w13 rows out for the Hopper fragment
-    GEMM (fragment_layout.py), each weight in the cheapest encoding that decodes it exactly
-    (recorded as "w13_decode" / "w2_decode"): shift_words' fp16 layout for w2 when
-    f16_intermediate (the caller's SwiGLU clamp bounds the intermediate, kernel.swiglu_fits_f16)
-    and every w2 scale byte allows it, else its bf16 layout, else mxfp4_words' byte-permute
-    words ("prmt"; always, with shift_decode=False). Raises ValueError for MXFP4 scale bytes
-    above 240 (the kernel's exact range)."""
+    GEMM (fragment_layout.py; words [E, N / 64, 64, K / 128, 16] int32 and scales [E, N / 64,
+    64, K / 128, 4] uint8, stored panel-major), each weight in the cheapest encoding that
+    decodes it exactly (recorded as "w13_decode" / "w2_decode"): shift_words' fp16 layout for
+    w2 when f16_intermediate (the caller's SwiGLU clamp bounds the intermediate,
+    kernel.swiglu_fits_f16) and every w2 scale byte allows it, else its bf16 layout, else
+    mxfp4_words' byte-permute words ("prmt"; always, with shift_decode=False). Raises
+    ValueError for MXFP4 scale bytes above 240 (the kernel's exact range)."""
     if word_order not in ("natural", "fragment"):
         raise ValueError(
             f"prepare_weights: word_order is {word_order!r}, expected natural or fragment"
@@ -100,6 +101,9 @@ def prepare_weights(
         for name in ("w13", "w2"):
             if tensors.get(f"{name}_decode", "prmt") == "prmt":
                 tensors[name] = encode_words(tensors[name])
+            if word_order == "fragment":
+                for key in (name, f"{name}_scale"):
+                    tensors[key] = panel_major(tensors[key])
     elif weight_format == "fp8":
         tensors = dict(
             w13=_pad_fp8(w13, (E, 2 * Ip, Hp)),

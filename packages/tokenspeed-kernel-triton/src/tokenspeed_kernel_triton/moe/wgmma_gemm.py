@@ -40,7 +40,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import fragment_steps, shift_words
 from ._common import ConfigPin, first_match
+from .fragment_layout import PANEL_ROWS, panel_view
 from .mxfp4_words import LOOKUP_TABLE_WORDS
+
+_PANEL_ROWS = gl.constexpr(PANEL_ROWS)
 
 
 @gluon.jit
@@ -63,9 +66,13 @@ def _fragment_gemm_kernel(
     N_VALID,
     stride_am,
     stride_we,
+    stride_wp,
     stride_wn,
+    stride_wc,
     stride_se,
+    stride_sp,
     stride_sn,
+    stride_sc,
     stride_be,
     stride_om,
     ready_target,
@@ -154,7 +161,8 @@ def _fragment_gemm_kernel(
     )
 
     # This CTA's weight rows: 16 words (one K chunk) and one scale word (its four e8m0 bytes)
-    # per row and chunk, through the cp.async ring with the activations. The ring keeps
+    # per row and chunk (row r at panel r // 64, row r % 64 of it: strides _wp / _sp, _wn / _sn;
+    # chunks: _wc / _sc), through the cp.async ring with the activations. The ring keeps
     # STAGES - 1 steps of HBM reads in flight, which small batches need: each CTA has little
     # else to overlap (M=1: 46.3 us against 51.5 loading them into registers one step ahead,
     # benchmarks/results/moe_h200_session4.md).
@@ -163,16 +171,20 @@ def _fragment_gemm_kernel(
         0, BLOCK_W, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_copy))
     )
     wj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_copy)))
+    w_rows = wr // _PANEL_ROWS * stride_wp + wr % _PANEL_ROWS * stride_wn
     w_copy_ptrs = (
         w_ptr
         + expert * stride_we
-        + wr[None, :, None] * stride_wn
-        + ((k_first + wc) * 16)[:, None, None]
+        + w_rows[None, :, None]
+        + ((k_first + wc) * stride_wc)[:, None, None]
         + wj[None, None, :]
     )
     sc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, scales_copy))
     sr = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, scales_copy))
-    s_copy_ptrs = ws_ptr + expert * stride_se + sr[None, :] * stride_sn + (k_first + sc)[:, None]
+    s_rows = sr // _PANEL_ROWS * stride_sp + sr % _PANEL_ROWS * stride_sn
+    s_copy_ptrs = (
+        ws_ptr + expert * stride_se + s_rows[None, :] + ((k_first + sc) * stride_sc)[:, None]
+    )
 
     # Loaded, not immediates: ptxas would re-materialize an immediate table word into a register
     # before every lookup.
@@ -180,7 +192,7 @@ def _fragment_gemm_kernel(
     hi_table = gl.load(table_ptr + 1)
 
     # What the ring copies read (fragment_steps.issue_weights, issue_activations).
-    weights_src = (ring_words, ring_scales, w_copy_ptrs, s_copy_ptrs, num_k)
+    weights_src = (ring_words, ring_scales, w_copy_ptrs, s_copy_ptrs, stride_wc, stride_sc, num_k)
     acts_src = (a_ptr, a_rows, t_ok, k_first, num_k, K, K_VALID, stride_am, mma_col // BLOCK_T)
     # Prologue: the first STAGES - 1 steps into the ring, weights first. They depend on nothing
     # the previous kernel writes, so under PDL GEMM2 streams them while GEMM1 finishes.
@@ -577,9 +589,11 @@ def fragment_gemm(
 
     a [rows, K]: x (bf16) for GEMM1, gathered by token; for GEMM2 the sorted SwiGLU rows,
     either bf16 [hi | lo] halves or fp16. GEMM1's `out` dtype (bf16 [rows, 2 Ip] or fp16
-    [rows, Ip]) picks the form it writes. w [E, N, K/8] int32 words in fragment order
-    (fragment_layout.py), encoded as `decode` says (prepared["w13_decode"] / ["w2_decode"]:
-    shift_words' "bf16" or "fp16" layout, or "prmt"); w_scale [E, N, K/32] uint8; bias
+    [rows, Ip]) picks the form it writes. w [E, N / 64, 64, K / 128, 16] int32 words in
+    fragment order (fragment_layout.py; prepare_weights stores them panel-major, any strides
+    do; row-major [E, N, K / 8] is taken too), encoded as `decode` says (prepared["w13_decode"]
+    / ["w2_decode"]: shift_words' "bf16" or "fp16" layout, or "prmt"); w_scale [E, N / 64, 64,
+    K / 128, 4] uint8 (or [E, N, K / 32] with row-major words); bias
     [E, N] float32 or None. Outputs as grouped_gemm.grouped_gemm, except that GEMM2 with
     split_k > 1 (gemm2_splits) writes split_k partial rows per pair: row pair * split_k + split
     of `out` [pairs * split_k, H], for the combine to sum. Only the row blocks holding the first
@@ -590,9 +604,11 @@ def fragment_gemm(
     clears it):
     GEMM1's CTAs count themselves in per tile when their rows are stored, and GEMM2's CTAs
     start a tile once its count reaches ready_target (GEMM1's CTAs per tile)."""
-    if split_k != 1 and (gemm1 or split_k != gemm2_splits(split_k, w.shape[2] * 8)):
+    if w.dim() == 3:
+        w, w_scale = panel_view(w), panel_view(w_scale)
+    N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
+    if split_k != 1 and (gemm1 or split_k != gemm2_splits(split_k, K)):
         raise ValueError(f"fragment_gemm: split_k {split_k} for GEMM{1 if gemm1 else 2}")
-    K = w.shape[2] * 8
     # The weights decode to the A operand's type: x's bf16 for GEMM1, a's type for GEMM2.
     operand = "bf16" if gemm1 or a.dtype == torch.bfloat16 else "fp16"
     if decode not in (operand, "prmt") or (decode == "prmt" and operand == "fp16"):
@@ -618,9 +634,8 @@ def fragment_gemm(
         )
     if config.post_scale and gemm1 and x_exp is None:
         raise ValueError("fragment_gemm: post-scaled GEMM1 needs x_exp (route's prescale)")
-    N = w.shape[1]
-    # A row's four e8m0 bytes of one 128-element K chunk, as one int32.
-    scale_words = w_scale.view(torch.int32)
+    # A row's four e8m0 bytes of one 128-element K chunk, as one int32: [E, N / 64, 64, K / 128].
+    scale_words = w_scale.view(torch.int32)[..., 0]
     grid = (max_tiles * -(-n_valid // config.block_w) * split_k,)
     _fragment_gemm_kernel[grid](
         a,
@@ -642,8 +657,12 @@ def fragment_gemm(
         a.stride(0),
         w.stride(0),
         w.stride(1),
+        w.stride(2),
+        w.stride(3),
         scale_words.stride(0),
         scale_words.stride(1),
+        scale_words.stride(2),
+        scale_words.stride(3),
         bias.stride(0) if bias is not None else 0,
         out.stride(0),
         ready_target,
@@ -709,9 +728,13 @@ def aot_specs(kind) -> list:
         "N_VALID",
         "stride_am",
         "stride_we",
+        "stride_wp",
         "stride_wn",
+        "stride_wc",
         "stride_se",
+        "stride_sp",
         "stride_sn",
+        "stride_sc",
     )
     ints += ("stride_be", "stride_om")
     specs = []
@@ -758,8 +781,9 @@ def aot_specs(kind) -> list:
                     constexprs,
                     config.num_warps,
                     1,
-                    # At GPT-OSS sizes (padded to 128) every size and stride divides by 16.
-                    divisible=(*pointers, *(n for n in ints if n != "N_VALID")),
+                    # At GPT-OSS sizes (padded to 128) every size and stride divides by 16, but
+                    # for the scales' rows, 1 apart in a panel.
+                    divisible=(*pointers, *(n for n in ints if n not in ("N_VALID", "stride_sn"))),
                 )
             )
     return specs
