@@ -134,18 +134,21 @@ SWEEP = {
 }
 
 
-# The same for triton.moe.wgmma (bf16-wgmma): post-scaled decode tiles, the ring two or three
-# steps deep, GEMM2 waiting for GEMM1's grid or tile by tile (earlier alternatives:
-# benchmarks/results/moe_h200_session4.md to _session7.md).
-_POST = dict(block_w=64, block_t=2, num_warps=4, gemm2_split_k=2, chunks=4, pdl=True)
+# The same for triton.moe.wgmma (bf16-wgmma): post-scaled decode tiles with the ring two or
+# three steps deep, one or two chunks' wgmmas in flight, GEMM2 in 2 to 4 splits waiting for
+# GEMM1's grid, or in 2 tile by tile (earlier alternatives: benchmarks/results/
+# moe_h200_session4.md to _session8.md).
+_POST = dict(block_w=64, block_t=2, num_warps=4, chunks=4, pdl=True, post_scale=True)
 FRAGMENT_SWEEP = {
     m: [
-        FragmentConfig(
-            **_POST, stages=stages, mma_in_flight=in_flight, tile_ready=tiles, post_scale=True
-        )
+        FragmentConfig(**_POST, stages=stages, gemm2_split_k=split, mma_in_flight=in_flight)
         for stages in (2, 3)
+        for split in (2, 3, 4)
         for in_flight in (1, 2)
-        for tiles in (False, True)
+    ]
+    + [
+        FragmentConfig(**_POST, stages=2, gemm2_split_k=2, mma_in_flight=n, tile_ready=True)
+        for n in (1, 2)
     ]
     for m in (1, 4, 16)
 }
