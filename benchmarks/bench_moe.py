@@ -23,9 +23,9 @@ import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
 from tokenspeed_kernel_triton.moe._common import MoETileConfig, pin_config
+from tokenspeed_kernel_triton.moe.fragment_config import FRAGMENT_PIN, FragmentConfig
 from tokenspeed_kernel_triton.moe.kernel import moe_forward
 from tokenspeed_kernel_triton.moe.layout import prepare_weights
-from tokenspeed_kernel_triton.moe.wgmma_gemm import FRAGMENT_PIN, FragmentConfig
 
 E, TOP_K, H, I = 128, 4, 2880, 2880  # noqa: E741
 EXPERT_BYTES = (2 * I * H // 2 + 2 * I * H // 32) + (H * I // 2 + H * I // 32)

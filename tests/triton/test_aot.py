@@ -73,7 +73,7 @@ def test_hopper_moe_keeps_weight_fragments_in_registers(aot_rows):
     shared memory or reloads one with ldmatrix, as the portable kernel's decode -> st.shared
     -> ldmatrix path does."""
     rows = [row for row in aot_rows["sm_90"] if row["name"].startswith("moe_wgmma_")]
-    from tokenspeed_kernel_triton.moe import wgmma_gemm
+    from tokenspeed_kernel_triton.moe import fragment_config, wgmma_gemm
 
     # Every tile config in every (GEMM, intermediate, weight decode) form it takes: post-scaled
     # configs take shift-decoded GEMM1 weights and fp16 GEMM2s only.
@@ -84,7 +84,7 @@ def test_hopper_moe_keeps_weight_fragments_in_registers(aot_rows):
     ]
     expected = sum(
         len(post_forms if config.post_scale else wgmma_gemm._AOT_VARIANTS)
-        for _, config in wgmma_gemm._CONFIGS
+        for _, config in fragment_config.CONFIGS
     )
     assert len(rows) == expected, [row["name"] for row in rows]
     for row in rows:

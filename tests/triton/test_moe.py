@@ -28,9 +28,9 @@ from tokenspeed_kernel.testing import (
 )
 from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_weights
 from tokenspeed_kernel_triton.moe._common import MoETileConfig, pin_config
+from tokenspeed_kernel_triton.moe.fragment_config import FRAGMENT_PIN, FragmentConfig
 from tokenspeed_kernel_triton.moe.kernel import moe_forward
 from tokenspeed_kernel_triton.moe.routing import route
-from tokenspeed_kernel_triton.moe.wgmma_gemm import FRAGMENT_PIN, FragmentConfig
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tokenspeed_kernel_triton.moe import shift_words
+from tokenspeed_kernel_triton.moe.fragment_config import FragmentConfig, gemm2_splits
 from tokenspeed_kernel_triton.moe.fragment_layout import (
     PANEL_ROWS,
     fragment_order,
@@ -25,7 +26,7 @@ from tokenspeed_kernel_triton.moe.fragment_layout import (
 from tokenspeed_kernel_triton.moe.kernel import moe_forward, swiglu_fits_f16
 from tokenspeed_kernel_triton.moe.layout import prepare_weights
 from tokenspeed_kernel_triton.moe.mxfp4_words import decode_words_reference
-from tokenspeed_kernel_triton.moe.wgmma_gemm import FragmentConfig, fragment_gemm, gemm2_splits
+from tokenspeed_kernel_triton.moe.wgmma_gemm import fragment_gemm
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:

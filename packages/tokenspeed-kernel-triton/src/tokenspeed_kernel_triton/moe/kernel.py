@@ -145,7 +145,8 @@ def _route(
 
 def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk_ids, alpha, limit):
     """moe_forward on Hopper with weights prepared in fragment order (bf16 activations)."""
-    from .wgmma_gemm import fragment_gemm, gemm2_splits, pick_fragment_config
+    from .fragment_config import gemm2_splits, pick_fragment_config
+    from .wgmma_gemm import fragment_gemm
 
     # The SwiGLU intermediate: fp16 where prepare_weights laid w2 out to decode to fp16 (one MMA
     # per K step, and as accurate as bf16 hi + lo: scripts/moe_intermediate_precision.py); else

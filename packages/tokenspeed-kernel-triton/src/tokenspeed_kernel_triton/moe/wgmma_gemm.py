@@ -27,7 +27,6 @@ writes fp32 rows by pair (split-K: partial rows, summed by the combine).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -38,8 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import fragment_steps, shift_words
-from ._common import ConfigPin, first_match
+from . import fragment_epilogue, fragment_steps, shift_words
+from .fragment_config import CONFIGS, gemm2_splits
 from .fragment_layout import PANEL_ROWS, panel_view
 from .mxfp4_words import LOOKUP_TABLE_WORDS
 
@@ -220,13 +219,15 @@ def _fragment_gemm_kernel(
 
     acc = gl.zeros([BLOCK_W, MMA_N], gl.float32, layout=mma)
     # The epilogue's layout: the accumulator's, or with POST_SCALE its sum over the groups.
-    out_layout: gl.constexpr = _token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T).type.layout
+    out_layout: gl.constexpr = fragment_epilogue.token_columns(
+        acc, POST_SCALE, BLOCK_W, BLOCK_T
+    ).type.layout
     # Small tiles load what the epilogue reads now: its latency hides behind the main loop
     # instead of following it (a few registers; 64-token tiles would hold 32 per thread).
     PRELOAD: gl.constexpr = BLOCK_T <= 8
     epilogue_src = (sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, expert, tile, pid_w, row_end)
     if PRELOAD:
-        operands = _epilogue_operands(
+        operands = fragment_epilogue.epilogue_operands(
             epilogue_src,
             stride_be,
             TOPK,
@@ -295,9 +296,9 @@ def _fragment_gemm_kernel(
             )
     async_copy.wait_group(0)
 
-    acc = _token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T)
+    acc = fragment_epilogue.token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T)
     if not PRELOAD:
-        operands = _epilogue_operands(
+        operands = fragment_epilogue.epilogue_operands(
             epilogue_src,
             stride_be,
             TOPK,
@@ -318,7 +319,7 @@ def _fragment_gemm_kernel(
         if split == 0:  # one split adds the bias
             acc += bias[:, None]
     if SWIGLU:
-        _swiglu_store(
+        fragment_epilogue.swiglu_store(
             out_ptr,
             acc,
             rows,
@@ -344,204 +345,7 @@ def _fragment_gemm_kernel(
         gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < N_VALID)[:, None])
 
 
-@gluon.jit
-def _token_columns(acc, POST_SCALE: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr):
-    """The accumulator [BLOCK_W, BLOCK_T] by token: with POST_SCALE the sum of its four
-    scale-block groups (across a quad's lanes)."""
-    if POST_SCALE:
-        acc = gl.sum(gl.reshape(acc, [BLOCK_W, 4, BLOCK_T]), axis=1)
-    return acc
-
-
-@gluon.jit
-def _epilogue_operands(
-    source,
-    stride_be,
-    TOPK: gl.constexpr,
-    SWIGLU: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    POST_SCALE: gl.constexpr,
-    SCALE_BIAS: gl.constexpr,
-    BLOCK_W: gl.constexpr,
-    BLOCK_T: gl.constexpr,
-    out_layout: gl.constexpr,
-):
-    """What the epilogue reads besides the accumulator, in its layout: the weight rows, the
-    token columns, which of them are valid, their pairs, the bias of the rows (zeros without
-    one), and a factor per column: GEMM2 the routing weight; GEMM1 post-scaled 2^(E_t -
-    SCALE_BIAS), since x's row of token t was multiplied by 2^(126 - E_t) (x_exp_ptr: E_t),
-    which the raw bf16 weights' 2^-126 and the factors' bias leave as 2^(SCALE_BIAS - E_t);
-    else ones (unused). source: (sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, expert, tile, pid_w,
-    row_end)."""
-    sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, expert, tile, pid_w, row_end = source
-    rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, out_layout))
-    cols = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_layout))
-    col_ok = cols < row_end
-    pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0, cache_modifier=".cg")
-    bias = gl.zeros([BLOCK_W], gl.float32, gl.SliceLayout(1, out_layout))
-    if HAS_BIAS:
-        bias = gl.load(bias_ptr + expert * stride_be + rows)
-    factor = gl.full([BLOCK_T], 1.0, gl.float32, gl.SliceLayout(0, out_layout))
-    if SWIGLU:
-        if POST_SCALE:
-            e = gl.load(x_exp_ptr + pair // TOPK, mask=col_ok, other=SCALE_BIAS)
-            factor = ((e - SCALE_BIAS + 127) << 23).to(gl.float32, bitcast=True)
-    else:
-        factor = gl.load(route_w_ptr + pair, mask=col_ok, other=0.0, cache_modifier=".cg")
-    return rows, cols, col_ok, pair, bias, factor
-
-
-@gluon.jit
-def _gate_up(x, BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr):
-    """[W, T] with rows (16-row group, gate|up, 8 channels) -> gate, up [W/16, 8, T]."""
-    x = gl.reshape(x, [BLOCK_W // 16, 2, 8, BLOCK_T])
-    return gl.split(gl.permute(x, (0, 2, 3, 1)))
-
-
-@gluon.jit
-def _swiglu_store(
-    out_ptr,
-    acc,
-    rows,
-    cols,
-    col_ok,
-    N,
-    stride_om,
-    alpha,
-    limit,
-    BLOCK_W: gl.constexpr,
-    BLOCK_T: gl.constexpr,
-    F16: gl.constexpr,
-):
-    g, u = _gate_up(acc, BLOCK_W, BLOCK_T)
-    # Index tensors go through the same reshape so that they share g's layout.
-    zero = gl.zeros_like(acc).to(gl.int32)
-    channel, _ = _gate_up((rows // 16 * 8 + rows % 8)[:, None] + zero, BLOCK_W, BLOCK_T)
-    row, _ = _gate_up(cols[None, :] + zero, BLOCK_W, BLOCK_T)
-    ok, _ = _gate_up(col_ok[None, :].to(gl.int32) + zero, BLOCK_W, BLOCK_T)
-    g = gl.minimum(g, limit)
-    u = gl.minimum(gl.maximum(u, -limit), limit)
-    act = g / (1.0 + gl.exp(-alpha * g)) * (u + 1.0)
-    ptrs = out_ptr + row.to(gl.int64) * stride_om + channel
-    if F16:
-        # One fp16 row (the host checked that alpha and limit bound |act| below fp16's max).
-        gl.store(ptrs, act.to(gl.float16), mask=ok != 0)
-    else:
-        hi = act.to(gl.bfloat16)
-        lo = (act - hi.to(gl.float32)).to(gl.bfloat16)
-        gl.store(ptrs, hi, mask=ok != 0)
-        gl.store(ptrs + N // 2, lo, mask=ok != 0)
-
-
 # ----------------------------------------------------------------------------- host side
-
-
-@dataclass(frozen=True)
-class FragmentConfig:
-    """block_w weight rows x block_t tokens per CTA; stages of the cp.async ring, which holds
-    the activations and the weight words, each stage `chunks` K chunks of 128 (one barrier, one
-    set of copies and one wgmma wait per step: fewer instructions per chunk, and the next
-    chunk decodes while the last one multiplies); gemm2_split_k CTAs share each GEMM2 tile's K
-    chunks, each writing a partial row that the combine sums (more CTAs, shorter chains); pdl:
-    programmatic dependent launch of GEMM1, GEMM2 and the combine (each starts its CTAs while
-    the previous kernel finishes; GEMM2 streams its first weights before it waits for GEMM1's
-    grid, or with tile_ready for the GEMM1 CTAs of its tile, on counters);
-    mma_in_flight: wait for older chunks' wgmmas within a step so that at most this many hold
-    their fragment registers (long steps without the registers of all their chunks);
-    post_scale: raw weight halves into the MMA against block-diagonal activations (wgmma's N is
-    4 * block_t), the e8m0 factors applied to fp32 partials (fragment_steps.post_scaled_step;
-    shift-decoded weights with an fp16 intermediate only, else moe_forward falls back to
-    scaled fragments)."""
-
-    block_w: int
-    block_t: int
-    num_warps: int
-    stages: int
-    gemm2_split_k: int = 1
-    chunks: int = 1
-    pdl: bool = False
-    tile_ready: bool = False
-    mma_in_flight: int | None = None
-    post_scale: bool = False
-
-    def __post_init__(self) -> None:
-        # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
-        if self.stages < 2:
-            raise ValueError(f"FragmentConfig: stages {self.stages} < 2")
-        if self.chunks < 1 or self.chunks & (self.chunks - 1):
-            raise ValueError(f"FragmentConfig: chunks {self.chunks} is not a power of two")
-        if self.post_scale and self.in_flight > 2:
-            raise ValueError("FragmentConfig: post_scale keeps one or two chunks' wgmmas in flight")
-        if self.tile_ready and not self.pdl:
-            raise ValueError("FragmentConfig: tile_ready needs pdl")
-        if not 1 <= self.in_flight <= self.chunks:
-            raise ValueError(
-                f"FragmentConfig: mma_in_flight {self.mma_in_flight} not in [1, chunks]"
-            )
-
-    @property
-    def mma_n(self) -> int:
-        """wgmma's N: the tile's tokens, four times over with post_scale."""
-        return 4 * self.block_t if self.post_scale else self.block_t
-
-    @property
-    def in_flight(self) -> int:
-        """Chunks whose wgmmas may run while the next chunk decodes (all of a step's: None)."""
-        return self.chunks if self.mma_in_flight is None else self.mma_in_flight
-
-
-# (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, shift decode,
-# fp16 SwiGLU intermediate, CUDA-graph timed end to end over 4 layers' weights (L2-cold) for
-# M <= 64 (benchmarks/results/moe_h200_session6.md; earlier alternatives in _session4/5.md).
-_CONFIGS = (
-    # Decode: wgmma's smallest M (64 weight rows, one warpgroup), ring steps of four K chunks,
-    # GEMM2 split in two, programmatic dependent launch, and the e8m0 factors applied after
-    # the MMA (post_scale: two tokens per tile, block-diagonal activations as wgmma's N = 8).
-    # Session 7 run 3, M=1 / 4 / 16 (us): post-scaled 27.1 / 71.9 / 228.9 (with each M's wait
-    # below), against session 6's scaled-fragment configs 27.7 / 75.3 / 234.6.
-    # M=1: GEMM2 waits for GEMM1's grid, two chunks' wgmmas in flight (one: 28.1; tile by
-    # tile: 27.3).
-    (
-        4,
-        FragmentConfig(
-            64, 2, 4, 2, gemm2_split_k=2, chunks=4, pdl=True, mma_in_flight=2, post_scale=True
-        ),
-    ),
-    # M=4 / 16: GEMM2 waits for GEMM1 tile by tile (it starts in GEMM1's last wave), one
-    # chunk's wgmma in flight (two: 79.8 / 246.3 us; the grid wait: 76.7 / 229.7).
-    (
-        64,
-        FragmentConfig(
-            64,
-            2,
-            4,
-            2,
-            gemm2_split_k=2,
-            chunks=4,
-            pdl=True,
-            tile_ready=True,
-            mma_in_flight=1,
-            post_scale=True,
-        ),
-    ),
-    # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert
-    # (M=4096: 2615 us; 128 tokens x 8 warps 3109. M=8192: 4802; 128 tokens 5178). 8 warps on
-    # this tile measured within run-to-run noise of 4 (2573 us). Two chunks per step need ~2x
-    # the registers here and lost (M=4096: 3491 us against 2545, session 5 run 1). No PDL
-    # (the router that clears the tile counters is the one-program decode router; with
-    # GEMM2 waiting for the grid, M=4096 / 8192 measured 2597 / 4771 us against 2561 / 4620).
-    (None, FragmentConfig(128, 64, 4, 4)),
-)
-
-
-FRAGMENT_PIN = ConfigPin()
-
-
-def pick_fragment_config(num_pairs: int) -> FragmentConfig:
-    """The tile config for `num_pairs` = tokens x top_k (or the pinned one)."""
-    if FRAGMENT_PIN.pinned is not None:
-        return FRAGMENT_PIN.pinned
-    return first_match(_CONFIGS, num_pairs)
 
 
 @functools.cache
@@ -549,14 +353,6 @@ def _layouts(block_w: int, block_t: int, num_warps: int, chunks: int) -> dict:
     from .fragment_layout import kernel_layouts
 
     return kernel_layouts(block_w, block_t, num_warps, chunks)
-
-
-def gemm2_splits(requested: int, K: int) -> int:
-    """The GEMM2 split count for `requested` ways over K (padded) columns: as many as there
-    are non-empty splits of whole 128-column chunks."""
-    chunks = K // 128
-    per_split = -(-chunks // max(1, requested))
-    return -(-chunks // per_split)
 
 
 @functools.cache
@@ -738,7 +534,7 @@ def aot_specs(kind) -> list:
     )
     ints += ("stride_be", "stride_om")
     specs = []
-    for _, config in _CONFIGS:
+    for _, config in CONFIGS:
         for gemm1, intermediate, decode in _AOT_VARIANTS:
             if config.post_scale and (decode == "prmt" or not (gemm1 or intermediate == "fp16")):
                 continue  # prepare_weights' other forms take the unscaled config

@@ -1,0 +1,125 @@
+"""Tile configs of the Hopper fragment GEMM (wgmma_gemm.py): what a config holds, the configs
+picked by batch size (with the measurements behind them), and GEMM2's split count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._common import ConfigPin, first_match
+
+
+@dataclass(frozen=True)
+class FragmentConfig:
+    """block_w weight rows x block_t tokens per CTA; stages of the cp.async ring, which holds
+    the activations and the weight words, each stage `chunks` K chunks of 128 (one barrier, one
+    set of copies and one wgmma wait per step: fewer instructions per chunk, and the next
+    chunk decodes while the last one multiplies); gemm2_split_k CTAs share each GEMM2 tile's K
+    chunks, each writing a partial row that the combine sums (more CTAs, shorter chains); pdl:
+    programmatic dependent launch of GEMM1, GEMM2 and the combine (each starts its CTAs while
+    the previous kernel finishes; GEMM2 streams its first weights before it waits for GEMM1's
+    grid, or with tile_ready for the GEMM1 CTAs of its tile, on counters);
+    mma_in_flight: wait for older chunks' wgmmas within a step so that at most this many hold
+    their fragment registers (long steps without the registers of all their chunks);
+    post_scale: raw weight halves into the MMA against block-diagonal activations (wgmma's N is
+    4 * block_t), the e8m0 factors applied to fp32 partials (fragment_steps.post_scaled_step;
+    shift-decoded weights with an fp16 intermediate only, else moe_forward falls back to
+    scaled fragments)."""
+
+    block_w: int
+    block_t: int
+    num_warps: int
+    stages: int
+    gemm2_split_k: int = 1
+    chunks: int = 1
+    pdl: bool = False
+    tile_ready: bool = False
+    mma_in_flight: int | None = None
+    post_scale: bool = False
+
+    def __post_init__(self) -> None:
+        # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
+        if self.stages < 2:
+            raise ValueError(f"FragmentConfig: stages {self.stages} < 2")
+        if self.chunks < 1 or self.chunks & (self.chunks - 1):
+            raise ValueError(f"FragmentConfig: chunks {self.chunks} is not a power of two")
+        if self.post_scale and self.in_flight > 2:
+            raise ValueError("FragmentConfig: post_scale keeps one or two chunks' wgmmas in flight")
+        if self.tile_ready and not self.pdl:
+            raise ValueError("FragmentConfig: tile_ready needs pdl")
+        if not 1 <= self.in_flight <= self.chunks:
+            raise ValueError(
+                f"FragmentConfig: mma_in_flight {self.mma_in_flight} not in [1, chunks]"
+            )
+
+    @property
+    def mma_n(self) -> int:
+        """wgmma's N: the tile's tokens, four times over with post_scale."""
+        return 4 * self.block_t if self.post_scale else self.block_t
+
+    @property
+    def in_flight(self) -> int:
+        """Chunks whose wgmmas may run while the next chunk decodes (all of a step's: None)."""
+        return self.chunks if self.mma_in_flight is None else self.mma_in_flight
+
+
+# (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, shift decode,
+# fp16 SwiGLU intermediate, CUDA-graph timed end to end over 4 layers' weights (L2-cold) for
+# M <= 64 (benchmarks/results/moe_h200_session6.md; earlier alternatives in _session4/5.md).
+CONFIGS = (
+    # Decode: wgmma's smallest M (64 weight rows, one warpgroup), ring steps of four K chunks,
+    # GEMM2 split in two, programmatic dependent launch, and the e8m0 factors applied after
+    # the MMA (post_scale: two tokens per tile, block-diagonal activations as wgmma's N = 8).
+    # Session 7 run 3, M=1 / 4 / 16 (us): post-scaled 27.1 / 71.9 / 228.9 (with each M's wait
+    # below), against session 6's scaled-fragment configs 27.7 / 75.3 / 234.6.
+    # M=1: GEMM2 waits for GEMM1's grid, two chunks' wgmmas in flight (one: 28.1; tile by
+    # tile: 27.3). Session 8 run 6 (panel-major weights) kept it: 23.5 us against 23.7 to 28.6
+    # for tile waits, three-step rings and GEMM2 in 3 or 4 splits (_session8.md).
+    (
+        4,
+        FragmentConfig(
+            64, 2, 4, 2, gemm2_split_k=2, chunks=4, pdl=True, mma_in_flight=2, post_scale=True
+        ),
+    ),
+    # M=4 / 16: GEMM2 waits for GEMM1 tile by tile (it starts in GEMM1's last wave), one
+    # chunk's wgmma in flight (two: 79.8 / 246.3 us; the grid wait: 76.7 / 229.7).
+    (
+        64,
+        FragmentConfig(
+            64,
+            2,
+            4,
+            2,
+            gemm2_split_k=2,
+            chunks=4,
+            pdl=True,
+            tile_ready=True,
+            mma_in_flight=1,
+            post_scale=True,
+        ),
+    ),
+    # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert
+    # (M=4096: 2615 us; 128 tokens x 8 warps 3109. M=8192: 4802; 128 tokens 5178). 8 warps on
+    # this tile measured within run-to-run noise of 4 (2573 us). Two chunks per step need ~2x
+    # the registers here and lost (M=4096: 3491 us against 2545, session 5 run 1). No PDL
+    # (the router that clears the tile counters is the one-program decode router; with
+    # GEMM2 waiting for the grid, M=4096 / 8192 measured 2597 / 4771 us against 2561 / 4620).
+    (None, FragmentConfig(128, 64, 4, 4)),
+)
+
+
+FRAGMENT_PIN = ConfigPin()
+
+
+def pick_fragment_config(num_pairs: int) -> FragmentConfig:
+    """The tile config for `num_pairs` = tokens x top_k (or the pinned one)."""
+    if FRAGMENT_PIN.pinned is not None:
+        return FRAGMENT_PIN.pinned
+    return first_match(CONFIGS, num_pairs)
+
+
+def gemm2_splits(requested: int, K: int) -> int:
+    """The GEMM2 split count for `requested` ways over K (padded) columns: as many as there
+    are non-empty splits of whole 128-column chunks."""
+    chunks = K // 128
+    per_split = -(-chunks // max(1, requested))
+    return -(-chunks // per_split)

@@ -1,0 +1,97 @@
+"""The Hopper fragment GEMM's epilogue (wgmma_gemm.py), in the accumulator layout: the token
+columns of a post-scaled accumulator, the operands the epilogue reads besides it, and GEMM1's
+clamped SwiGLU store."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gluon.jit
+def token_columns(acc, POST_SCALE: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr):
+    """The accumulator [BLOCK_W, BLOCK_T] by token: with POST_SCALE the sum of its four
+    scale-block groups (across a quad's lanes)."""
+    if POST_SCALE:
+        acc = gl.sum(gl.reshape(acc, [BLOCK_W, 4, BLOCK_T]), axis=1)
+    return acc
+
+
+@gluon.jit
+def epilogue_operands(
+    source,
+    stride_be,
+    TOPK: gl.constexpr,
+    SWIGLU: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    POST_SCALE: gl.constexpr,
+    SCALE_BIAS: gl.constexpr,
+    BLOCK_W: gl.constexpr,
+    BLOCK_T: gl.constexpr,
+    out_layout: gl.constexpr,
+):
+    """What the epilogue reads besides the accumulator, in its layout: the weight rows, the
+    token columns, which of them are valid, their pairs, the bias of the rows (zeros without
+    one), and a factor per column: GEMM2 the routing weight; GEMM1 post-scaled 2^(E_t -
+    SCALE_BIAS), since x's row of token t was multiplied by 2^(126 - E_t) (x_exp_ptr: E_t),
+    which the raw bf16 weights' 2^-126 and the factors' bias leave as 2^(SCALE_BIAS - E_t);
+    else ones (unused). source: (sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, expert, tile, pid_w,
+    row_end)."""
+    sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, expert, tile, pid_w, row_end = source
+    rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, out_layout))
+    cols = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_layout))
+    col_ok = cols < row_end
+    pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0, cache_modifier=".cg")
+    bias = gl.zeros([BLOCK_W], gl.float32, gl.SliceLayout(1, out_layout))
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + expert * stride_be + rows)
+    factor = gl.full([BLOCK_T], 1.0, gl.float32, gl.SliceLayout(0, out_layout))
+    if SWIGLU:
+        if POST_SCALE:
+            e = gl.load(x_exp_ptr + pair // TOPK, mask=col_ok, other=SCALE_BIAS)
+            factor = ((e - SCALE_BIAS + 127) << 23).to(gl.float32, bitcast=True)
+    else:
+        factor = gl.load(route_w_ptr + pair, mask=col_ok, other=0.0, cache_modifier=".cg")
+    return rows, cols, col_ok, pair, bias, factor
+
+
+@gluon.jit
+def _gate_up(x, BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr):
+    """[W, T] with rows (16-row group, gate|up, 8 channels) -> gate, up [W/16, 8, T]."""
+    x = gl.reshape(x, [BLOCK_W // 16, 2, 8, BLOCK_T])
+    return gl.split(gl.permute(x, (0, 2, 3, 1)))
+
+
+@gluon.jit
+def swiglu_store(
+    out_ptr,
+    acc,
+    rows,
+    cols,
+    col_ok,
+    N,
+    stride_om,
+    alpha,
+    limit,
+    BLOCK_W: gl.constexpr,
+    BLOCK_T: gl.constexpr,
+    F16: gl.constexpr,
+):
+    g, u = _gate_up(acc, BLOCK_W, BLOCK_T)
+    # Index tensors go through the same reshape so that they share g's layout.
+    zero = gl.zeros_like(acc).to(gl.int32)
+    channel, _ = _gate_up((rows // 16 * 8 + rows % 8)[:, None] + zero, BLOCK_W, BLOCK_T)
+    row, _ = _gate_up(cols[None, :] + zero, BLOCK_W, BLOCK_T)
+    ok, _ = _gate_up(col_ok[None, :].to(gl.int32) + zero, BLOCK_W, BLOCK_T)
+    g = gl.minimum(g, limit)
+    u = gl.minimum(gl.maximum(u, -limit), limit)
+    act = g / (1.0 + gl.exp(-alpha * g)) * (u + 1.0)
+    ptrs = out_ptr + row.to(gl.int64) * stride_om + channel
+    if F16:
+        # One fp16 row (the host checked that alpha and limit bound |act| below fp16's max).
+        gl.store(ptrs, act.to(gl.float16), mask=ok != 0)
+    else:
+        hi = act.to(gl.bfloat16)
+        lo = (act - hi.to(gl.float32)).to(gl.bfloat16)
+        gl.store(ptrs, hi, mask=ok != 0)
+        gl.store(ptrs + N // 2, lo, mask=ok != 0)
