@@ -22,6 +22,10 @@ from triton.language.extra.cuda import gdc_launch_dependents
 # Pairs (tokens x top_k) that one program routes and ranks on its own: the stable rank compares
 # every pair of a chunk, [CHUNK, CHUNK] elements, cheap at 256.
 FUSED_MAX_PAIRS = 256
+# The one-program router runs in one warp up to this many pairs, then in four. H200, router
+# alone, graph-timed (benchmarks/results/moe_h200_session8.md, run 11): 4 pairs 2.5 us (four
+# warps 3.1), 8 pairs 3.1 (3.5), 16 pairs 4.6 (3.6).
+ONE_WARP_MAX_PAIRS = 8
 _CHUNK = 1024
 _TILE_CHUNK = 128
 
@@ -331,8 +335,8 @@ def route(
             PRESCALE=prescale is not None,
             BLOCK_H=triton.next_power_of_2(hidden) if prescale is not None else 1,
             # One warp for a decode step's handful of pairs: every reduction stays in
-            # shuffles (M=1 on an H200: 2.2 us against 2.9 with two warps, session 6).
-            num_warps=1 if num_pairs <= 16 else 4,
+            # shuffles; more pairs make its [pairs, experts] tiles worth more warps.
+            num_warps=1 if num_pairs <= ONE_WARP_MAX_PAIRS else 4,
         )
         return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
     if has_logits:
