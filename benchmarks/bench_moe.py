@@ -86,13 +86,18 @@ def weight_copies(prepared: dict, layers: int) -> list[dict]:
     ]
 
 
-def run_case(layers, m, act, scales, *, graph: bool, config=None):
-    """Microseconds per layer for M tokens through `layers` (a list of prepared weights, each
-    layer's forward in turn), and the number of distinct selected experts."""
+def token_inputs(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """M tokens' x [M, H] bf16 and router logits [M, E] (seeded by M), and an output buffer."""
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, H, generator=g, device="cuda").to(torch.bfloat16)
     logits = torch.randn(m, E, generator=g, device="cuda")
-    out = torch.empty_like(x)
+    return x, logits, torch.empty_like(x)
+
+
+def run_case(layers, m, act, scales, *, graph: bool, config=None):
+    """Microseconds per layer for M tokens through `layers` (a list of prepared weights, each
+    layer's forward in turn), and the number of distinct selected experts."""
+    x, logits, out = token_inputs(m)
 
     def fn():
         for prepared in layers:
@@ -158,10 +163,7 @@ def profile_case(prepared, m: int) -> list[str]:
     """Markdown rows of per-kernel device time (us per call) for M tokens, bf16 activations."""
     from torch.profiler import ProfilerActivity, profile
 
-    g = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, H, generator=g, device="cuda").to(torch.bfloat16)
-    logits = torch.randn(m, E, generator=g, device="cuda")
-    out = torch.empty_like(x)
+    x, logits, out = token_inputs(m)
     calls = 20
 
     def fn():

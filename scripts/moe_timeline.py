@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, "benchmarks")
-from bench_moe import TOP_K, E, H, gpt_oss_tensors, weight_copies  # noqa: E402
+from bench_moe import TOP_K, gpt_oss_tensors, token_inputs, weight_copies  # noqa: E402
 
 from tokenspeed_kernel_triton.moe.kernel import moe_forward  # noqa: E402
 
@@ -23,10 +23,7 @@ LAYERS = 4
 
 
 def timeline(layers: list[dict], m: int) -> list[str]:
-    g = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, H, generator=g, device="cuda").to(torch.bfloat16)
-    logits = torch.randn(m, E, generator=g, device="cuda")
-    out = torch.empty_like(x)
+    x, logits, out = token_inputs(m)
 
     def forward():
         for prepared in layers:

@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from tokenspeed_kernel_triton.moe import shift_words
-from tokenspeed_kernel_triton.moe.fragment_config import FragmentConfig, gemm2_splits
+from tokenspeed_kernel_triton.moe.fragment_config import (
+    FRAGMENT_PIN,
+    FragmentConfig,
+    gemm2_splits,
+    pick_fragment_config,
+)
 from tokenspeed_kernel_triton.moe.fragment_layout import (
     PANEL_ROWS,
     fragment_order,
@@ -433,6 +438,42 @@ def test_post_scale_configs_refuse_what_the_kernel_cannot_run():
     assert FragmentConfig(64, 2, 4, 2, chunks=4, mma_in_flight=1, post_scale=True).mma_n == 8
     with pytest.raises(ValueError, match="one or two chunks"):
         FragmentConfig(64, 2, 4, 2, chunks=4, post_scale=True)  # all four in flight
+
+
+def test_weights_that_cannot_post_scale_get_the_scaled_form_of_the_pick():
+    """Byte-permute words or a bf16 intermediate: the post-scaled decode picks become 8-token
+    scaled-fragment tiles, the same object every call (no per-call construction); pinned
+    configs too; other picks are unchanged."""
+    decode = pick_fragment_config(4)
+    assert decode.post_scale and decode.block_t == 2
+    scaled = pick_fragment_config(4, post_scalable=False)
+    assert not scaled.post_scale and scaled.block_t == 8 and scaled.mma_n == 8
+    assert scaled is pick_fragment_config(4, post_scalable=False)
+    assert (scaled.block_w, scaled.chunks, scaled.pdl) == (decode.block_w, decode.chunks, True)
+    prefill = pick_fragment_config(100000)
+    assert pick_fragment_config(100000, post_scalable=False) is prefill
+    with FRAGMENT_PIN.pin(decode):
+        assert pick_fragment_config(10**6, post_scalable=False) == scaled
+
+
+def test_fragment_gemm_refuses_words_not_contiguous_in_a_chunk():
+    w = torch.zeros(1, 64, 32, dtype=torch.int32)[:, :, ::2]  # every other word
+    scale = torch.zeros(1, 64, 4, dtype=torch.uint8)
+    config = FragmentConfig(64, 8, 4, 2)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        fragment_gemm(
+            torch.zeros(8, 128, dtype=torch.bfloat16),
+            w,
+            scale,
+            None,
+            torch.zeros(8, 64),
+            (None, None, None, None, 1, 4),
+            gemm1=True,
+            decode="bf16",
+            k_valid=128,
+            n_valid=64,
+            config=config,
+        )
 
 
 def test_post_scaled_gemms_refuse_weights_they_cannot_scale():

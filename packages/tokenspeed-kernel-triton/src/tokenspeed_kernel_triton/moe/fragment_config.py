@@ -3,6 +3,8 @@ picked by batch size (with the measurements behind them), and GEMM2's split coun
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 from ._common import ConfigPin, first_match
@@ -110,11 +112,23 @@ CONFIGS = (
 FRAGMENT_PIN = ConfigPin()
 
 
-def pick_fragment_config(num_pairs: int) -> FragmentConfig:
-    """The tile config for `num_pairs` = tokens x top_k (or the pinned one)."""
-    if FRAGMENT_PIN.pinned is not None:
-        return FRAGMENT_PIN.pinned
-    return first_match(CONFIGS, num_pairs)
+def pick_fragment_config(num_pairs: int, post_scalable: bool = True) -> FragmentConfig:
+    """The tile config for `num_pairs` = tokens x top_k (or the pinned one). post_scalable:
+    whether the weights allow post-scaling (shift-decoded, fp16 intermediate); where not, a
+    post-scaled pick becomes its scaled-fragment form."""
+    config = FRAGMENT_PIN.pinned
+    if config is None:
+        config = first_match(CONFIGS, num_pairs)
+    if config.post_scale and not post_scalable:
+        return _scaled_fragments(config)
+    return config
+
+
+@functools.cache
+def _scaled_fragments(config: FragmentConfig) -> FragmentConfig:
+    """A post-scaled config's scaled-fragment form: 8-token tiles (wgmma's N without the four
+    block-diagonal groups), built once per config rather than per call."""
+    return dataclasses.replace(config, post_scale=False, block_t=8)
 
 
 def gemm2_splits(requested: int, K: int) -> int:

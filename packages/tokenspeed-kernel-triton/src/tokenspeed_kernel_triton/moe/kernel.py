@@ -5,7 +5,6 @@ tensors from `layout.prepare_weights`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -159,15 +158,13 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
             f"f16_intermediate=False"
         )
     M = x.shape[0]
-    config = pick_fragment_config(M * top_k)
+    # Post-scaling needs raw shift-decoded halves in both GEMMs.
+    post_scalable = prepared["w13_decode"] == "bf16" and f16_intermediate
+    config = pick_fragment_config(M * top_k, post_scalable)
     prescale = None
     if config.post_scale:
-        if prepared["w13_decode"] != "bf16" or not f16_intermediate:
-            # Post-scaling needs raw shift-decoded halves in both GEMMs.
-            config = dataclasses.replace(config, post_scale=False, block_t=8)
-        else:
-            # GEMM1 multiplies x's rows scaled up by powers of two (the router writes them).
-            prescale = (x, torch.empty_like(x), torch.empty(M, dtype=torch.int32, device=x.device))
+        # GEMM1 multiplies x's rows scaled up by powers of two (the router writes them).
+        prescale = (x, torch.empty_like(x), torch.empty(M, dtype=torch.int32, device=x.device))
     # Programmatic dependent launch (config.pdl): each kernel after the router starts its CTAs
     # while the previous one finishes; with tile_ready GEMM2 waits for GEMM1's rows tile by
     # tile through `ready`, zeroed by the router (wgmma_gemm.py).

@@ -389,12 +389,13 @@ def fragment_gemm(
     fragment order (fragment_layout.py; prepare_weights stores them panel-major, any strides
     do; row-major [E, N, K / 8] is taken too), encoded as `decode` says (prepared["w13_decode"]
     / ["w2_decode"]: shift_words' "bf16" or "fp16" layout, or "prmt"); w_scale [E, N / 64, 64,
-    K / 128, 4] uint8 (or [E, N, K / 32] with row-major words); bias
-    [E, N] float32 or None. Outputs as grouped_gemm.grouped_gemm, except that GEMM2 with
-    split_k > 1 (gemm2_splits) writes split_k partial rows per pair: row pair * split_k + split
-    of `out` [pairs * split_k, H], for the combine to sum. Only the row blocks holding the first
-    n_valid rows are computed (GEMM1's zero-padded rows past 2I are skipped: GEMM2 then takes
-    k_valid = I, and its copies zero-fill the columns GEMM1 did not write).
+    K / 128, 4] uint8 (or [E, N, K / 32] with row-major words), a row's 16 words (4 bytes) of
+    a chunk contiguous; bias [E, N] float32 or None. Outputs as grouped_gemm.grouped_gemm,
+    except that GEMM2 with split_k > 1 (gemm2_splits) writes split_k partial rows per pair: row
+    pair * split_k + split of `out` [pairs * split_k, H], for the combine to sum. Only the row
+    blocks holding the first n_valid rows are computed (GEMM1's zero-padded rows past 2I are
+    skipped: GEMM2 then takes k_valid = I, and its copies zero-fill the columns GEMM1 did not
+    write).
 
     With config.tile_ready, ready [tile-count bound] int32, zero before GEMM1 (the router
     clears it):
@@ -402,6 +403,8 @@ def fragment_gemm(
     start a tile once its count reaches ready_target (GEMM1's CTAs per tile)."""
     if w.dim() == 3:
         w, w_scale = panel_view(w), panel_view(w_scale)
+    if w.stride(4) != 1 or w_scale.stride(4) != 1:
+        raise ValueError("fragment_gemm: a chunk's words (scale bytes) of a row must be contiguous")
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
     if split_k != 1 and (gemm1 or split_k != gemm2_splits(split_k, K)):
         raise ValueError(f"fragment_gemm: split_k {split_k} for GEMM{1 if gemm1 else 2}")
