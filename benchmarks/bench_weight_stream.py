@@ -24,6 +24,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.testing import do_bench, do_bench_cudagraph
 
 PANEL_CHUNKS = 23  # GPT-OSS-120B GEMM1: K = 2880 padded to 23 chunks of 128
 CHUNK_WORDS = 1024  # 64 rows x 16 int32 words
@@ -75,8 +76,6 @@ SHAPES = (
 
 def time_shape(buffers, out, ctas, warps, step_kb, stages, pad_kb) -> tuple[float, int]:
     """(us per kernel, bytes read) for one shape over the buffers in turn."""
-    from triton.testing import do_bench_cudagraph
-
     total = buffers[0].numel()
     region = total // ctas
     rows = step_kb * 1024 // 64
@@ -103,8 +102,6 @@ def time_shape(buffers, out, ctas, warps, step_kb, stages, pad_kb) -> tuple[floa
 
 def copy_bandwidth() -> float:
     """Bytes read + written per second of a 1 GiB device-to-device copy (as bench_moe.py)."""
-    from triton.testing import do_bench
-
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return 2 * src.numel() / (do_bench(lambda: dst.copy_(src)) * 1e-3)
