@@ -37,7 +37,6 @@ class FragmentConfig:
     tile_ready: bool = False
     mma_in_flight: int | None = None
     post_scale: bool = False
-    stream: bool = False
 
     def __post_init__(self) -> None:
         # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.

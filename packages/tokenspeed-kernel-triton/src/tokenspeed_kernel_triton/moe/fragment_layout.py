@@ -119,24 +119,3 @@ def kernel_layouts(block_w: int, block_t: int, num_warps: int, chunks: int = 1) 
         words_step_layout=gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]),
         scales_step_layout=gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
     )
-
-
-def stream_layouts(block_w: int, mma_n: int, num_warps: int) -> dict:
-    """The Gluon layouts of the register-streaming decode GEMM (stream_gemm.py): mma.sync's
-    accumulator and operands (warps stacked along the weight rows, 16 each), the words layout
-    (each thread's words decode to its A fragment, as wgmma's per warp) and the [mma_n, 128]
-    activation slots with their 16-byte copies."""
-    from triton.experimental.gluon import language as gl
-
-    fragment = kernel_layouts(block_w, 8, num_warps)
-    mma = gl.NVMMADistributedLayout(
-        version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8]
-    )
-    return dict(
-        mma=mma,
-        dot_a=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
-        dot_b=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
-        words_layout=fragment["words_layout"],
-        copy_layout=gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0]),
-        smem_layout=gl.SwizzledSharedLayout(8, 1, 8, [1, 0]),
-    )

@@ -41,7 +41,6 @@ from . import fragment_epilogue, fragment_steps, shift_words
 from .fragment_config import CONFIGS, gemm2_splits
 from .fragment_layout import PANEL_ROWS, panel_view
 from .mxfp4_words import LOOKUP_TABLE_WORDS
-from .stream_gemm import _stream_gemm_kernel
 
 _PANEL_ROWS = gl.constexpr(PANEL_ROWS)
 
@@ -357,13 +356,6 @@ def _layouts(block_w: int, block_t: int, num_warps: int, chunks: int) -> dict:
 
 
 @functools.cache
-def _stream_layouts(block_w: int, mma_n: int, num_warps: int) -> dict:
-    from .fragment_layout import stream_layouts
-
-    return stream_layouts(block_w, mma_n, num_warps)
-
-
-@functools.cache
 def _lookup_tables(device: torch.device) -> torch.Tensor:
     words = [w - (1 << 32) if w >= 1 << 31 else w for w in LOOKUP_TABLE_WORDS]
     return torch.tensor(words, dtype=torch.int32, device=device)
@@ -444,20 +436,7 @@ def fragment_gemm(
     # A row's four e8m0 bytes of one 128-element K chunk, as one int32: [E, N / 64, 64, K / 128].
     scale_words = w_scale.view(torch.int32)[..., 0]
     grid = (max_tiles * -(-n_valid // config.block_w) * split_k,)
-    if config.stream:
-        kernel, constexprs = _stream_gemm_kernel, dict(
-            CTA_CHUNKS=max(8, 1 << (-(-(K // 128) // split_k) - 1).bit_length()),
-            PREFETCH=config.stages,
-            **_stream_layouts(config.block_w, config.mma_n, config.num_warps),
-        )
-    else:
-        kernel, constexprs = _fragment_gemm_kernel, dict(
-            STAGES=config.stages,
-            CHUNKS=config.chunks,
-            MMA_IN_FLIGHT=config.in_flight,
-            **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
-        )
-    kernel[grid](
+    _fragment_gemm_kernel[grid](
         a,
         w,
         scale_words,
@@ -494,15 +473,18 @@ def fragment_gemm(
         HAS_BIAS=bias is not None,
         BLOCK_W=config.block_w,
         BLOCK_T=config.block_t,
+        STAGES=config.stages,
+        CHUNKS=config.chunks,
         SPLIT_K=split_k,
         SHIFT_DECODE=decode != "prmt",
         PDL=config.pdl,
         TILE_READY=config.tile_ready,
+        MMA_IN_FLIGHT=config.in_flight,
         POST_SCALE=config.post_scale,
         SCALE_BIAS=shift_words.POST_SCALE_BIAS[operand],
         num_warps=config.num_warps,
         launch_pdl=config.pdl,
-        **constexprs,
+        **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
     )
 
 
