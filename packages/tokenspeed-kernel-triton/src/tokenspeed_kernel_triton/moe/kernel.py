@@ -205,9 +205,6 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         config=config,
         ready=ready,
         x_exp=None if prescale is None else prescale[2],
-        # One token: GEMM1 finds its experts itself and streams their first weights while the
-        # router runs.
-        logits=router_logits if config.pdl and M == 1 and router_logits is not None else None,
         alpha=alpha,
         limit=limit,
     )

@@ -59,8 +59,6 @@ def _fragment_gemm_kernel(
     table_ptr,
     ready_ptr,
     x_exp_ptr,
-    logits_ptr,
-    E,
     N,
     K,
     K_VALID,
@@ -94,9 +92,6 @@ def _fragment_gemm_kernel(
     MMA_IN_FLIGHT: gl.constexpr,
     POST_SCALE: gl.constexpr,
     SCALE_BIAS: gl.constexpr,
-    SELF_ROUTE: gl.constexpr,
-    BLOCK_E: gl.constexpr,
-    route_layout: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
@@ -116,51 +111,6 @@ def _fragment_gemm_kernel(
     split = pid % SPLIT_K
     tile = pid // SPLIT_K // num_w
     pid_w = pid // SPLIT_K % num_w
-    # Where this CTA's weight rows start: row r at panel r // 64, row r % 64 of it.
-    wc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_copy)))
-    wr = pid_w * BLOCK_W + gl.arange(
-        0, BLOCK_W, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_copy))
-    )
-    wj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_copy)))
-    w_rows = wr // _PANEL_ROWS * stride_wp + wr % _PANEL_ROWS * stride_wn
-    w_offsets = w_rows[None, :, None] + (wc * stride_wc)[:, None, None] + wj[None, None, :]
-    sc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, scales_copy))
-    sr = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, scales_copy))
-    s_rows = sr // _PANEL_ROWS * stride_sp + sr % _PANEL_ROWS * stride_sn
-    s_offsets = s_rows[None, :] + (sc * stride_sc)[:, None]
-    per_split = gl.cdiv(K // 128, SPLIT_K)
-    k_first = split * per_split
-    num_k = gl.minimum(per_split, K // 128 - k_first)
-    ring_words = gl.allocate_shared_memory(
-        gl.int32, [STAGES * CHUNKS, BLOCK_W, 16], words_smem_layout
-    )
-    ring_scales = gl.allocate_shared_memory(
-        gl.int32, [STAGES * CHUNKS, BLOCK_W], scales_smem_layout
-    )
-    if SELF_ROUTE:
-        # One token: this CTA finds its tile's expert from the logits itself and streams the
-        # first weights while the router runs (_early_expert); what the router writes still
-        # decides, below.
-        if tile >= TOPK:
-            return
-        early = _early_expert(logits_ptr, E, tile, TOPK, BLOCK_E, route_layout)
-        early_src = _weight_source(
-            ring_words,
-            ring_scales,
-            w_ptr,
-            ws_ptr,
-            w_offsets,
-            s_offsets,
-            early,
-            k_first,
-            num_k,
-            stride_we,
-            stride_se,
-            stride_wc,
-            stride_sc,
-        )
-        _issue_first_weights(early_src, STAGES, CHUNKS, words_step_layout, scales_step_layout)
-        async_copy.commit_group()
     if PDL:
         # Programmatic dependent launch: GEMM1 follows the routing kernel, whose outputs it
         # reads from here on. GEMM2 launches once every GEMM1 CTA got here, so the routing
@@ -189,6 +139,11 @@ def _fragment_gemm_kernel(
         a_rows = (gl.where(t_ok, pair, 0) // TOPK).to(gl.int64)
     else:
         a_rows = offs_t.to(gl.int64)
+    # This CTA's K chunks: split SPLIT_K ways (GEMM2 only: its epilogue is linear, and the
+    # partial rows are summed by the combine).
+    per_split = gl.cdiv(K // 128, SPLIT_K)
+    k_first = split * per_split
+    num_k = gl.minimum(per_split, K // 128 - k_first)
     a_dtype: gl.constexpr = a_ptr.dtype.element_ty
     # The ring: STAGES steps of CHUNKS K chunks (128 columns) each. A step's activations are
     # one [BLOCK_T, CHUNKS * 128] tile; its chunk c of words and scales is buffer s * CHUNKS + c
@@ -197,24 +152,37 @@ def _fragment_gemm_kernel(
     act_lo = gl.allocate_shared_memory(
         a_dtype, [STAGES if SPLIT_A else 1, MMA_N, CHUNKS * 128], smem_layout
     )
-    # This CTA's weight rows through the cp.async ring with the activations. The ring keeps
+    ring_words = gl.allocate_shared_memory(
+        gl.int32, [STAGES * CHUNKS, BLOCK_W, 16], words_smem_layout
+    )
+    ring_scales = gl.allocate_shared_memory(
+        gl.int32, [STAGES * CHUNKS, BLOCK_W], scales_smem_layout
+    )
+
+    # This CTA's weight rows: 16 words (one K chunk) and one scale word (its four e8m0 bytes)
+    # per row and chunk (row r at panel r // 64, row r % 64 of it: strides _wp / _sp, _wn / _sn;
+    # chunks: _wc / _sc), through the cp.async ring with the activations. The ring keeps
     # STAGES - 1 steps of HBM reads in flight, which small batches need: each CTA has little
     # else to overlap (M=1: 46.3 us against 51.5 loading them into registers one step ahead,
     # benchmarks/results/moe_h200_session4.md).
-    weights_src = _weight_source(
-        ring_words,
-        ring_scales,
-        w_ptr,
-        ws_ptr,
-        w_offsets,
-        s_offsets,
-        expert,
-        k_first,
-        num_k,
-        stride_we,
-        stride_se,
-        stride_wc,
-        stride_sc,
+    wc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_copy)))
+    wr = pid_w * BLOCK_W + gl.arange(
+        0, BLOCK_W, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_copy))
+    )
+    wj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_copy)))
+    w_rows = wr // _PANEL_ROWS * stride_wp + wr % _PANEL_ROWS * stride_wn
+    w_copy_ptrs = (
+        w_ptr
+        + expert * stride_we
+        + w_rows[None, :, None]
+        + ((k_first + wc) * stride_wc)[:, None, None]
+        + wj[None, None, :]
+    )
+    sc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, scales_copy))
+    sr = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, scales_copy))
+    s_rows = sr // _PANEL_ROWS * stride_sp + sr % _PANEL_ROWS * stride_sn
+    s_copy_ptrs = (
+        ws_ptr + expert * stride_se + s_rows[None, :] + ((k_first + sc) * stride_sc)[:, None]
     )
 
     # Loaded, not immediates: ptxas would re-materialize an immediate table word into a register
@@ -222,19 +190,17 @@ def _fragment_gemm_kernel(
     lo_table = gl.load(table_ptr)
     hi_table = gl.load(table_ptr + 1)
 
-    # What the ring copies read (fragment_steps.issue_activations).
+    # What the ring copies read (fragment_steps.issue_weights, issue_activations).
+    weights_src = (ring_words, ring_scales, w_copy_ptrs, s_copy_ptrs, stride_wc, stride_sc, num_k)
     acts_src = (a_ptr, a_rows, t_ok, k_first, num_k, K, K_VALID, stride_am, mma_col // BLOCK_T)
     # Prologue: the first STAGES - 1 steps into the ring, weights first. They depend on nothing
     # the previous kernel writes, so under PDL GEMM2 streams them while GEMM1 finishes.
     num_steps = gl.cdiv(num_k, CHUNKS)
-    if SELF_ROUTE:
-        if expert != early:
-            # The router decided otherwise (a NaN logit, say): the early copies land first,
-            # then the router's expert's weights replace them.
-            async_copy.wait_group(0)
-            _issue_first_weights(weights_src, STAGES, CHUNKS, words_step_layout, scales_step_layout)
-    else:
-        _issue_first_weights(weights_src, STAGES, CHUNKS, words_step_layout, scales_step_layout)
+    for p in gl.static_range(STAGES - 1):
+        if p < num_steps:
+            fragment_steps.issue_weights(
+                weights_src, p, words_step_layout, scales_step_layout, CHUNKS
+            )
     if PDL:
         if not SWIGLU:
             if TILE_READY:
@@ -379,70 +345,6 @@ def _fragment_gemm_kernel(
         gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < N_VALID)[:, None])
 
 
-@gluon.jit
-def _weight_source(
-    ring_words,
-    ring_scales,
-    w_ptr,
-    ws_ptr,
-    w_offsets,
-    s_offsets,
-    expert,
-    k_first,
-    num_k,
-    stride_we,
-    stride_se,
-    stride_wc,
-    stride_sc,
-):
-    """What fragment_steps.issue_weights reads for `expert`: the rings, the words [CHUNKS,
-    BLOCK_W, 16] and scale words [CHUNKS, BLOCK_W] of the CTA's first chunk k_first, the chunk
-    strides and the chunk count."""
-    e = expert.to(gl.int64)
-    w_ptrs = w_ptr + e * stride_we + k_first * stride_wc + w_offsets
-    s_ptrs = ws_ptr + e * stride_se + k_first * stride_sc + s_offsets
-    return (ring_words, ring_scales, w_ptrs, s_ptrs, stride_wc, stride_sc, num_k)
-
-
-@gluon.jit
-def _issue_first_weights(
-    source,
-    STAGES: gl.constexpr,
-    CHUNKS: gl.constexpr,
-    words_step_layout: gl.constexpr,
-    scales_step_layout: gl.constexpr,
-):
-    """The weights of the ring's first STAGES - 1 steps (those the CTA has)."""
-    num_steps = gl.cdiv(source[6], CHUNKS)
-    for p in gl.static_range(STAGES - 1):
-        if p < num_steps:
-            fragment_steps.issue_weights(source, p, words_step_layout, scales_step_layout, CHUNKS)
-
-
-@gluon.jit
-def _early_expert(
-    logits_ptr, E, tile, TOPK: gl.constexpr, BLOCK_E: gl.constexpr, layout: gl.constexpr
-):
-    """The expert of `tile` when the router routes one token: its top-k experts (ties to the
-    lower index, as routing._topk_softmax) in ascending order, one tile each. Clamped to a
-    real expert whatever the logits (NaN included), since its weights are read."""
-    e = gl.arange(0, BLOCK_E, layout=layout)
-    valid = e < E
-    v = gl.load(logits_ptr + e, mask=valid, other=float("-inf")).to(gl.float32)
-    avail = valid
-    for _ in gl.static_range(TOPK):
-        m = gl.max(gl.where(avail, v, float("-inf")), axis=0)
-        idx = gl.min(gl.where(avail & (v >= m), e, BLOCK_E), axis=0)
-        avail = avail & (e != idx)
-    remaining = valid & (avail == 0)
-    expert = tile * 0
-    for j in gl.static_range(TOPK):
-        lowest = gl.min(gl.where(remaining, e, BLOCK_E), axis=0)
-        expert = gl.where(tile == j, lowest, expert)
-        remaining = remaining & (e != lowest)
-    return gl.minimum(expert, E - 1)
-
-
 # ----------------------------------------------------------------------------- host side
 
 
@@ -451,16 +353,6 @@ def _layouts(block_w: int, block_t: int, num_warps: int, chunks: int) -> dict:
     from .fragment_layout import kernel_layouts
 
     return kernel_layouts(block_w, block_t, num_warps, chunks)
-
-
-@functools.cache
-def _route_layouts(num_experts: int, num_warps: int) -> dict:
-    """BLOCK_E and the layout of _early_expert's [BLOCK_E] logits."""
-    block_e = 1 << (num_experts - 1).bit_length()
-    per_thread = max(1, block_e // (32 * num_warps))
-    return dict(
-        BLOCK_E=block_e, route_layout=gl.BlockedLayout([per_thread], [32], [num_warps], [0])
-    )
 
 
 @functools.cache
@@ -486,7 +378,6 @@ def fragment_gemm(
     ready: torch.Tensor | None = None,
     ready_target: int = 0,
     x_exp: torch.Tensor | None = None,
-    logits: torch.Tensor | None = None,
     alpha: float = 0.0,
     limit: float = 0.0,
 ) -> None:
@@ -509,11 +400,7 @@ def fragment_gemm(
     With config.tile_ready, ready [tile-count bound] int32, zero before GEMM1 (the router
     clears it):
     GEMM1's CTAs count themselves in per tile when their rows are stored, and GEMM2's CTAs
-    start a tile once its count reaches ready_target (GEMM1's CTAs per tile).
-
-    logits [1, E]: the one token's router logits (GEMM1 under config.pdl, behind the
-    one-program router): each CTA finds its expert from them and streams its first weights
-    before the router is done (_early_expert)."""
+    start a tile once its count reaches ready_target (GEMM1's CTAs per tile)."""
     if w.dim() == 3:
         w, w_scale = panel_view(w), panel_view(w_scale)
     if w.stride(4) != 1 or w_scale.stride(4) != 1:
@@ -544,10 +431,6 @@ def fragment_gemm(
             f"fragment_gemm: post_scale needs shift-decoded weights for GEMM1 or an "
             f"fp16 GEMM2, got {decode} weights for a {operand} operand"
         )
-    if logits is not None and not (gemm1 and config.pdl and logits.shape[0] == 1):
-        raise ValueError(
-            "fragment_gemm: logits are for GEMM1 under dependent launch, for one token"
-        )
     if config.post_scale and gemm1 and x_exp is None:
         raise ValueError("fragment_gemm: post-scaled GEMM1 needs x_exp (route's prescale)")
     # A row's four e8m0 bytes of one 128-element K chunk, as one int32: [E, N / 64, 64, K / 128].
@@ -566,8 +449,6 @@ def fragment_gemm(
         _lookup_tables(a.device),
         ready if ready is not None else num_tiles,
         x_exp if x_exp is not None else num_tiles,
-        logits if logits is not None else num_tiles,
-        logits.shape[1] if logits is not None else 0,
         N,
         K,
         k_valid,
@@ -601,8 +482,6 @@ def fragment_gemm(
         MMA_IN_FLIGHT=config.in_flight,
         POST_SCALE=config.post_scale,
         SCALE_BIAS=shift_words.POST_SCALE_BIAS[operand],
-        SELF_ROUTE=logits is not None,
-        **_route_layouts(logits.shape[1] if logits is not None else 1, config.num_warps),
         num_warps=config.num_warps,
         launch_pdl=config.pdl,
         **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
@@ -618,23 +497,6 @@ _AOT_VARIANTS = (
     (False, "bf16", "shift"),
     (False, "bf16", "prmt"),
 )
-
-
-def _aot_forms() -> list:
-    """(CONFIGS entry, GEMM1?, intermediate, decode, self-routing) of every AOT spec: each
-    config in each _AOT_VARIANTS form it takes (post-scaled configs take shift-decoded GEMM1
-    weights and fp16 GEMM2s only), and GEMM1 of the one-token config (dependent launch, GEMM2
-    waiting for the grid) routing itself too."""
-    forms = []
-    for entry in CONFIGS:
-        config = entry[1]
-        for gemm1, intermediate, decode in _AOT_VARIANTS:
-            if config.post_scale and (decode == "prmt" or not (gemm1 or intermediate == "fp16")):
-                continue  # prepare_weights' other forms take the unscaled config
-            forms.append((entry, gemm1, intermediate, decode, False))
-            if gemm1 and config.pdl and not config.tile_ready:
-                forms.append((entry, gemm1, intermediate, decode, True))
-    return forms
 
 
 def aot_specs(kind) -> list:
@@ -657,7 +519,6 @@ def aot_specs(kind) -> list:
         table_ptr="*i32",
         ready_ptr="*i32",
         x_exp_ptr="*i32",
-        logits_ptr="*fp32",
     )
     ints = (
         "N",
@@ -676,52 +537,52 @@ def aot_specs(kind) -> list:
     )
     ints += ("stride_be", "stride_om")
     specs = []
-    for (_, config), gemm1, intermediate, decode, self_route in _aot_forms():
-        signature = {
-            **pointers,
-            "a_ptr": "*bf16" if gemm1 else f"*{intermediate}",
-            "out_ptr": f"*{intermediate}" if gemm1 else "*fp32",
-            "E": "i32",  # in the kernel's argument order: after logits_ptr
-            **dict.fromkeys(ints, "i32"),
-            "ready_target": "i32",
-            "alpha": "fp32",
-            "limit": "fp32",
-        }
-        constexprs = dict(
-            TOPK=4,
-            SWIGLU=gemm1,
-            SPLIT_A=not gemm1 and intermediate == "bf16",
-            HAS_BIAS=True,
-            BLOCK_W=config.block_w,
-            BLOCK_T=config.block_t,
-            STAGES=config.stages,
-            CHUNKS=config.chunks,
-            SPLIT_K=1 if gemm1 else config.gemm2_split_k,
-            SHIFT_DECODE=decode == "shift",
-            PDL=config.pdl,
-            TILE_READY=config.tile_ready,
-            MMA_IN_FLIGHT=config.in_flight,
-            POST_SCALE=config.post_scale,
-            SCALE_BIAS=shift_words.POST_SCALE_BIAS["bf16" if gemm1 else intermediate],
-            SELF_ROUTE=self_route,
-            **_route_layouts(128, config.num_warps),
-            **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
-        )
-        gemm = "gemm1" if gemm1 else "gemm2"
-        specs.append(
-            AotSpec(
-                f"moe_wgmma_{gemm}_{intermediate}_{decode}_w{config.block_w}_t{config.block_t}"
-                f"_s{config.stages}_c{config.chunks}{'_pdl' if config.pdl else ''}"
-                f"{'_tiles' if config.tile_ready else ''}"
-                f"{'_post' if config.post_scale else ''}{'_route' if self_route else ''}",
-                _fragment_gemm_kernel,
-                signature,
-                constexprs,
-                config.num_warps,
-                1,
-                # At GPT-OSS sizes (padded to 128) every size and stride divides by 16, but
-                # for the scales' rows, 1 apart in a panel.
-                divisible=(*pointers, *(n for n in ints if n not in ("N_VALID", "stride_sn"))),
+    for _, config in CONFIGS:
+        for gemm1, intermediate, decode in _AOT_VARIANTS:
+            if config.post_scale and (decode == "prmt" or not (gemm1 or intermediate == "fp16")):
+                continue  # prepare_weights' other forms take the unscaled config
+            signature = {
+                **pointers,
+                "a_ptr": "*bf16" if gemm1 else f"*{intermediate}",
+                "out_ptr": f"*{intermediate}" if gemm1 else "*fp32",
+                **dict.fromkeys(ints, "i32"),
+                "ready_target": "i32",
+                "alpha": "fp32",
+                "limit": "fp32",
+            }
+            constexprs = dict(
+                TOPK=4,
+                SWIGLU=gemm1,
+                SPLIT_A=not gemm1 and intermediate == "bf16",
+                HAS_BIAS=True,
+                BLOCK_W=config.block_w,
+                BLOCK_T=config.block_t,
+                STAGES=config.stages,
+                CHUNKS=config.chunks,
+                SPLIT_K=1 if gemm1 else config.gemm2_split_k,
+                SHIFT_DECODE=decode == "shift",
+                PDL=config.pdl,
+                TILE_READY=config.tile_ready,
+                MMA_IN_FLIGHT=config.in_flight,
+                POST_SCALE=config.post_scale,
+                SCALE_BIAS=shift_words.POST_SCALE_BIAS["bf16" if gemm1 else intermediate],
+                **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
             )
-        )
+            gemm = "gemm1" if gemm1 else "gemm2"
+            specs.append(
+                AotSpec(
+                    f"moe_wgmma_{gemm}_{intermediate}_{decode}_w{config.block_w}_t{config.block_t}"
+                    f"_s{config.stages}_c{config.chunks}{'_pdl' if config.pdl else ''}"
+                    f"{'_tiles' if config.tile_ready else ''}"
+                    f"{'_post' if config.post_scale else ''}",
+                    _fragment_gemm_kernel,
+                    signature,
+                    constexprs,
+                    config.num_warps,
+                    1,
+                    # At GPT-OSS sizes (padded to 128) every size and stride divides by 16, but
+                    # for the scales' rows, 1 apart in a panel.
+                    divisible=(*pointers, *(n for n in ints if n not in ("N_VALID", "stride_sn"))),
+                )
+            )
     return specs
