@@ -32,21 +32,14 @@ PANELS = 360  # M=1: 4 experts x 90 panels of 64 rows
 
 
 @gluon.jit
-def stream_kernel(
-    src, out, region, num_steps, ROWS: gl.constexpr, STAGES: gl.constexpr, PAD: gl.constexpr
-):
-    """CTA p reads src[p * region :][: num_steps * ROWS * 16] int32 in steps of [ROWS, 16]."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [gl.num_warps(), 1], [1, 0])
-    smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
-    base = src + gl.program_id(0).to(gl.int64) * region + rows[:, None] * 16 + cols[None, :]
-    # PAD slots are never used: they only take shared memory, as the real kernel's buffers do.
-    ring = gl.allocate_shared_memory(gl.int32, [STAGES + PAD, ROWS, 16], smem_layout)
+def _stream_region(base, ring, acc, num_steps, ROWS: gl.constexpr, STAGES: gl.constexpr):
+    """XOR num_steps steps of [ROWS, 16] int32 from `base` (pointers of the first step) into acc
+    through the ring, with the fragment GEMM's wait / CTA barrier / issue order."""
+    layout: gl.constexpr = acc.type.layout
     for p in gl.static_range(STAGES - 1):
-        async_copy.async_copy_global_to_shared(ring.index(p), base + p * ROWS * 16)
+        if p < num_steps:
+            async_copy.async_copy_global_to_shared(ring.index(p), base + p * ROWS * 16)
         async_copy.commit_group()
-    acc = gl.zeros([ROWS, 16], gl.int32, layout)
     for it in range(STAGES - 1, num_steps + STAGES - 1):
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
@@ -55,6 +48,38 @@ def stream_kernel(
         async_copy.commit_group()
         acc = acc ^ ring.index((it - (STAGES - 1)) % STAGES).load(layout)
     async_copy.wait_group(0)
+    return acc
+
+
+@gluon.jit
+def stream_kernel(
+    src,
+    out,
+    region,
+    num_steps,
+    src2,
+    region2,
+    num_steps2,
+    ROWS: gl.constexpr,
+    STAGES: gl.constexpr,
+    PAD: gl.constexpr,
+):
+    """CTA p reads src[p * region :][: num_steps * ROWS * 16] int32 in steps of [ROWS, 16], then
+    src2[p * region2 :][: num_steps2 * ROWS * 16] through the same ring (num_steps2 = 0: none):
+    one launch streaming both GEMMs' weights, as a fused decode kernel would."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [gl.num_warps(), 1], [1, 0])
+    smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
+    offsets = rows[:, None] * 16 + cols[None, :]
+    pid = gl.program_id(0).to(gl.int64)
+    # PAD slots are never used: they only take shared memory, as the real kernel's buffers do.
+    ring = gl.allocate_shared_memory(gl.int32, [STAGES + PAD, ROWS, 16], smem_layout)
+    acc = gl.zeros([ROWS, 16], gl.int32, layout)
+    acc = _stream_region(src + pid * region + offsets, ring, acc, num_steps, ROWS, STAGES)
+    if num_steps2 > 0:
+        gl.thread_barrier()  # every warp has read the ring's last step before it is refilled
+        acc = _stream_region(src2 + pid * region2 + offsets, ring, acc, num_steps2, ROWS, STAGES)
     gl.store(out + gl.program_id(0), gl.sum(gl.sum(acc, axis=1), axis=0))
 
 
@@ -88,6 +113,9 @@ def time_shape(buffers, out, ctas, warps, step_kb, stages, pad_kb) -> tuple[floa
                 out,
                 region,
                 steps,
+                buffer,
+                0,
+                0,
                 ROWS=rows,
                 STAGES=stages,
                 PAD=pad_kb // step_kb,
@@ -98,6 +126,67 @@ def time_shape(buffers, out, ctas, warps, step_kb, stages, pad_kb) -> tuple[floa
     torch.cuda.synchronize()
     us = do_bench_cudagraph(run, rep=100) * 1e3 / len(buffers)
     return us, ctas * steps * rows * 64
+
+
+# Both GEMMs at M=1, whole 16 KB steps of 4 chunks: GEMM1 a 64-row panel of 23 chunks (6 steps,
+# the last one partly zero-filled in the GEMM), GEMM2 a split of 12 chunks (3 steps).
+CHAIN_STEPS = (6, 3)
+
+
+def time_chain(layers, out, fused: bool, stages: int = 2, pad_kb: int = 32) -> tuple[float, int]:
+    """(us per layer, bytes read) streaming each layer's (GEMM1, GEMM2) buffers with PANELS CTAs
+    of four warps and 16 KB steps: two launches (the GEMMs as they run now), or one launch whose
+    CTAs stream their GEMM1 region and then their GEMM2 region (`fused`)."""
+    rows = 256
+    steps1, steps2 = CHAIN_STEPS
+    region1, region2 = steps1 * rows * 16, steps2 * rows * 16
+    common = dict(ROWS=rows, STAGES=stages, PAD=pad_kb // 16, num_warps=4)
+
+    def run():
+        for first, second in layers:
+            if fused:
+                stream_kernel[(PANELS,)](
+                    first, out, region1, steps1, second, region2, steps2, **common
+                )
+            else:
+                stream_kernel[(PANELS,)](first, out, region1, steps1, first, 0, 0, **common)
+                stream_kernel[(PANELS,)](second, out, region2, steps2, second, 0, 0, **common)
+
+    run()
+    torch.cuda.synchronize()
+    us = do_bench_cudagraph(run, rep=100) * 1e3 / len(layers)
+    return us, PANELS * (steps1 + steps2) * rows * 64
+
+
+def chain_table(bandwidth: float) -> list[str]:
+    """Both GEMMs' weight streams at M=1 over 4 layers' distinct buffers: two launches against
+    one, with the ring of the GEMM (2 steps, 3 CTAs per SM) and a deeper one."""
+    steps1, steps2 = CHAIN_STEPS
+    layers = [
+        tuple(
+            torch.randint(0, 1 << 20, (PANELS * steps * 4096,), dtype=torch.int32, device="cuda")
+            for steps in CHAIN_STEPS
+        )
+        for _ in range(4)
+    ]
+    out = torch.empty(PANELS, dtype=torch.int32, device="cuda")
+    total = PANELS * (steps1 + steps2) * 16 * 1024
+    lines = [
+        "",
+        f"Both GEMMs at M=1: {PANELS} CTAs stream {steps1} then {steps2} steps of 16 KB each "
+        f"({total / 1e6:.1f} MB per layer, copy floor {total / bandwidth * 1e6:.2f} us), as two "
+        "launches or as one:",
+        "",
+        "| launches | ring steps | unused KB | us per layer | TB/s read |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for fused, stages, pad_kb in ((False, 2, 32), (True, 2, 32), (False, 3, 16), (True, 3, 16)):
+        us, read = time_chain(layers, out, fused, stages, pad_kb)
+        lines.append(
+            f"| {1 if fused else 2} | {stages} | {pad_kb} | {us:.2f} | {read / us / 1e6:.2f} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
 
 
 def copy_bandwidth() -> float:
@@ -131,6 +220,8 @@ def main() -> int:
         us, read = time_shape(buffers, out, *shape)
         lines.append("| " + " | ".join(map(str, shape)) + f" | {us:.2f} | {read / us / 1e6:.2f} |")
         print(lines[-1], flush=True)
+    del buffers
+    lines += chain_table(bandwidth)
     if args.out is not None:
         args.out.write_text("\n".join(lines) + "\n")
     return 0

@@ -23,10 +23,11 @@ rows = []
 for stages, pad in {RINGS!r}:
     asm = compile_for(
         bench.stream_kernel,
-        {{"src": "*i32", "out": "*i32", "region": "i32", "num_steps": "i32"}},
+        {{"src": "*i32", "out": "*i32", "region": "i32", "num_steps": "i32", "src2": "*i32",
+          "region2": "i32", "num_steps2": "i32"}},
         dict(ROWS=256, STAGES=stages, PAD=pad),
         "sm_90",
-        divisible=("src", "out", "region"),
+        divisible=("src", "out", "region", "src2", "region2"),
     )
     rows.append(("cp.async.cg.shared.global" in asm["ptx"], asm["shared"]))
 print(json.dumps(dict(rows=rows, shapes=bench.SHAPES, panel_bytes=bench.PANEL_CHUNKS
