@@ -25,8 +25,7 @@ class FragmentConfig:
     post_scale: raw weight halves into the MMA against block-diagonal activations (wgmma's N is
     4 * block_t), the e8m0 factors applied to fp32 partials (fragment_steps.post_scaled_step;
     shift-decoded weights with an fp16 intermediate only, else moe_forward falls back to
-    scaled fragments); fused: both GEMMs in one launch where the grid stays resident
-    (fused_decode.py; else the two kernels, which need tile_ready's counters as well)."""
+    scaled fragments)."""
 
     block_w: int
     block_t: int
@@ -38,7 +37,6 @@ class FragmentConfig:
     tile_ready: bool = False
     mma_in_flight: int | None = None
     post_scale: bool = False
-    fused: bool = False
 
     def __post_init__(self) -> None:
         # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
@@ -50,8 +48,6 @@ class FragmentConfig:
             raise ValueError("FragmentConfig: post_scale keeps one or two chunks' wgmmas in flight")
         if self.tile_ready and not self.pdl:
             raise ValueError("FragmentConfig: tile_ready needs pdl")
-        if self.fused and not (self.tile_ready and self.post_scale):
-            raise ValueError("FragmentConfig: fused needs tile_ready and post_scale")
         if not 1 <= self.in_flight <= self.chunks:
             raise ValueError(
                 f"FragmentConfig: mma_in_flight {self.mma_in_flight} not in [1, chunks]"
@@ -83,17 +79,7 @@ CONFIGS = (
     (
         4,
         FragmentConfig(
-            64,
-            2,
-            4,
-            2,
-            gemm2_split_k=2,
-            chunks=4,
-            pdl=True,
-            tile_ready=True,
-            mma_in_flight=2,
-            post_scale=True,
-            fused=True,
+            64, 2, 4, 2, gemm2_split_k=2, chunks=4, pdl=True, mma_in_flight=2, post_scale=True
         ),
     ),
     # M=4 / 16: GEMM2 waits for GEMM1 tile by tile (it starts in GEMM1's last wave), one
@@ -142,7 +128,7 @@ def pick_fragment_config(num_pairs: int, post_scalable: bool = True) -> Fragment
 def _scaled_fragments(config: FragmentConfig) -> FragmentConfig:
     """A post-scaled config's scaled-fragment form: 8-token tiles (wgmma's N without the four
     block-diagonal groups), built once per config rather than per call."""
-    return dataclasses.replace(config, post_scale=False, fused=False, block_t=8)
+    return dataclasses.replace(config, post_scale=False, block_t=8)
 
 
 def gemm2_splits(requested: int, K: int) -> int:

@@ -145,7 +145,6 @@ def _route(
 def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk_ids, alpha, limit):
     """moe_forward on Hopper with weights prepared in fragment order (bf16 activations)."""
     from .fragment_config import gemm2_splits, pick_fragment_config
-    from .fused_decode import fused_decode
     from .wgmma_gemm import fragment_gemm
 
     # The SwiGLU intermediate: fp16 where prepare_weights laid w2 out to decode to fp16 (one MMA
@@ -192,46 +191,41 @@ def _forward_fragment(x, prepared, top_k, out, router_logits, topk_weights, topk
         act = torch.empty(rows, Ip, dtype=torch.float16, device=x.device)
     else:
         act = torch.empty(rows, 2 * Ip, dtype=torch.bfloat16, device=x.device)
+    fragment_gemm(
+        x if prescale is None else prescale[1],
+        prepared["w13"],
+        prepared["w13_scale"],
+        prepared["w13_bias"],
+        act,
+        routing,
+        gemm1=True,
+        decode=prepared["w13_decode"],
+        k_valid=H,
+        n_valid=2 * I,
+        config=config,
+        ready=ready,
+        x_exp=None if prescale is None else prescale[2],
+        alpha=alpha,
+        limit=limit,
+    )
     splits = gemm2_splits(config.gemm2_split_k, Ip)
     y = torch.empty(M * top_k * splits, H, dtype=torch.float32, device=x.device)
-    x_exp = None if prescale is None else prescale[2]
-    fused = config.fused and fused_decode(
-        prescale[1], prepared, act, y, routing, config, ready, x_exp, alpha, limit
+    fragment_gemm(
+        act,
+        prepared["w2"],
+        prepared["w2_scale"],
+        prepared["w2_bias"],
+        y,
+        routing,
+        gemm1=False,
+        decode=prepared["w2_decode"],
+        k_valid=I,  # GEMM1 wrote channels up to I only; the rest are zero-filled
+        n_valid=H,
+        config=config,
+        split_k=splits,
+        ready=ready,
+        ready_target=-(-2 * I // config.block_w),  # GEMM1's CTAs per tile
     )
-    if not fused:
-        fragment_gemm(
-            x if prescale is None else prescale[1],
-            prepared["w13"],
-            prepared["w13_scale"],
-            prepared["w13_bias"],
-            act,
-            routing,
-            gemm1=True,
-            decode=prepared["w13_decode"],
-            k_valid=H,
-            n_valid=2 * I,
-            config=config,
-            ready=ready,
-            x_exp=x_exp,
-            alpha=alpha,
-            limit=limit,
-        )
-        fragment_gemm(
-            act,
-            prepared["w2"],
-            prepared["w2_scale"],
-            prepared["w2_bias"],
-            y,
-            routing,
-            gemm1=False,
-            decode=prepared["w2_decode"],
-            k_valid=I,  # GEMM1 wrote channels up to I only; the rest are zero-filled
-            n_valid=H,
-            config=config,
-            split_k=splits,
-            ready=ready,
-            ready_target=-(-2 * I // config.block_w),  # GEMM1's CTAs per tile
-        )
     # A token's rows: its top_k pairs, each in `splits` consecutive partial rows.
     combine(y, out, top_k=top_k * splits, pdl=config.pdl)
     return out

@@ -104,6 +104,13 @@ def _fragment_gemm_kernel(
     words_step_layout: gl.constexpr,
     scales_step_layout: gl.constexpr,
 ):
+    pid = gl.program_id(0)
+    # Row blocks of the real rows only: GEMM1's rows past 2I are zero padding (their SwiGLU
+    # columns are zero-filled by GEMM2's copies, never written).
+    num_w = gl.cdiv(N_VALID, BLOCK_W)
+    split = pid % SPLIT_K
+    tile = pid // SPLIT_K // num_w
+    pid_w = pid // SPLIT_K % num_w
     if PDL:
         # Programmatic dependent launch: GEMM1 follows the routing kernel, whose outputs it
         # reads from here on. GEMM2 launches once every GEMM1 CTA got here, so the routing
@@ -113,174 +120,6 @@ def _fragment_gemm_kernel(
         if SWIGLU:
             gdc_wait()
         gdc_launch_dependents()
-    # The ring: STAGES steps of CHUNKS K chunks (128 columns) each. A step's activations are
-    # one [MMA_N, CHUNKS * 128] tile; its chunk c of words and scales is buffer s * CHUNKS + c
-    # (the copy sees each step as one [CHUNKS, ...] view: fragment_steps.step_view).
-    ring = allocate_ring(
-        a_ptr.dtype.element_ty,
-        BLOCK_W,
-        4 * BLOCK_T if POST_SCALE else BLOCK_T,
-        STAGES,
-        CHUNKS,
-        SPLIT_A,
-        smem_layout,
-        words_smem_layout,
-        scales_smem_layout,
-    )
-    tile_gemm(
-        gl.program_id(0),
-        ring,
-        a_ptr,
-        w_ptr,
-        ws_ptr,
-        bias_ptr,
-        out_ptr,
-        route_w_ptr,
-        sorted_ptr,
-        tiles_ptr,
-        num_tiles_ptr,
-        table_ptr,
-        ready_ptr,
-        x_exp_ptr,
-        N,
-        K,
-        K_VALID,
-        N_VALID,
-        stride_am,
-        stride_we,
-        stride_wp,
-        stride_wn,
-        stride_wc,
-        stride_se,
-        stride_sp,
-        stride_sn,
-        stride_sc,
-        stride_be,
-        stride_om,
-        ready_target,
-        alpha,
-        limit,
-        TOPK,
-        SWIGLU,
-        SPLIT_A,
-        HAS_BIAS,
-        BLOCK_W,
-        BLOCK_T,
-        STAGES,
-        CHUNKS,
-        SPLIT_K,
-        SHIFT_DECODE,
-        PDL,
-        TILE_READY,
-        MMA_IN_FLIGHT,
-        POST_SCALE,
-        SCALE_BIAS,
-        mma,
-        dot_a,
-        words_layout,
-        copy_layout,
-        words_copy,
-        scales_copy,
-        words_step_layout,
-        scales_step_layout,
-    )
-
-
-@gluon.jit
-def allocate_ring(
-    a_dtype: gl.constexpr,
-    BLOCK_W: gl.constexpr,
-    MMA_N: gl.constexpr,
-    STAGES: gl.constexpr,
-    CHUNKS: gl.constexpr,
-    SPLIT_A: gl.constexpr,
-    smem_layout: gl.constexpr,
-    words_smem_layout: gl.constexpr,
-    scales_smem_layout: gl.constexpr,
-):
-    """The cp.async ring's buffers (act, act_lo, ring_words, ring_scales) for tile_gemm."""
-    act = gl.allocate_shared_memory(a_dtype, [STAGES, MMA_N, CHUNKS * 128], smem_layout)
-    act_lo = gl.allocate_shared_memory(
-        a_dtype, [STAGES if SPLIT_A else 1, MMA_N, CHUNKS * 128], smem_layout
-    )
-    ring_words = gl.allocate_shared_memory(
-        gl.int32, [STAGES * CHUNKS, BLOCK_W, 16], words_smem_layout
-    )
-    ring_scales = gl.allocate_shared_memory(
-        gl.int32, [STAGES * CHUNKS, BLOCK_W], scales_smem_layout
-    )
-    return act, act_lo, ring_words, ring_scales
-
-
-@gluon.jit
-def tile_gemm(
-    pid,
-    ring,
-    a_ptr,
-    w_ptr,
-    ws_ptr,
-    bias_ptr,
-    out_ptr,
-    route_w_ptr,
-    sorted_ptr,
-    tiles_ptr,
-    num_tiles_ptr,
-    table_ptr,
-    ready_ptr,
-    x_exp_ptr,
-    N,
-    K,
-    K_VALID,
-    N_VALID,
-    stride_am,
-    stride_we,
-    stride_wp,
-    stride_wn,
-    stride_wc,
-    stride_se,
-    stride_sp,
-    stride_sn,
-    stride_sc,
-    stride_be,
-    stride_om,
-    ready_target,
-    alpha,
-    limit,
-    TOPK: gl.constexpr,
-    SWIGLU: gl.constexpr,
-    SPLIT_A: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    BLOCK_W: gl.constexpr,
-    BLOCK_T: gl.constexpr,
-    STAGES: gl.constexpr,
-    CHUNKS: gl.constexpr,
-    SPLIT_K: gl.constexpr,
-    SHIFT_DECODE: gl.constexpr,
-    PDL: gl.constexpr,
-    TILE_READY: gl.constexpr,
-    MMA_IN_FLIGHT: gl.constexpr,
-    POST_SCALE: gl.constexpr,
-    SCALE_BIAS: gl.constexpr,
-    mma: gl.constexpr,
-    dot_a: gl.constexpr,
-    words_layout: gl.constexpr,
-    copy_layout: gl.constexpr,
-    words_copy: gl.constexpr,
-    scales_copy: gl.constexpr,
-    words_step_layout: gl.constexpr,
-    scales_step_layout: gl.constexpr,
-):
-    """One CTA's work item `pid` of the fragment GEMM (GEMM1 with SWIGLU, else GEMM2) in the
-    shared memory `ring` = (act, act_lo, ring_words, ring_scales), allocated by the kernel (so
-    that a fused kernel runs both GEMMs in one allocation). Arguments as _fragment_gemm_kernel."""
-    act, act_lo, ring_words, ring_scales = ring
-    MMA_N: gl.constexpr = 4 * BLOCK_T if POST_SCALE else BLOCK_T
-    # Row blocks of the real rows only: GEMM1's rows past 2I are zero padding (their SwiGLU
-    # columns are zero-filled by GEMM2's copies, never written).
-    num_w = gl.cdiv(N_VALID, BLOCK_W)
-    split = pid % SPLIT_K
-    tile = pid // SPLIT_K // num_w
-    pid_w = pid // SPLIT_K % num_w
     # The routing outputs this CTA reads, all at once rather than one latency after another:
     # the buffers hold max_tiles tiles, so the reads past num_tiles stay in bounds.
     num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
@@ -288,6 +127,7 @@ def tile_gemm(
     row_end = gl.load(tiles_ptr + 2 * tile + 1, cache_modifier=".cg")
     # Activation rows of this tile (B operand), in the copy layout: the MMA's columns, one per
     # token, or with POST_SCALE four groups of the tile's tokens (fragment_steps.post_scaled_step).
+    MMA_N: gl.constexpr = 4 * BLOCK_T if POST_SCALE else BLOCK_T
     mma_col = gl.arange(0, MMA_N, layout=gl.SliceLayout(1, copy_layout))
     offs_t = tile * BLOCK_T + mma_col % BLOCK_T
     if SWIGLU:
@@ -304,6 +144,21 @@ def tile_gemm(
     per_split = gl.cdiv(K // 128, SPLIT_K)
     k_first = split * per_split
     num_k = gl.minimum(per_split, K // 128 - k_first)
+    a_dtype: gl.constexpr = a_ptr.dtype.element_ty
+    # The ring: STAGES steps of CHUNKS K chunks (128 columns) each. A step's activations are
+    # one [BLOCK_T, CHUNKS * 128] tile; its chunk c of words and scales is buffer s * CHUNKS + c
+    # (the copy sees each step as one [CHUNKS, ...] view: fragment_steps.step_view).
+    act = gl.allocate_shared_memory(a_dtype, [STAGES, MMA_N, CHUNKS * 128], smem_layout)
+    act_lo = gl.allocate_shared_memory(
+        a_dtype, [STAGES if SPLIT_A else 1, MMA_N, CHUNKS * 128], smem_layout
+    )
+    ring_words = gl.allocate_shared_memory(
+        gl.int32, [STAGES * CHUNKS, BLOCK_W, 16], words_smem_layout
+    )
+    ring_scales = gl.allocate_shared_memory(
+        gl.int32, [STAGES * CHUNKS, BLOCK_W], scales_smem_layout
+    )
+
     # This CTA's weight rows: 16 words (one K chunk) and one scale word (its four e8m0 bytes)
     # per row and chunk (row r at panel r // 64, row r % 64 of it: strides _wp / _sp, _wn / _sn;
     # chunks: _wc / _sc), through the cp.async ring with the activations. The ring keeps
@@ -494,27 +349,16 @@ def tile_gemm(
 
 
 @functools.cache
-def layouts(block_w: int, block_t: int, num_warps: int, chunks: int) -> dict:
+def _layouts(block_w: int, block_t: int, num_warps: int, chunks: int) -> dict:
     from .fragment_layout import kernel_layouts
 
     return kernel_layouts(block_w, block_t, num_warps, chunks)
 
 
 @functools.cache
-def lookup_tables(device: torch.device) -> torch.Tensor:
+def _lookup_tables(device: torch.device) -> torch.Tensor:
     words = [w - (1 << 32) if w >= 1 << 31 else w for w in LOOKUP_TABLE_WORDS]
     return torch.tensor(words, dtype=torch.int32, device=device)
-
-
-def panel_operands(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's views of prepared weights: words [E, N / 64, 64, K / 128, 16] int32 and a
-    row's four e8m0 bytes of each 128-element K chunk as one int32 [E, N / 64, 64, K / 128]
-    (row-major [E, N, K / 8] words and [E, N, K / 32] scales are taken too)."""
-    if w.dim() == 3:
-        w, w_scale = panel_view(w), panel_view(w_scale)
-    if w.stride(4) != 1 or w_scale.stride(4) != 1:
-        raise ValueError("fragment_gemm: a chunk's words (scale bytes) of a row must be contiguous")
-    return w, w_scale.view(torch.int32)[..., 0]
 
 
 def fragment_gemm(
@@ -557,7 +401,10 @@ def fragment_gemm(
     clears it):
     GEMM1's CTAs count themselves in per tile when their rows are stored, and GEMM2's CTAs
     start a tile once its count reaches ready_target (GEMM1's CTAs per tile)."""
-    w, scale_words = panel_operands(w, w_scale)
+    if w.dim() == 3:
+        w, w_scale = panel_view(w), panel_view(w_scale)
+    if w.stride(4) != 1 or w_scale.stride(4) != 1:
+        raise ValueError("fragment_gemm: a chunk's words (scale bytes) of a row must be contiguous")
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
     if split_k != 1 and (gemm1 or split_k != gemm2_splits(split_k, K)):
         raise ValueError(f"fragment_gemm: split_k {split_k} for GEMM{1 if gemm1 else 2}")
@@ -586,6 +433,8 @@ def fragment_gemm(
         )
     if config.post_scale and gemm1 and x_exp is None:
         raise ValueError("fragment_gemm: post-scaled GEMM1 needs x_exp (route's prescale)")
+    # A row's four e8m0 bytes of one 128-element K chunk, as one int32: [E, N / 64, 64, K / 128].
+    scale_words = w_scale.view(torch.int32)[..., 0]
     grid = (max_tiles * -(-n_valid // config.block_w) * split_k,)
     _fragment_gemm_kernel[grid](
         a,
@@ -597,7 +446,7 @@ def fragment_gemm(
         sorted_pairs,
         tiles,
         num_tiles,
-        lookup_tables(a.device),
+        _lookup_tables(a.device),
         ready if ready is not None else num_tiles,
         x_exp if x_exp is not None else num_tiles,
         N,
@@ -635,7 +484,7 @@ def fragment_gemm(
         SCALE_BIAS=shift_words.POST_SCALE_BIAS[operand],
         num_warps=config.num_warps,
         launch_pdl=config.pdl,
-        **layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
+        **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
     )
 
 
@@ -717,7 +566,7 @@ def aot_specs(kind) -> list:
                 MMA_IN_FLIGHT=config.in_flight,
                 POST_SCALE=config.post_scale,
                 SCALE_BIAS=shift_words.POST_SCALE_BIAS["bf16" if gemm1 else intermediate],
-                **layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
+                **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
             )
             gemm = "gemm1" if gemm1 else "gemm2"
             specs.append(
