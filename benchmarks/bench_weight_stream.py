@@ -8,6 +8,9 @@ CTAs per SM where the real kernel's shared memory holds them. The time against t
 (bytes over the device-to-device copy bandwidth) tells how much of the GEMM's own time its
 memory pattern explains; the rest is its decode, MMA and latency chain.
 
+The last table streams both GEMMs' bytes at M=1 (GEMM1's panel, then GEMM2's split share per
+CTA) as two launches, as the GEMMs run, and as one, as a fused decode kernel would.
+
     python3 benchmarks/bench_weight_stream.py [--out FILE.md]
 
 Timed with CUDA graphs over four distinct buffers (L2-cold), per kernel.
