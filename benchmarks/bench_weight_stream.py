@@ -134,13 +134,14 @@ def time_shape(buffers, out, ctas, warps, step_kb, stages, pad_kb) -> tuple[floa
 # Both GEMMs at M=1, whole 16 KB steps of 4 chunks: GEMM1 a 64-row panel of 23 chunks (6 steps,
 # the last one partly zero-filled in the GEMM), GEMM2 a split of 12 chunks (3 steps).
 CHAIN_STEPS = (6, 3)
+CHAIN_STEP_ROWS = 256  # rows of 16 int32 words: 16 KB steps
 
 
 def time_chain(layers, out, fused: bool, stages: int = 2, pad_kb: int = 32) -> tuple[float, int]:
     """(us per layer, bytes read) streaming each layer's (GEMM1, GEMM2) buffers with PANELS CTAs
     of four warps and 16 KB steps: two launches (the GEMMs as they run now), or one launch whose
     CTAs stream their GEMM1 region and then their GEMM2 region (`fused`)."""
-    rows = 256
+    rows = CHAIN_STEP_ROWS
     steps1, steps2 = CHAIN_STEPS
     region1, region2 = steps1 * rows * 16, steps2 * rows * 16
     common = dict(ROWS=rows, STAGES=stages, PAD=pad_kb // 16, num_warps=4)
@@ -167,13 +168,19 @@ def chain_table(bandwidth: float) -> list[str]:
     steps1, steps2 = CHAIN_STEPS
     layers = [
         tuple(
-            torch.randint(0, 1 << 20, (PANELS * steps * 4096,), dtype=torch.int32, device="cuda")
+            torch.randint(
+                0,
+                1 << 20,
+                (PANELS * steps * CHAIN_STEP_ROWS * 16,),
+                dtype=torch.int32,
+                device="cuda",
+            )
             for steps in CHAIN_STEPS
         )
         for _ in range(4)
     ]
     out = torch.empty(PANELS, dtype=torch.int32, device="cuda")
-    total = PANELS * (steps1 + steps2) * 16 * 1024
+    total = PANELS * (steps1 + steps2) * CHAIN_STEP_ROWS * 64
     lines = [
         "",
         f"Both GEMMs at M=1: {PANELS} CTAs stream {steps1} then {steps2} steps of 16 KB each "
