@@ -8,8 +8,11 @@ CTAs per SM where the real kernel's shared memory holds them. The time against t
 (bytes over the device-to-device copy bandwidth) tells how much of the GEMM's own time its
 memory pattern explains; the rest is its decode, MMA and latency chain.
 
-The last table streams both GEMMs' bytes at M=1 (GEMM1's panel, then GEMM2's split share per
-CTA) as two launches, as the GEMMs run, and as one, as a fused decode kernel would.
+The chain table streams both GEMMs' bytes at M=1 (GEMM1's panel, then GEMM2's split share per
+CTA) as two launches, as the GEMMs run, and as one, as a fused decode kernel would. The last
+table streams them in one launch with the tensor memory accelerator instead (`tma_stream_kernel`:
+one thread issues each 16 KB step, an mbarrier per ring slot), with deeper rings and persistent
+grids, to tell whether the copy engine or the ring bounds a fused kernel's stream.
 
     python3 benchmarks/bench_weight_stream.py [--out FILE.md]
 
@@ -27,6 +30,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.testing import do_bench, do_bench_cudagraph
 
 PANEL_CHUNKS = 23  # GPT-OSS-120B GEMM1: K = 2880 padded to 23 chunks of 128
@@ -164,7 +169,8 @@ def time_chain(layers, out, fused: bool, stages: int = 2, pad_kb: int = 32) -> t
 
 def chain_table(bandwidth: float) -> list[str]:
     """Both GEMMs' weight streams at M=1 over 4 layers' distinct buffers: two launches against
-    one, with the ring of the GEMM (2 steps, 3 CTAs per SM) and a deeper one."""
+    one, with the ring of the GEMM (2 steps, 3 CTAs per SM) and a deeper one; then the same
+    bytes by TMA (tma_chain_table)."""
     steps1, steps2 = CHAIN_STEPS
     layers = [
         tuple(
@@ -195,6 +201,101 @@ def chain_table(bandwidth: float) -> list[str]:
         lines.append(
             f"| {1 if fused else 2} | {stages} | {pad_kb} | {us:.2f} | {read / us / 1e6:.2f} |"
         )
+        print(lines[-1], flush=True)
+    return lines + tma_chain_table(layers, out, bandwidth)
+
+
+@gluon.jit
+def _issue_tma_step(desc1, desc2, ring, ready, step, pid, steps1, steps2, STAGES: gl.constexpr):
+    """Step `step` of this CTA's sequence (its steps1 steps of desc1's rows, then steps2 of
+    desc2's) into ring slot step % STAGES, signalling that slot's barrier when it lands."""
+    ROWS: gl.constexpr = desc1.block_type.shape[0]
+    slot = step % STAGES
+    mbarrier.expect(ready.index(slot), ROWS * 64)
+    if step < steps1:
+        row = (pid * steps1 + step) * ROWS
+        tma.async_copy_global_to_shared(desc1, [row, 0], ready.index(slot), ring.index(slot))
+    else:
+        row = (pid * steps2 + step - steps1) * ROWS
+        tma.async_copy_global_to_shared(desc2, [row, 0], ready.index(slot), ring.index(slot))
+
+
+@gluon.jit
+def tma_stream_kernel(desc1, desc2, out, steps1, steps2, STAGES: gl.constexpr):
+    """CTA p reads its steps1 steps of [ROWS, 16] int32 from desc1 (rows p * steps1 * ROWS ..),
+    then its steps2 steps from desc2, by TMA through a ring of STAGES slots, all of them in
+    flight: a slot is refilled as soon as every warp has XORed it."""
+    ROWS: gl.constexpr = desc1.block_type.shape[0]
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [gl.num_warps(), 1], [1, 0])
+    pid = gl.program_id(0)
+    ring = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 16], desc1.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(STAGES):
+        mbarrier.init(ready.index(b), count=1)
+    fence_async_shared()  # the barriers' init before the copy engine signals them
+    total = steps1 + steps2
+    for p in gl.static_range(STAGES):
+        if p < total:
+            _issue_tma_step(desc1, desc2, ring, ready, p, pid, steps1, steps2, STAGES)
+    acc = gl.zeros([ROWS, 16], gl.int32, layout)
+    for step in range(total):
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        acc = acc ^ ring.index(slot).load(layout)
+        gl.thread_barrier()  # every warp has read the slot before the copy engine refills it
+        if step + STAGES < total:
+            fence_async_shared()
+            _issue_tma_step(desc1, desc2, ring, ready, step + STAGES, pid, steps1, steps2, STAGES)
+    gl.store(out + pid, gl.sum(gl.sum(acc, axis=1), axis=0))
+
+
+# The TMA form of the chain, in one launch: (CTAs, panels per CTA, ring steps). 360 CTAs as
+# the GEMMs (3 per SM), then 120 (one per SM) streaming three panels' worth each.
+TMA_SHAPES = ((PANELS, 1, 2), (PANELS, 1, 3), (PANELS, 1, 4), (PANELS // 3, 3, 4))
+TMA_SHAPES += ((PANELS // 3, 3, 8), (PANELS // 3, 3, 12))
+
+
+# A TMA step lands as the plain row-major tile the cp.async ring holds (no swizzle).
+STEP_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def step_descriptor(buffer: torch.Tensor) -> TensorDescriptor:
+    """A TMA descriptor over `buffer` as rows of 16 int32 words, one 16 KB step per copy."""
+    return TensorDescriptor.from_tensor(buffer.view(-1, 16), [CHAIN_STEP_ROWS, 16], STEP_LAYOUT)
+
+
+def time_tma_chain(descriptors, out, ctas: int, panels: int, stages: int) -> float:
+    """us per layer streaming each layer's (GEMM1, GEMM2) descriptors with `ctas` CTAs of four
+    warps, each taking `panels` GEMM1 panels' steps and as many GEMM2 shares."""
+    steps1, steps2 = CHAIN_STEPS
+
+    def run():
+        for desc1, desc2 in descriptors:
+            tma_stream_kernel[(ctas,)](
+                desc1, desc2, out, panels * steps1, panels * steps2, STAGES=stages, num_warps=4
+            )
+
+    run()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(run, rep=100) * 1e3 / len(descriptors)
+
+
+def tma_chain_table(layers, out, bandwidth: float) -> list[str]:
+    """Both GEMMs' streams at M=1 in one launch by TMA, over the chain table's buffers."""
+    steps1, steps2 = CHAIN_STEPS
+    total = PANELS * (steps1 + steps2) * CHAIN_STEP_ROWS * 64
+    descriptors = [(step_descriptor(first), step_descriptor(second)) for first, second in layers]
+    lines = [
+        "",
+        f"Both GEMMs at M=1 in one launch by TMA ({total / 1e6:.1f} MB per layer, copy floor "
+        f"{total / bandwidth * 1e6:.2f} us):",
+        "",
+        "| CTAs | panels per CTA | ring steps | us per layer | TB/s read |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for ctas, panels, stages in TMA_SHAPES:
+        us = time_tma_chain(descriptors, out, ctas, panels, stages)
+        lines.append(f"| {ctas} | {panels} | {stages} | {us:.2f} | {total / us / 1e6:.2f} |")
         print(lines[-1], flush=True)
     return lines
 
