@@ -91,6 +91,14 @@ def stream_kernel(
     gl.store(out + gl.program_id(0), gl.sum(gl.sum(acc, axis=1), axis=0))
 
 
+def graph_us(run, buffer_sets: int) -> float:
+    """CUDA-graph time of `run` in us, per buffer set (layer) it streams; run once before the
+    graph so that its kernels are compiled outside it."""
+    run()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(run, rep=100) * 1e3 / buffer_sets
+
+
 # (CTAs, warps, step KB, ring steps, unused KB): GEMM1's shape at M=1 first (360 CTAs, 16 KB
 # steps, two of them, ~50 KB of shared memory: 3 CTAs per SM), then deeper rings, more and
 # fewer CTAs per SM, and persistent grids.
@@ -130,9 +138,7 @@ def time_shape(buffers, out, ctas, warps, step_kb, stages, pad_kb) -> tuple[floa
                 num_warps=warps,
             )
 
-    run()
-    torch.cuda.synchronize()
-    us = do_bench_cudagraph(run, rep=100) * 1e3 / len(buffers)
+    us = graph_us(run, len(buffers))
     return us, ctas * steps * rows * 64
 
 
@@ -161,9 +167,7 @@ def time_chain(layers, out, fused: bool, stages: int = 2, pad_kb: int = 32) -> t
                 stream_kernel[(PANELS,)](first, out, region1, steps1, first, 0, 0, **common)
                 stream_kernel[(PANELS,)](second, out, region2, steps2, second, 0, 0, **common)
 
-    run()
-    torch.cuda.synchronize()
-    us = do_bench_cudagraph(run, rep=100) * 1e3 / len(layers)
+    us = graph_us(run, len(layers))
     return us, PANELS * (steps1 + steps2) * rows * 64
 
 
@@ -275,9 +279,7 @@ def time_tma_chain(descriptors, out, ctas: int, panels: int, stages: int) -> flo
                 desc1, desc2, out, panels * steps1, panels * steps2, STAGES=stages, num_warps=4
             )
 
-    run()
-    torch.cuda.synchronize()
-    return do_bench_cudagraph(run, rep=100) * 1e3 / len(descriptors)
+    return graph_us(run, len(descriptors))
 
 
 def tma_chain_table(layers, out, bandwidth: float) -> list[str]:
