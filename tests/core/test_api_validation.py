@@ -418,7 +418,7 @@ def test_moe_apply_errors():
             r"topk_weights has strides \[1, 3\], expected contiguous",
         ),
         (dict(weights=w), TypeError, "weights is MoEWeights, expected the PreparedMoEWeights"),
-        (dict(plan="reference.moe"), TypeError, "plan is str, expected MoEPlan"),
+        (dict(plan="reference.moe_apply"), TypeError, "plan is str, expected MoEPlan"),
     ]
     for over, exc, match in cases:
         args = dict(plan=plan, x=x, weights=prepared, router_logits=logits)

@@ -23,12 +23,12 @@ def test_report_shows_platform_kernels_and_gpt_oss_selection(capsys):
         "mha_extend_with_kvcache",
         "mha_decode_with_kvcache",
         "kvcache_store",
-        "moe",
+        "moe_apply",
     ):
         assert f"  {op}:" in out
     assert "gpt-oss-120b on this platform" in out
     assert "decode (sliding window)" in out and "-> reference.mha_decode_with_kvcache" in out
-    assert "moe prefill batch (M<=8192)" in out and "-> reference.moe" in out
+    assert "moe prefill batch (M<=8192)" in out and "-> reference.moe_apply" in out
 
 
 def test_report_on_a_faked_platform(capsys):
@@ -76,7 +76,7 @@ def test_explain_bad_heads_is_an_error(capsys):
 
 def test_console_script_runs():
     done = subprocess.run(
-        [sys.executable, "-m", "tokenspeed_kernel.cli", "explain", "moe"],
+        [sys.executable, "-m", "tokenspeed_kernel.cli", "explain", "moe_apply"],
         capture_output=True,
         text=True,
         timeout=120,

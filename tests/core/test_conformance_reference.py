@@ -112,16 +112,16 @@ class _NoSecondBias(ReferenceMoE):
 
 
 class _WrongName(ReferenceMoE):
-    pass  # prepare_weights returns weights labelled "reference.moe"
+    pass  # prepare_weights returns weights labelled "reference.moe_apply"
 
 
 def test_wrong_moe_kernel_fails():
-    case = _case("moe", "moe-mxfp4-bf16-bias-logits")
-    with temporary_kernel("moe", "wrong.moe", _NoSecondBias()) as spec:
+    case = _case("moe_apply", "moe-mxfp4-bf16-bias-logits")
+    with temporary_kernel("moe_apply", "wrong.moe", _NoSecondBias()) as spec:
         result = run_case(spec, case, "cpu")
         assert not result.ok and result.name == "out" and result.num_bad > 0
-    with temporary_kernel("moe", "wrong.moe.name", _WrongName()) as spec:
-        with pytest.raises(RuntimeError, match="returned weights for reference.moe"):
+    with temporary_kernel("moe_apply", "wrong.moe.name", _WrongName()) as spec:
+        with pytest.raises(RuntimeError, match="returned weights for reference.moe_apply"):
             run_case(spec, case, "cpu")
 
 
@@ -195,7 +195,7 @@ def test_store_and_moe_cases_cover_the_contract():
     assert {torch.bfloat16, torch.float16} <= {s.dtype for s in store}
     assert any(s.cache_dtype == FP8 and s.k_scale != 1.0 for s in store)
     assert any(s.skip for s in store) and any(s.skip == s.num_tokens for s in store)
-    moe = _features("moe")
+    moe = _features("moe_apply")
     assert {s.weight_format for s in moe} == {"mxfp4", "fp8", "bf16"}
     assert {(s.activation_format, s.static_scales) for s in moe} >= {
         ("bf16", False),
@@ -215,7 +215,7 @@ def test_preset_cases_have_the_model_shapes():
     }
     assert {c.request.window_left for c in cases} == {-1, 127}
     assert {len(c.shape.seqlens) for c in cases} >= {1, 16, 64}
-    moe = preset_cases("moe", "gpt-oss-20b")
+    moe = preset_cases("moe_apply", "gpt-oss-20b")
     assert {(c.request.num_experts, c.request.top_k, c.request.hidden_size) for c in moe} == {
         (32, 4, 2880)
     }

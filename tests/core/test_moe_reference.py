@@ -237,7 +237,7 @@ def make_config(case: Case) -> MoEConfig:
 def make_plan(config: MoEConfig, m: int) -> MoEPlan:
     return MoEPlan(
         config=config,
-        kernel="reference.moe",
+        kernel="reference.moe_apply",
         reason="test",
         weight_layout="checkpoint",
         padded_hidden_size=config.hidden_size,
@@ -353,7 +353,7 @@ def test_reference_matches_f64_oracle(case: Case):
     run_case(case)
 
 
-@pytest.mark.parametrize("case", conformance_cases("moe"), ids=str)
+@pytest.mark.parametrize("case", conformance_cases("moe_apply"), ids=str)
 def test_shared_conformance_cases_match_f64_oracle(case):
     """The shared MoE cases every backend is checked on, anchored to the float64 oracle."""
     (config, weights, x), routing = case.build("cpu")
@@ -452,7 +452,7 @@ def test_prepared_weights_do_not_alias_caller_tensors():
     config = make_config(case)
     weights = make_weights(case, torch.Generator().manual_seed(5))
     prepared = ReferenceMoE().prepare_weights(make_plan(config, 1), weights)
-    assert prepared.kernel == "reference.moe" and prepared.config == config
+    assert prepared.kernel == "reference.moe_apply" and prepared.config == config
     for name in ("w13", "w2", "w13_bias", "w2_bias"):
         assert prepared.tensors[name].dtype == torch.float32
         assert prepared.tensors[name].data_ptr() != getattr(weights, name).data_ptr()

@@ -16,6 +16,7 @@ from .ops.attention import (
 )
 from .ops.moe import (
     MoEConfig,
+    MoEKernel,
     MoEPlan,
     MoERequest,
     MoEWeights,
@@ -26,7 +27,16 @@ from .ops.moe import (
     moe_prepare_weights,
 )
 from .platform import KNOWN_PLATFORMS, Platform, PlatformSpec, fake_platform, platform_of
-from .registry import ANY, OPS, KernelSpec, Support, get_kernel, kernels, register_kernel
+from .registry import (
+    ANY,
+    KernelSpec,
+    Support,
+    declare_op,
+    get_kernel,
+    kernels,
+    op_names,
+    register_kernel,
+)
 from .selector import Explanation, explain, use_kernel
 
 __version__ = "0.1.0"
@@ -34,13 +44,13 @@ __version__ = "0.1.0"
 __all__ = [
     "ANY",
     "KNOWN_PLATFORMS",
-    "OPS",
     "AttentionRequest",
     "Candidate",
     "Explanation",
     "KVStoreRequest",
     "KernelSpec",
     "MoEConfig",
+    "MoEKernel",
     "MoEPlan",
     "MoERequest",
     "MoEWeights",
@@ -50,6 +60,7 @@ __all__ = [
     "Support",
     "SwiGLU",
     "UnsupportedError",
+    "declare_op",
     "explain",
     "fake_platform",
     "get_kernel",
@@ -58,6 +69,7 @@ __all__ = [
     "mha_decode_with_kvcache",
     "mha_extend_with_kvcache",
     "mha_prefill",
+    "op_names",
     "moe_apply",
     "moe_plan",
     "moe_prepare_weights",

@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="every op with its registered kernels").set_defaults(run=_list)
     sub.add_parser("plugins", help="plugin load results").set_defaults(run=_plugins)
     ex = sub.add_parser("explain", help="every candidate kernel for one request, and why")
-    ex.add_argument("op", choices=[*registry.OPS, "moe_apply"])
+    ex.add_argument("op", choices=registry.op_names())
     ex.add_argument("--window", action="store_true", help="a sliding-window layer")
     ex.add_argument("--q-len", type=int, default=1, help="decode tokens per sequence")
     ex.add_argument("--kv-dtype", choices=sorted(_DTYPES), help="KV cache dtype")
@@ -131,7 +131,7 @@ def _plugins(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace, traits: bool = True) -> int:
     print("operators and kernels (best first):")
-    for op in registry.OPS:
+    for op in registry.op_names():
         print(f"  {op}:")
         for spec in registry.kernels(op):
             where = ", ".join(str(p) for p in spec.platforms)
@@ -147,7 +147,7 @@ def _list(args: argparse.Namespace, traits: bool = True) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     preset = get_preset(args.preset)
-    op = "moe" if args.op == "moe_apply" else args.op
+    op = args.op
     request = _request_from_args(op, preset, args)
     explanation = explain(op, request, _this_platform())
     print(explanation)
@@ -156,7 +156,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 def _request_from_args(op: str, preset: ModelPreset, args: argparse.Namespace):
     kv_dtype = _DTYPES[args.kv_dtype] if args.kv_dtype else None
-    if op == "moe":
+    if op == "moe_apply":
         tokens = args.num_tokens or preset.decode_batch
         return preset.moe_request(
             tokens, weight_format=args.weight_format, activation_format=args.activation_format

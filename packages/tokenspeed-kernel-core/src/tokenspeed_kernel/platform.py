@@ -1,7 +1,9 @@
 """Platform detection (from a tensor's own device) and platform requirements of kernels.
 
 Nothing here touches hardware at import time: a device is queried the first time a request
-runs on it, then cached. Tests fake a platform with `fake_platform(...)`.
+runs on it, then cached. This is the only place any package reads device properties: kernels
+take their SM count, shared memory and arch from `platform_of(device)`. Tests and the
+ahead-of-time compile check fake a platform with `fake_platform(...)`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ VENDORS = ("cpu", "nvidia", "amd")
 
 @dataclass(frozen=True)
 class Platform:
-    """The silicon a request runs on. `sm_count` is SMs on NVIDIA, CUs on AMD, cores on CPU."""
+    """The silicon a request runs on. `sm_count` is SMs on NVIDIA, CUs on AMD, cores on CPU.
+    `shared_memory_bytes` is what one block (workgroup) may use, `shared_memory_per_sm_bytes`
+    what one SM (CU) holds for all its resident blocks."""
 
     vendor: str
     arch: str
@@ -28,6 +32,7 @@ class Platform:
     name: str = ""
     shared_memory_bytes: int = 0
     l2_bytes: int = 0
+    shared_memory_per_sm_bytes: int = 0
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -37,6 +42,11 @@ class Platform:
 
     def __hash__(self) -> int:
         return self._hash
+
+    @property
+    def sm(self) -> int:
+        """NVIDIA compute capability as an int (`sm_90` -> 90); 0 on other vendors."""
+        return arch_number(self.arch) or 0
 
     @property
     def capabilities(self) -> frozenset[str]:
@@ -85,11 +95,21 @@ def _capabilities(vendor: str, arch: str) -> frozenset[str]:
 # Platforms of the machines we target, for tests and for `explain` on machines we lack.
 KNOWN_PLATFORMS: dict[str, Platform] = {
     "cpu": Platform("cpu", "cpu", None, 2, "CPU"),
-    "h100": Platform("nvidia", "sm_90", 0, 132, "NVIDIA H100 80GB HBM3", 232448, 50 << 20),
-    "h200": Platform("nvidia", "sm_90", 0, 132, "NVIDIA H200", 232448, 60 << 20),
-    "b200": Platform("nvidia", "sm_100", 0, 148, "NVIDIA B200", 232448, 126 << 20),
-    "mi300x": Platform("amd", "gfx942", 0, 304, "AMD Instinct MI300X", 65536, 4 << 20),
-    "mi355x": Platform("amd", "gfx950", 0, 256, "AMD Instinct MI355X", 163840, 4 << 20),
+    "h100": Platform(
+        "nvidia", "sm_90", 0, 132, "NVIDIA H100 80GB HBM3", 232448, 50 << 20, 233472
+    ),
+    "h200": Platform("nvidia", "sm_90", 0, 132, "NVIDIA H200", 232448, 60 << 20, 233472),
+    "b200": Platform("nvidia", "sm_100", 0, 148, "NVIDIA B200", 232448, 126 << 20, 233472),
+    "mi300x": Platform("amd", "gfx942", 0, 304, "AMD Instinct MI300X", 65536, 4 << 20, 65536),
+    "mi355x": Platform(
+        "amd", "gfx950", 0, 256, "AMD Instinct MI355X", 163840, 4 << 20, 163840
+    ),
+}
+# The platform each ahead-of-time compile target is checked as.
+AOT_TARGETS: dict[str, Platform] = {
+    "sm_90": KNOWN_PLATFORMS["h100"],
+    "gfx942": KNOWN_PLATFORMS["mi300x"],
+    "gfx950": KNOWN_PLATFORMS["mi355x"],
 }
 
 _fake: Platform | None = None
@@ -143,8 +163,16 @@ def _detect(device: torch.device) -> Platform:
     else:
         vendor, arch = "nvidia", f"sm_{props.major}{props.minor}"
     shared = getattr(props, "shared_memory_per_block_optin", 0) or 0
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or 0
     l2 = getattr(props, "L2_cache_size", 0) or 0
-    return Platform(vendor, arch, index, props.multi_processor_count, props.name, shared, l2)
+    return Platform(
+        vendor, arch, index, props.multi_processor_count, props.name, shared, l2, per_sm
+    )
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run through the Triton interpreter (how a CPU runs them)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)

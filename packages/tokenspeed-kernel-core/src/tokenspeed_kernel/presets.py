@@ -109,12 +109,12 @@ def report_calls(preset: ModelPreset) -> list[tuple[str, str, object]]:
         ("kvcache_store", "kvcache_store", preset.kvcache_store_request()),
         (
             f"moe decode batch (M<={preset.decode_batch})",
-            "moe",
+            "moe_apply",
             preset.moe_request(preset.decode_batch),
         ),
         (
             f"moe prefill batch (M<={preset.prefill_batch})",
-            "moe",
+            "moe_apply",
             preset.moe_request(preset.prefill_batch),
         ),
     ]

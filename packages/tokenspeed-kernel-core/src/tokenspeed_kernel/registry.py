@@ -20,13 +20,29 @@ from .validation import dtype_name
 
 logger = logging.getLogger(__name__)
 
-OPS = (
-    "mha_prefill",
-    "mha_extend_with_kvcache",
-    "mha_decode_with_kvcache",
-    "kvcache_store",
-    "moe",
-)
+# Ops in declaration order; op families add theirs with `declare_op` when core imports them.
+_ops: dict[str, str] = {}
+_kernels: dict[str, dict[str, KernelSpec]] = {}
+
+
+def declare_op(name: str, *, summary: str) -> str:
+    """Declare a registry op (kernels register under it); returns `name`."""
+    if name in _ops:
+        raise ValueError(f"declare_op: op {name!r} is already declared")
+    _ops[name] = summary
+    _kernels[name] = {}
+    return name
+
+
+def op_names() -> tuple[str, ...]:
+    """Every declared op, in declaration order."""
+    return tuple(_ops)
+
+
+def check_op(where: str, op: object) -> str:
+    if op not in _ops:
+        raise ValueError(f"{where}: op is {op!r}, expected one of {', '.join(_ops)}")
+    return op  # type: ignore[return-value]
 
 
 class _AnyValue:
@@ -65,8 +81,10 @@ class Support:
 
 @dataclass(frozen=True, eq=False)
 class KernelSpec:
-    """One registered kernel. `fn` is what the op calls (for "moe": an object with
-    `padded_sizes`, `prepare_weights` and `apply`)."""
+    """One registered kernel. `fn` is what the op calls (for "moe_apply": an object implementing
+    `tokenspeed_kernel.ops.moe.MoEKernel`). `aot_cases` are the shapes the ahead-of-time compile
+    check (`tokenspeed-kernel aot`) runs the kernel on: keyword dicts of the op's shape class in
+    `tokenspeed_kernel.testing.inputs`, each optionally limited by `"targets": (...)`."""
 
     op: str
     name: str
@@ -77,6 +95,7 @@ class KernelSpec:
     priority: int
     dynamic_supports: Callable[[Any, Platform], Support] | None = None
     description: str = ""
+    aot_cases: tuple[Mapping[str, Any], ...] = ()
 
     def supports(self, request: Any, platform: Platform) -> Support:
         """Platform, then declared traits, then the kernel's own dynamic check."""
@@ -112,7 +131,6 @@ def describe_value(value: object) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-_kernels: dict[str, dict[str, KernelSpec]] = {op: {} for op in OPS}
 _listeners: list[Callable[[], None]] = []
 
 
@@ -133,11 +151,11 @@ def register_kernel(
     priority: int,
     supports: Callable[[Any, Platform], Support] | None = None,
     description: str = "",
+    aot_cases: Iterable[Mapping[str, Any]] = (),
     replace: bool = False,
 ) -> Callable[[Any], Any]:
     """Decorator recording `fn` as kernel `name` for `op`; returns `fn` unchanged."""
-    if op not in OPS:
-        raise ValueError(f"register_kernel: op is {op!r}, expected one of {', '.join(OPS)}")
+    check_op("register_kernel", op)
     if not name.startswith(f"{backend}."):
         raise ValueError(
             f"register_kernel: name is {name!r}, expected '<backend>.<op>[.<variant>]' "
@@ -160,7 +178,16 @@ def register_kernel(
         if existing is not None:
             del _kernels[existing.op][name]
         spec = KernelSpec(
-            op, name, backend, fn, specs, frozen_traits, priority, supports, description
+            op,
+            name,
+            backend,
+            fn,
+            specs,
+            frozen_traits,
+            priority,
+            supports,
+            description,
+            tuple(types.MappingProxyType(dict(case)) for case in aot_cases),
         )
         _kernels[op][name] = spec
         logger.debug("registered %s for %s (priority %d)", name, op, priority)
@@ -180,8 +207,7 @@ def unregister_kernel(name: str) -> None:
 
 def kernels(op: str) -> list[KernelSpec]:
     """Registered kernels of `op` (plugins loaded first), best first: (-priority, name)."""
-    if op not in _kernels:
-        raise ValueError(f"unknown op {op!r}, expected one of {', '.join(OPS)}")
+    check_op("kernels", op)
     _ensure_plugins()
     return sorted(_kernels[op].values(), key=lambda s: (-s.priority, s.name))
 

@@ -115,10 +115,10 @@ def _parse_force(raw: str) -> dict[str, str]:
         op, name = op.strip(), name.strip()
         if not sep or not name:
             raise ValueError(f"{FORCE_ENV}: entry {item!r} is not of the form op=kernel")
-        if op not in registry.OPS:
+        if op not in registry.op_names():
             raise ValueError(
                 f"{FORCE_ENV}: op {op!r} in {item!r} is unknown, expected one of "
-                f"{', '.join(registry.OPS)}"
+                f"{', '.join(registry.op_names())}"
             )
         forced[op] = name
     _parsed_env = (raw, forced)

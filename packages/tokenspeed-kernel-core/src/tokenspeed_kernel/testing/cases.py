@@ -23,7 +23,7 @@ from ..ops.attention.request import AttentionRequest, KVStoreRequest
 from ..ops.moe.request import MoERequest
 from ..platform import default_device
 from ..presets import ModelPreset, get_preset
-from ..registry import OPS
+from ..registry import op_names
 from .inputs import (
     AttentionShape,
     MoEShape,
@@ -41,7 +41,7 @@ _BUILDERS = {
     "mha_extend_with_kvcache": build_extend,
     "mha_decode_with_kvcache": build_decode,
     "kvcache_store": build_store,
-    "moe": build_moe,
+    "moe_apply": build_moe,
 }
 _FLOAT16 = (torch.bfloat16, torch.float16)
 
@@ -51,7 +51,7 @@ class Case:
     """One conformance case: `request` is what the selector sees, `shape` how inputs are drawn.
 
     `build(device, seed)` returns fresh `(args, kwargs)`: for attention ops and kvcache_store,
-    exactly the normalized arguments of `kernel.fn`; for "moe", `(config, weights, x)` and the
+    exactly the normalized arguments of `kernel.fn`; for "moe_apply", `(config, weights, x)` and the
     routing inputs (see `conformance.run_case` for the plan/prepare/apply flow).
     """
 
@@ -64,7 +64,7 @@ class Case:
     @property
     def dtype(self) -> torch.dtype:
         """The activation dtype (q, k/v, or the MoE input x)."""
-        return torch.bfloat16 if self.op == "moe" else self.shape.dtype
+        return torch.bfloat16 if self.op == "moe_apply" else self.shape.dtype
 
     def build(self, device: torch.device | str | None = None, seed: int = 0):
         device = default_device() if device is None else torch.device(device)
@@ -112,7 +112,7 @@ def moe_case(name: str, shape: MoEShape, preset: str | None = None) -> Case:
         shape.intermediate_size,
         shape.num_tokens,
     )
-    return Case(name, "moe", request, shape, preset)
+    return Case(name, "moe_apply", request, shape, preset)
 
 
 def _both_dtypes(op: str, cases: Iterable[tuple[str, AttentionShape | StoreShape]]) -> list[Case]:
@@ -216,7 +216,7 @@ _DEFAULT: dict[str, list[Case]] = {
         "mha_decode_with_kvcache", (("decode-" + n, s) for n, s in _DECODE)
     ),
     "kvcache_store": _both_dtypes("kvcache_store", (("store-" + n, s) for n, s in _STORE)),
-    "moe": [moe_case("moe-" + n, s) for n, s in _MOE],
+    "moe_apply": [moe_case("moe-" + n, s) for n, s in _MOE],
 }
 
 
@@ -234,7 +234,7 @@ def preset_cases(op: str, preset: ModelPreset | str) -> list[Case]:
         name = f"{p.name}-{label}"
         if op == "kvcache_store":
             cases.append(store_case(name, shape, p.name))
-        elif op == "moe":
+        elif op == "moe_apply":
             cases.append(moe_case(name, shape, p.name))
         else:
             cases.append(attention_case(name, op, shape, p.name))
@@ -289,7 +289,7 @@ def preset_cases(op: str, preset: ModelPreset | str) -> list[Case]:
                     skip=3,
                 ),
             )
-    elif op == "moe":
+    elif op == "moe_apply":
         for m in (1, 7) if tiny else (1, 16, 128):
             add(
                 f"moe-mxfp4-bf16-m{m}",
@@ -301,13 +301,15 @@ def preset_cases(op: str, preset: ModelPreset | str) -> list[Case]:
 def conformance_cases(
     op: str, *, preset: str | None = None, dtypes: Iterable[torch.dtype] | None = None
 ) -> list[Case]:
-    """The shared cases of `op` (an op of `tokenspeed_kernel.OPS`), plus `preset`'s shapes.
+    """The shared cases of `op` (one of `tokenspeed_kernel.op_names()`), plus `preset`'s shapes.
 
     dtypes keeps the cases whose activation dtype (`Case.dtype`) is listed; MoE cases are
     bfloat16 (the contract's only activation input dtype).
     """
-    if op not in OPS:
-        raise ValueError(f"conformance_cases: op is {op!r}, expected one of {', '.join(OPS)}")
+    if op not in op_names():
+        raise ValueError(
+            f"conformance_cases: op is {op!r}, expected one of {', '.join(op_names())}"
+        )
     cases = list(_DEFAULT[op])
     if preset is not None:
         cases += preset_cases(op, preset)

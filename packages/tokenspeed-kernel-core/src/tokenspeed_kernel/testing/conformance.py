@@ -25,7 +25,7 @@ import torch
 from ..formats.fp8 import FP8_DTYPE
 from ..ops.moe.types import MoEPlan, PreparedMoEWeights
 from ..platform import default_device, platform_of
-from ..registry import OPS, KernelSpec, Support, kernels
+from ..registry import KernelSpec, Support, kernels, op_names
 from .cases import Case, conformance_cases
 from .compare import Comparison, compare
 
@@ -131,7 +131,7 @@ def run_case(
         )
     device = resolve_device(device)
     reference = reference_spec(case.op)
-    if case.op == "moe":
+    if case.op == "moe_apply":
         return _run_moe(spec, reference, case, device, seed)
     args, kwargs = case.build(device, seed)
     ref_args, ref_kwargs = _clone(args), _clone(kwargs)
@@ -201,9 +201,9 @@ def select_kernels(
     op: str | None = None, *, backend: str | None = None, kernel: str | None = None
 ) -> list[KernelSpec]:
     """Registered kernels of `op` (every op if None), filtered by backend and a name glob."""
-    ops = OPS if op is None else (op,)
-    if op is not None and op not in OPS:
-        raise ValueError(f"unknown op {op!r}, expected one of {', '.join(OPS)}")
+    ops = op_names() if op is None else (op,)
+    if op is not None and op not in op_names():
+        raise ValueError(f"unknown op {op!r}, expected one of {', '.join(op_names())}")
     return [
         spec
         for name in ops

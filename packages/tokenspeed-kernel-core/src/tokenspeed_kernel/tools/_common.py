@@ -16,15 +16,6 @@ from typing import Any
 import torch
 
 from ..platform import default_device, platform_of
-from ..registry import OPS
-
-# The CLI accepts the public op name for MoE as well as the registry's.
-OP_ALIASES = {"moe_apply": "moe"}
-OP_CHOICES = (*OPS, *OP_ALIASES)
-
-
-def registry_op(name: str | None) -> str | None:
-    return None if name is None else OP_ALIASES.get(name, name)
 
 
 def resolve_device(name: str | None) -> torch.device:

@@ -18,14 +18,12 @@ from typing import Any
 import torch
 
 from ..presets import PRESETS
-from ..registry import OPS
+from ..registry import op_names
 from ..testing.conformance import case_support, select_kernels
 from ._common import (
-    OP_CHOICES,
     Progress,
     fmt,
     format_table,
-    registry_op,
     resolve_device,
     run_metadata,
     write_json,
@@ -46,7 +44,7 @@ def add_parser(sub) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--op", choices=OP_CHOICES, help="only this op (default: every op)")
+    p.add_argument("--op", choices=op_names(), help="only this op (default: every op)")
     p.add_argument(
         "--preset",
         dest="tool_preset",
@@ -119,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         rows = replay_rows(Path(args.replay), device, timer, roof, args.kernels)
         source = f"replay of {args.replay}"
     else:
-        ops = OPS if args.op is None else (registry_op(args.op),)
+        ops = op_names() if args.op is None else (args.op,)
         rows = _bench(ops, preset, device, timer, roof, args)
         source = f"preset {preset}"
     _print(rows)
@@ -234,7 +232,7 @@ def _bench(ops, preset: str, device, timer: Timer, roof: Roofline, args) -> list
     peers = 2 if args.peers else 0
     progress = Progress(sum(len(specs) + peers for _, specs in plan), "bench")
     weights = MoEWeightsCache(device)
-    max_tokens = max((p.x for p, _ in plan if p.op == "moe"), default=0)
+    max_tokens = max((p.x for p, _ in plan if p.op == "moe_apply"), default=0)
     rows = []
     for point, specs in plan:
         inputs = build_inputs(point.case, device)

@@ -18,13 +18,11 @@ import torch
 
 from ..platform import platform_of
 from ..presets import PRESETS
-from ..registry import OPS, kernels
+from ..registry import kernels, op_names
 from ..testing import case_support, conformance_cases, run_case
 from ._common import (
-    OP_CHOICES,
     Progress,
     format_table,
-    registry_op,
     resolve_device,
     run_metadata,
     write_json,
@@ -40,7 +38,7 @@ def add_parser(sub) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--op", choices=OP_CHOICES, help="only this op (default: every op)")
+    p.add_argument("--op", choices=op_names(), help="only this op (default: every op)")
     p.add_argument(
         "--kernel",
         metavar="GLOB",
@@ -81,7 +79,7 @@ class Row:
 
 def _kernels(op: str | None, glob: str | None, device: torch.device):
     """(specs to check, one line per kernel that cannot run on this platform at all)."""
-    ops = OPS if op is None else (op,)
+    ops = op_names() if op is None else (op,)
     chosen, elsewhere = [], []
     platform = platform_of(device)
     for name in ops:
@@ -131,7 +129,7 @@ def _check_one(spec, case, device, seed) -> Row:
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    op = registry_op(args.op)
+    op = args.op
     specs, elsewhere = _kernels(op, args.kernel, device)
     dtypes = None if not args.dtype else [_DTYPES[d] for d in args.dtype]
     work = [

@@ -14,9 +14,9 @@ import torch
 
 from ..platform import platform_of
 from ..presets import PRESETS
-from ..registry import get_kernel
+from ..registry import get_kernel, op_names
 from ..selector import select
-from ._common import OP_CHOICES, format_table, registry_op, resolve_device, write_json
+from ._common import format_table, resolve_device, write_json
 from .workloads import MoEWeightsCache, bench_points, build_inputs, kernel_call
 
 
@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--op", required=True, choices=OP_CHOICES)
+    p.add_argument("--op", required=True, choices=op_names())
     p.add_argument(
         "--preset",
         dest="tool_preset",
@@ -50,13 +50,13 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     gpu = device.type == "cuda"
-    op = registry_op(args.op)
+    op = args.op
     preset = args.tool_preset or ("gpt-oss-120b" if gpu else "tiny")
     forced = get_kernel(op, args.kernel) if args.kernel else None
     platform = platform_of(device)
     weights = MoEWeightsCache(device)
     points = bench_points(op, preset)
-    max_tokens = max(p.x for p in points) if op == "moe" else 0
+    max_tokens = max(p.x for p in points) if op == "moe_apply" else 0
     calls = []
     for point in points:
         spec = forced or select(op, point.case.request, platform)

@@ -19,7 +19,7 @@ import torch
 
 from ..ops.attention import api as attention_api
 from ..ops.moe.api import moe_apply, moe_plan, moe_prepare_weights
-from ..registry import OPS, registered_names
+from ..registry import op_names, registered_names
 from ..selector import use_kernel
 from ..testing.cases import Case, attention_case, moe_case, store_case
 from ..testing.conformance import case_support, select_kernels
@@ -209,7 +209,7 @@ def replay_rows(
         point = Point(case, "replay", index, "captured call", f"#{index} x{count}")
         inputs = build_inputs(case, device)
         recorded_ids = (record["args"].get("topk_ids") or {}).get("values")
-        if case.op == "moe" and recorded_ids is not None:
+        if case.op == "moe_apply" and recorded_ids is not None:
             ids = torch.tensor(recorded_ids, dtype=torch.int32)
             inputs[1]["topk_ids"] = ids.to(device)
         flops, nbytes = work(case, routing_ids(case, inputs))
@@ -248,7 +248,7 @@ def replay_rows(
 
 def _scoped(call, scope_for):
     op, name = scope_for
-    if name is None or op not in OPS:
+    if name is None or op not in op_names():
         return call
 
     def forced():

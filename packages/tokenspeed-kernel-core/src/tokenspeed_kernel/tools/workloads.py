@@ -104,7 +104,7 @@ def bench_points(op: str, preset: ModelPreset | str) -> list[Point]:
                 )
                 case = store_case(f"{p.name}-store-{series}-t{tokens}", shape, p.name)
                 points.append(Point(case, series, tokens, "tokens", f"T={tokens}"))
-    elif op == "moe":
+    elif op == "moe_apply":
         for tokens in (1, 4, 16) if tiny else (1, 16, 64, 256, 1024, 4096):
             shape = MoEShape(tokens, p.num_experts, p.top_k, p.hidden_size, p.intermediate_size)
             case = moe_case(f"{p.name}-moe-m{tokens}", shape, p.name)
@@ -134,7 +134,7 @@ def generator_on(device: torch.device, seed: int = 0) -> torch.Generator:
 def build_inputs(case: Case, device: torch.device, seed: int = 0) -> tuple[tuple, dict]:
     """Inputs drawn directly on `device` (fast for large shapes). MoE: ((x,), routing)."""
     gen = generator_on(device, seed)
-    if case.op == "moe":
+    if case.op == "moe_apply":
         x, routing = moe_inputs(case.shape, gen)
         return (x,), routing
     return _BUILD[case.op](case.shape, gen, device)
@@ -168,7 +168,7 @@ def kernel_call(
 ) -> Callable[[], None]:
     """A zero-argument call of the kernel on prebuilt inputs (outputs preallocated)."""
     args, kwargs = inputs
-    if case.op != "moe":
+    if case.op != "moe_apply":
         return lambda: spec.fn(*args, **kwargs)
     plan, prepared = weights.prepared(spec, case.shape, max(max_tokens, case.shape.num_tokens))
     x = args[0]
@@ -195,7 +195,7 @@ def sum_to(n: int) -> int:
 def work(case: Case, topk_ids: torch.Tensor | None = None) -> tuple[float, float]:
     """(FLOPs, bytes) of one call of `case`."""
     s = case.shape
-    if case.op == "moe":
+    if case.op == "moe_apply":
         return _moe_work(s, topk_ids)
     if case.op == "kvcache_store":
         written = s.num_tokens - s.skip
@@ -250,7 +250,7 @@ def _moe_work(s: MoEShape, topk_ids: torch.Tensor | None) -> tuple[float, float]
 
 def routing_ids(case: Case, inputs) -> torch.Tensor | None:
     """The top-k expert ids a MoE call will use (for its byte count)."""
-    if case.op != "moe":
+    if case.op != "moe_apply":
         return None
     _, routing = inputs
     if routing.get("topk_ids") is not None:

@@ -13,6 +13,7 @@ import torch
 
 from ...registry import ANY, register_kernel
 from ...validation import FLOAT16_DTYPES, KV_CACHE_DTYPES
+from .request import KVCACHE_STORE, MHA_DECODE, MHA_EXTEND, MHA_PREFILL
 
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0
@@ -260,9 +261,9 @@ _ATTENTION_TRAITS = {
     "lse": True,
 }
 for _op, _fn in (
-    ("mha_prefill", reference_prefill),
-    ("mha_extend_with_kvcache", reference_extend),
-    ("mha_decode_with_kvcache", reference_decode),
+    (MHA_PREFILL, reference_prefill),
+    (MHA_EXTEND, reference_extend),
+    (MHA_DECODE, reference_decode),
 ):
     register_kernel(
         _op,
@@ -274,7 +275,7 @@ for _op, _fn in (
         description="pure torch, float32 accumulation",
     )(_fn)
 register_kernel(
-    "kvcache_store",
+    KVCACHE_STORE,
     name="reference.kvcache_store",
     backend="reference",
     platforms=["*"],

@@ -7,7 +7,15 @@ from typing import NamedTuple
 
 import torch
 
+from ...registry import declare_op
 from ...validation import dtype_name
+
+MHA_PREFILL = declare_op("mha_prefill", summary="ragged self-attention without a cache")
+MHA_EXTEND = declare_op(
+    "mha_extend_with_kvcache", summary="chunked prefill over the paged KV cache"
+)
+MHA_DECODE = declare_op("mha_decode_with_kvcache", summary="decode over the paged KV cache")
+KVCACHE_STORE = declare_op("kvcache_store", summary="write new K/V into the paged cache")
 
 
 class AttentionRequest(NamedTuple):

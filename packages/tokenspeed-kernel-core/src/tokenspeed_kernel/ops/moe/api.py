@@ -33,7 +33,7 @@ def moe_plan(config: MoEConfig, *, device=None, max_num_tokens: int = 8192) -> M
         device = torch.device("cuda", torch.cuda.current_device())
     request = request_for(config, max_num_tokens)
     platform = platform_of(device)
-    spec = select("moe", request, platform)
+    spec = select("moe_apply", request, platform)
     padded_h, padded_i = spec.fn.padded_sizes(config)
     return MoEPlan(
         config,
@@ -63,7 +63,7 @@ def request_for(config: MoEConfig, max_num_tokens: int) -> MoERequest:
 
 
 def _reason(request, platform, selected: str) -> str:
-    explanation = explain("moe", request, platform)
+    explanation = explain("moe_apply", request, platform)
     if explanation.forced:
         return f"forced ({explanation.forced})"
     chosen = next(c for c in explanation.candidates if c.name == selected)

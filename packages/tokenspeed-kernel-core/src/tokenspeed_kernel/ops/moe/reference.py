@@ -20,9 +20,10 @@ from tokenspeed_kernel.ops.moe.types import (
     MoEWeights,
     PreparedMoEWeights,
 )
+from tokenspeed_kernel.ops.moe.request import MOE_APPLY
 from tokenspeed_kernel.registry import register_kernel
 
-KERNEL_NAME = "reference.moe"
+KERNEL_NAME = "reference.moe_apply"
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +170,7 @@ class ReferenceMoE:
 
 # Lowest priority: the oracle and the fallback that makes MoE run on any device.
 register_kernel(
-    "moe",
+    MOE_APPLY,
     name=KERNEL_NAME,
     backend="reference",
     platforms=["*"],

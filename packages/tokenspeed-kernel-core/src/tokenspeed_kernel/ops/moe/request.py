@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ...registry import declare_op
+
+# Kernels register under the op a runtime calls per step; moe_plan selects among them.
+MOE_APPLY = declare_op("moe_apply", summary="mixture of experts (plan, prepare weights, apply)")
+
 
 class MoERequest(NamedTuple):
     weight_format: str

@@ -7,7 +7,7 @@ turns them into `PreparedMoEWeights` laid out for that kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -133,3 +133,32 @@ class PreparedMoEWeights:
     kernel: str
     config: MoEConfig
     tensors: dict[str, Any]
+
+
+class MoEKernel(Protocol):
+    """What a kernel registered for "moe_apply" implements. `moe_plan` selects one object;
+    `moe_prepare_weights` and `moe_apply` call it directly (no second dispatch)."""
+
+    weight_layout: str
+
+    def padded_sizes(self, config: MoEConfig) -> tuple[int, int]:
+        """(H, I) as the kernel stores them (padding never leaks to callers)."""
+        ...
+
+    def prepare_weights(self, plan: MoEPlan, weights: MoEWeights) -> PreparedMoEWeights:
+        """New tensors laid out for this kernel; `weights` is never mutated."""
+        ...
+
+    def apply(
+        self,
+        plan: MoEPlan,
+        x: torch.Tensor,
+        prepared: PreparedMoEWeights,
+        *,
+        router_logits: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        topk_ids: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """Write out [M, H]; inputs are validated and exactly one routing input is given."""
+        ...
