@@ -1,22 +1,19 @@
 """Decode attention and kvcache_store on the GPU: numerics at GPT-OSS-120B shapes, then time
-against FlashAttention-3 (`flash_attn_with_kvcache` with sinks) in the same run.
+against FlashAttention-3 (`flash_attn_with_kvcache` with sinks) in the same run; rewrites
+benchmarks/results/decode_<gpu>.md.
 
-    python3 benchmarks/bench_decode.py [--sweep] [--out results.json]
-
-Shapes: hd 64, 64 query / 8 KV heads, page 64, bf16, per-head sinks. Each case is timed as
-CUDA-graph replays of back-to-back calls that rotate over several input sets (distinct physical
-pages) whose visible K/V together exceed 4x the L2, so no call finds its keys in cache. Bytes =
-K and V of the visible keys; floor = bytes / measured device-to-device copy bandwidth.
+    python3 benchmarks/bench_decode.py [--sweep] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 
+import record
 import torch
+from record import table
 
 from tokenspeed_kernel.ops.attention.reference import reference_decode, reference_kvcache_store
 from tokenspeed_kernel.testing import compare
@@ -31,6 +28,7 @@ from tokenspeed_kernel_triton.attention.decode import (
 from tokenspeed_kernel_triton.attention.kvcache_store import kvcache_store
 
 HQ, HKV, D, P = 64, 8, 64, 64
+FP8 = torch.float8_e4m3fn
 CASES = [  # (batch, context, window_left)
     (1, 8192, -1),
     (16, 8192, -1),
@@ -39,7 +37,7 @@ CASES = [  # (batch, context, window_left)
     (1, 8192, 127),
     (16, 8192, 127),
     (64, 8192, 127),
-    (64, 8192, -1, torch.float8_e4m3fn),
+    (64, 8192, -1, FP8),
 ]
 SWEEP = {  # label -> pinned config (None = heuristic), for the cases marked in SWEEP_CASES
     "bn64-s3": DecodeConfig(64, 4, 3, 4),
@@ -49,6 +47,17 @@ SWEEP = {  # label -> pinned config (None = heuristic), for the cases marked in 
     "bn32-s6": DecodeConfig(32, 4, 6, 4),
 }
 SWEEP_CASES = {(1, 8192, -1), (64, 8192, -1), (64, 8192, 127)}
+METHOD = (
+    f"GPT-OSS-120B attention: head dim {D}, {HQ} query / {HKV} KV heads, page {P}, bf16 "
+    "(or FP8 e4m3 KV), per-head sinks, one query token. Each time is the median of 5 trials "
+    "of 20 CUDA-graph replays; a replay runs the call back to back over several input sets "
+    "whose visible K/V pages are disjoint and together exceed 4x the L2, so no call finds its "
+    "keys in cache. Bytes = K and V of the visible keys (window: 128 keys per sequence); "
+    "floor = bytes / copy bandwidth. FA3 runs in the same process (bf16 sinks, "
+    "`window_size=(127, 0)` for the window rows); its FP8 path wants FP8 queries, so FP8 KV "
+    "has no FA3 column. Numerics: out and lse of ours (and FA3's out) against the core "
+    "reference on the first input set of every case. FA3 / ours > 1: we are faster."
+)
 
 
 def copy_bandwidth() -> float:
@@ -174,7 +183,7 @@ def bench_store_case(tokens: int, cache_dtype: torch.dtype, bw: float) -> dict:
     caches = [torch.zeros(num_pages, P, HKV, D, device="cuda").to(cache_dtype) for _ in "kv"]
     want = [c.clone() for c in caches]
     slots = torch.randperm(num_pages * P, device="cuda")[:tokens].to(torch.int64)
-    scale = 0.5 if cache_dtype == torch.float8_e4m3fn else 1.0
+    scale = 0.5 if cache_dtype == FP8 else 1.0
     kw = dict(slot_mapping=slots, k_scale=scale, v_scale=scale)
     kvcache_store(k, v, *caches, **kw)
     reference_kvcache_store(k, v, *want, **kw)
@@ -186,125 +195,145 @@ def bench_store_case(tokens: int, cache_dtype: torch.dtype, bw: float) -> dict:
         cache=str(cache_dtype).split(".")[-1],
         exact=exact,
         us=round(us, 2),
-        tbps=round(nbytes / us / 1e6, 3),
+        tbps=round(nbytes / us / 1e6, 2),
         floor_us=round(nbytes / (bw * 1e6), 2),
     )
 
 
+def run_decode_case(case, l2: int, bw: float, device, sweep: bool, gen) -> list[dict]:
+    """Rows (heuristic config, then the pinned sweep configs) of one decode case."""
+    batch, ctx, window, *kv = case
+    kv_dtype = kv[0] if kv else torch.bfloat16
+    k_cache, v_cache, sets, seqlens, sinks, visible = build(batch, ctx, window, l2, gen, kv_dtype)
+    # FA3's FP8 path wants FP8 queries too: only bf16 caches are compared with it.
+    fa3 = None
+    if kv_dtype == torch.bfloat16:
+        fa3 = fa3_caller(k_cache, v_cache, sets, seqlens, sinks, window)
+    outs = [torch.empty_like(s["q"]) for s in sets]
+    kw = dict(
+        cache_seqlens=seqlens,
+        window_left=window,
+        sinks=sinks,
+        softmax_scale=D**-0.5,
+        k_scale=1.0,
+        v_scale=1.0,
+        lse=None,
+    )
+
+    def ours(i):
+        s = sets[i]
+        mha_decode(s["q"], k_cache, v_cache, page_table=s["page_table"], out=outs[i], **kw)
+
+    numerics = check(k_cache, v_cache, sets[0], seqlens, sinks, window, fa3)
+    configs = {"heuristic": None}
+    if sweep and (batch, ctx, window) in SWEEP_CASES:
+        configs.update(SWEEP)
+    fa3_us = time_calls(fa3, len(sets)) if fa3 is not None else float("nan")
+    arch, sms, smem = device
+    rows = []
+    for label, config in configs.items():
+        if config is None:
+            us = time_calls(ours, len(sets))
+        else:
+            with pin_decode_config(config):
+                us = time_calls(ours, len(sets))
+        shape = (batch, 1, HQ, HKV, D, P, -(-ctx // P), window)
+        plan = plan_decode(arch, sms, smem, k_cache.element_size(), *shape, config)
+        rows.append(
+            dict(
+                batch=batch,
+                ctx=ctx,
+                window=window,
+                kv="fp8 e4m3" if kv_dtype == FP8 else "bf16",
+                config=label,
+                splits=plan[2],
+                us=us,
+                tbps=visible / us / 1e6,
+                fa3_us=fa3_us,
+                floor_us=visible / (bw * 1e12) * 1e6,
+                numerics=numerics,
+            )
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _cells(r: dict, sweep: bool) -> list[object]:
+    window = "-" if r["window"] < 0 else r["window"]
+    cells = [r["batch"], r["ctx"], window, r["kv"], r["splits"]]
+    if sweep:
+        return cells + [r["config"], f"{r['us']:.2f}"]
+    bad = {k: v for k, v in r["numerics"].items() if not v[0]}
+    fa3 = r["fa3_us"]
+    peer = ["-", "-"] if math.isnan(fa3) else [f"{fa3:.2f}", f"{fa3 / r['us']:.2f}"]
+    return (
+        cells
+        + [f"{r['us']:.2f}", f"{r['tbps']:.2f}", *peer, f"{r['floor_us']:.2f}"]
+        + ["ok" if not bad else f"fail {bad}"]
+    )
+
+
+def decode_lines(rows: list[dict]) -> list[str]:
+    """The heuristic rows side by side with FA3, then the pinned configs (--sweep)."""
+    columns = ["B", "ctx", "window", "KV", "splits"]
+    lines = table(
+        columns + ["ours µs", "ours TB/s", "FA3 µs", "FA3 / ours", "floor µs", "numerics"],
+        (_cells(r, False) for r in rows if r["config"] == "heuristic"),
+    )
+    swept = [r for r in rows if r["config"] != "heuristic"]
+    if swept:
+        lines += ["", "Pinned configs (`pin_decode_config`):", ""]
+        lines += table(columns + ["config", "µs"], (_cells(r, True) for r in swept))
+    return lines
+
+
+def store_lines(bw: float) -> list[str]:
+    rows = [bench_store_case(t, dt, bw) for t in (64, 8192) for dt in (torch.bfloat16, FP8)]
+    return [
+        "",
+        f"kvcache_store ({HKV} KV heads, D={D}, page {P}, random slots; bit-exact against the "
+        "reference; timed without L2 rotation, so the 8192-token rows, whose bytes fit in the "
+        "L2, flatter the kernel):",
+        "",
+        *table(
+            ["tokens", "cache", "µs", "TB/s", "floor µs", "bit-exact"],
+            (
+                (r["tokens"], r["cache"], r["us"], r["tbps"], r["floor_us"], r["exact"])
+                for r in rows
+            ),
+        ),
+    ]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--out", default=None)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time pinned configs")
+    record.add_record_argument(parser)
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
     bw = copy_bandwidth()
-    arch, sms, smem = device_info(torch.device("cuda", 0))
-    print(
-        f"{props.name}: {sms} SMs, L2 {l2 >> 20} MiB, copy {bw:.2f} TB/s, "
-        f"heuristic {heuristic_config(arch, D)}"
+    device = device_info(torch.device("cuda", 0))
+    fa3_version = record.package_version("tokenspeed-fa3", "flash-attn-3", "flash_attn_3")
+    lines = record.header(
+        f"Decode attention and kvcache_store against FlashAttention-3, {props.name}",
+        f"{props.name} ({device[1]} SMs, {l2 >> 20} MiB L2)",
+        {"FA3": fa3_version},
     )
+    lines += [
+        METHOD,
+        "",
+        f"Copy bandwidth (elementwise bf16 kernel over 1 GiB, read + written): {bw:.2f} TB/s. "
+        f"Heuristic config: {heuristic_config(device[0], D)}.",
+        "",
+    ]
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for batch, ctx, window, *kv in CASES:
-        kv_dtype = kv[0] if kv else torch.bfloat16
-        k_cache, v_cache, sets, seqlens, sinks, visible = build(
-            batch, ctx, window, l2, gen, kv_dtype
-        )
-        # FA3's FP8 path wants FP8 queries too: only bf16 caches are compared with it.
-        fa3 = None
-        if kv_dtype == torch.bfloat16:
-            fa3 = fa3_caller(k_cache, v_cache, sets, seqlens, sinks, window)
-        outs = [torch.empty_like(s["q"]) for s in sets]
-        kw = dict(
-            cache_seqlens=seqlens,
-            window_left=window,
-            sinks=sinks,
-            softmax_scale=D**-0.5,
-            k_scale=1.0,
-            v_scale=1.0,
-            lse=None,
-        )
-
-        def ours(i, kw=kw, sets=sets, outs=outs, k_cache=k_cache, v_cache=v_cache):
-            mha_decode(
-                sets[i]["q"], k_cache, v_cache, page_table=sets[i]["page_table"], out=outs[i], **kw
-            )
-
-        numerics = check(k_cache, v_cache, sets[0], seqlens, sinks, window, fa3)
-        configs = {"heuristic": None}
-        if args.sweep and (batch, ctx, window) in SWEEP_CASES:
-            configs.update(SWEEP)
-        fa3_us = time_calls(fa3, len(sets)) if fa3 is not None else float("nan")
-        for label, config in configs.items():
-            if config is None:
-                us = time_calls(ours, len(sets))
-            else:
-                with pin_decode_config(config):
-                    us = time_calls(ours, len(sets))
-            plan = plan_decode(
-                arch,
-                sms,
-                smem,
-                k_cache.element_size(),
-                batch,
-                1,
-                HQ,
-                HKV,
-                D,
-                P,
-                -(-ctx // P),
-                window,
-                config,
-            )
-            floor = visible / (bw * 1e12) * 1e6
-            rows.append(
-                dict(
-                    batch=batch,
-                    ctx=ctx,
-                    window=window,
-                    config=label if kv_dtype == torch.bfloat16 else label + "-fp8kv",
-                    splits=plan[2],
-                    sets=len(sets),
-                    us=round(us, 2),
-                    tbps=round(visible / us / 1e6, 3),
-                    fa3_us=round(fa3_us, 2),
-                    fa3_over_ours=round(fa3_us / us, 2),
-                    floor_us=round(floor, 2),
-                    numerics=numerics,
-                )
-            )
-            print(json.dumps(rows[-1]))
-        del k_cache, v_cache, sets
+    for case in CASES:
+        rows += run_decode_case(case, l2, bw, device, args.sweep, gen)
         torch.cuda.empty_cache()
-    store_rows = [
-        bench_store_case(t, dt, bw)
-        for t in (64, 8192)
-        for dt in (torch.bfloat16, torch.float8_e4m3fn)
-    ]
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                dict(device=props.name, copy_tbps=bw, decode=rows, store=store_rows), f, indent=1
-            )
-    print(f"\n{props.name}, copy {bw:.2f} TB/s; bytes = visible K+V; ratio = FA3 time / ours")
-    print(
-        f"{'B':>4} {'ctx':>5} {'win':>4} {'config':>12} {'spl':>4} {'ours us':>8} "
-        f"{'TB/s':>6} {'FA3 us':>8} {'FA3/ours':>8} {'floor':>7}  numerics"
-    )
-    for r in rows:
-        ok = all(v[0] for v in r["numerics"].values())
-        print(
-            f"{r['batch']:>4} {r['ctx']:>5} {r['window']:>4} {r['config']:>12} "
-            f"{r['splits']:>4} {r['us']:>8} {r['tbps']:>6} {r['fa3_us']:>8} "
-            f"{r['fa3_over_ours']:>8} {r['floor_us']:>7}  {'ok' if ok else r['numerics']}"
-        )
-    print("kvcache_store:")
-    for r in store_rows:
-        print(
-            f"  T={r['tokens']:>5} cache {r['cache']:>13}: {r['us']:>7} us "
-            f"({r['tbps']} TB/s, floor {r['floor_us']} us) exact={r['exact']}"
-        )
+    lines += decode_lines(rows) + store_lines(bw)
+    record.write("decode", lines, device=props.name, record=not args.no_record)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,23 @@
-"""Triton MoE on GPT-OSS-120B shapes (E=128, top-4, H=I=2880, MXFP4 weights with e8m0 scales).
+"""Triton moe_apply kernels on GPT-OSS-120B shapes (E=128, top-4, H=I=2880, MXFP4 weights with
+e8m0 scales); rewrites benchmarks/results/moe_<gpu>.md.
 
 Floors and ceilings are measured in the same run:
 - decode (small M) is bound by reading the distinct selected experts' weights once
   (W13 8.81 MB + W2 4.41 MB per expert, scales included, unpadded): floor = bytes / the
-  device-to-device copy bandwidth (torch copy_, bytes read + written, as the team GPU notes
-  count it);
+  device-to-device copy bandwidth (torch copy_, bytes read + written);
 - prefill (large M) is bound by matmul throughput: M*k*2*(H*2I + I*H) FLOPs against the bf16
   dense rate of torch.matmul 8192^3.
 
-    PYTHONPATH=packages/tokenspeed-kernel-core/src:packages/tokenspeed-kernel-triton/src \
-        python3 benchmarks/bench_moe.py [--sweep] [--out FILE.md]
+    python3 benchmarks/bench_moe.py [--variants sm90,portable-bf16,...] [--sizes 1,4]
+        [--sweep] [--profile] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
-from pathlib import Path
 
+import record
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
@@ -139,10 +138,9 @@ SWEEP = {
 }
 
 
-# The same for triton.moe.wgmma (bf16-wgmma): post-scaled decode tiles with the ring two or
-# three steps deep, one or two chunks' wgmmas in flight, GEMM2 in 2 to 4 splits waiting for
-# GEMM1's grid, or in 2 tile by tile (earlier alternatives: benchmarks/results/
-# moe_h200_session4.md to _session8.md).
+# The same for triton.moe_apply.sm90: post-scaled decode tiles with the ring two or three
+# steps deep, one or two chunks' wgmmas in flight, GEMM2 in 2 to 4 splits waiting for GEMM1's
+# grid, or in 2 tile by tile (why the pick wins: docs/decisions.md).
 _POST = dict(block_w=64, block_t=2, num_warps=4, chunks=4, pdl=True, post_scale=True)
 FRAGMENT_SWEEP = {
     m: [
@@ -182,16 +180,89 @@ def profile_case(prepared, m: int) -> list[str]:
     return rows
 
 
+# label -> (registered kernel, activation format, static fp8 scales, word order, prepare options)
+VARIANTS = {
+    "sm90": ("triton.moe_apply.sm90", "bf16", False, "fragment", {}),
+    "sm90-hilo": (
+        "triton.moe_apply.sm90, bf16 hi + lo intermediate",
+        "bf16",
+        False,
+        "fragment",
+        {"f16_intermediate": False},
+    ),
+    "sm90-prmt": (
+        "triton.moe_apply.sm90, byte-permute decode, hi + lo",
+        "bf16",
+        False,
+        "fragment",
+        {"f16_intermediate": False, "shift_decode": False},
+    ),
+    "portable-bf16": ("triton.moe_apply", "bf16", False, "natural", {}),
+    "portable-fp8-dynamic": ("triton.moe_apply, fp8 dynamic", "fp8", False, "natural", {}),
+    "portable-fp8-static": ("triton.moe_apply, fp8 static", "fp8", True, "natural", {}),
+}
+COLUMNS = ["M", "kernel", "distinct experts", "floor µs", "eager µs", "graph µs (1 layer)"]
+COLUMNS += ["graph µs (L2-cold)", "x floor", "TFLOP/s", "% bf16 dense"]
+
+
+def time_sizes(label, args, bw: float, dense: float) -> tuple[list[list], list[str]]:
+    """Table rows of one variant at each M, and its sweep / profile lines."""
+    kernel, act, static, word_order, options = VARIANTS[label]
+    prepared, scales = gpt_oss_tensors(static, word_order, **options)
+    one, cold = [prepared], weight_copies(prepared, args.layers)
+    sizes = (1, 4, 16, 64, 4096, 8192) if act == "bf16" else (1, 4096)
+    if args.sizes:
+        sizes = tuple(int(m) for m in args.sizes.split(","))
+    rows = []
+    for m in sizes:
+        eager, distinct = run_case(one, m, act, scales, graph=False)
+        decode = m <= 64
+        warm = run_case(one, m, act, scales, graph=True)[0] if decode else float("nan")
+        graph = run_case(cold, m, act, scales, graph=True)[0] if decode else float("nan")
+        best = graph if decode else eager
+        floor = distinct * EXPERT_BYTES / bw * 1e6
+        rate = m * TOP_K * 2 * (H * 2 * I + I * H) / (best * 1e-6)
+        rows.append(
+            [m, kernel, distinct, f"{floor:.1f}", f"{eager:.1f}", f"{warm:.1f}", f"{graph:.1f}"]
+            + [f"{best / floor:.2f}", f"{rate / 1e12:.0f}", f"{100 * rate / dense:.0f}%"]
+        )
+        print(rows[-1], flush=True)
+    extra = sweep_lines(label, sizes, one, cold, act, scales, args.layers) if args.sweep else []
+    if args.profile and label in ("sm90", "portable-bf16"):
+        for m in (1, 4096):
+            extra += ["", f"Per-kernel device time, {kernel}, M={m} (torch.profiler, 20 calls):"]
+            extra += ["", *profile_case(prepared, m)]
+    return rows, extra
+
+
+def sweep_lines(label, sizes, one, cold, act, scales, layers: int) -> list[str]:
+    """Times of the alternative tiles (SWEEP, FRAGMENT_SWEEP) at the sizes run."""
+    if act != "bf16":
+        return []
+    lines = ["", f"Tile sweep ({label}, µs; M <= 64: graph-timed over {layers} layers):", ""]
+    for m, configs in (FRAGMENT_SWEEP if label.startswith("sm90") else SWEEP).items():
+        if m not in sizes:
+            continue
+        for config in configs:
+            try:
+                us = run_case(
+                    cold if m <= 64 else one, m, act, scales, graph=m <= 64, config=config
+                )
+                lines.append(f"- M={m} {config}: {us[0]:.1f} µs")
+            except Exception as exc:  # noqa: BLE001 - a tile that does not fit is reported
+                lines.append(f"- M={m} {config}: failed {type(exc).__name__}: {str(exc)[:120]}")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time alternative tiles")
     parser.add_argument("--profile", action="store_true", help="per-kernel device times")
     parser.add_argument(
-        "--acts",
-        default="bf16-wgmma,bf16,fp8-dynamic,fp8-static",
-        help="variants to time: bf16-wgmma (triton.moe.wgmma, sm_90; shift decode, fp16 SwiGLU "
-        "intermediate), bf16-wgmma-hilo (bf16 hi + lo intermediate), bf16-wgmma-prmt (hi + lo "
-        "and byte-permute decode) and triton.moe's bf16, fp8-dynamic, fp8-static",
+        "--variants",
+        default="sm90,portable-bf16,portable-fp8-dynamic,portable-fp8-static",
+        help=f"comma-separated, from {', '.join(VARIANTS)}",
     )
     parser.add_argument(
         "--layers",
@@ -199,99 +270,31 @@ def main() -> int:
         default=4,
         help="distinct weight copies run in turn for the L2-cold decode time (M <= 64)",
     )
-    parser.add_argument(
-        "--sizes", default=None, help="comma-separated M to time (default: all of the table's)"
-    )
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--sizes", default=None, help="comma-separated M (default: all)")
+    record.add_record_argument(parser)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     name = torch.cuda.get_device_name()
-    bw = copy_bandwidth()
-    dense = bf16_matmul_rate()
-    lines = [
-        f"# Triton MoE, GPT-OSS-120B shapes, {name}, {datetime.date.today()}",
+    bw, dense = copy_bandwidth(), bf16_matmul_rate()
+    lines = record.header(f"MoE (moe_apply), GPT-OSS-120B shapes, {name}", name)
+    lines += [
+        f"E={E}, top-{TOP_K}, H=I={H}, MXFP4 weights (random codes, e8m0 scales 119..121), fp32 "
+        "biases, bf16 activations unless the kernel column says fp8; routing and combine "
+        f"included. Copy bandwidth {bw / 1e12:.2f} TB/s (torch d2d, read + written), bf16 dense "
+        f"matmul 8192^3 {dense / 1e12:.0f} TFLOP/s, expert bytes {EXPERT_BYTES / 1e6:.2f} MB "
+        "(MXFP4 + scales, unpadded), all measured in this run. Decode (M <= 64) is CUDA-graph "
+        f"timed over one layer's weights and over {args.layers} layers' distinct copies in turn "
+        "(L2-cold, as in a model; x floor uses it); prefill is timed eagerly (do_bench).",
         "",
-        f"- copy bandwidth (torch d2d, read+write): {bw / 1e12:.2f} TB/s",
-        f"- bf16 dense matmul 8192^3: {dense / 1e12:.0f} TFLOP/s",
-        f"- expert bytes (MXFP4 + scales, unpadded): {EXPERT_BYTES / 1e6:.2f} MB",
-        "",
-        f"Decode (M <= 64) is CUDA-graph timed twice: one layer's weights again and again (the "
-        f"L2 may still hold part of the last call's), and {args.layers} layers' distinct copies "
-        f"in turn (L2-cold, as in a model; the x floor uses this one).",
-        "",
-        "| M | act | distinct experts | floor us | eager us | graph us (1 layer) "
-        f"| graph us ({args.layers} layers) | x floor | TFLOP/s | % bf16 dense |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    sweep: list[str] = []
-    variants = (
-        ("bf16-wgmma", "bf16", False, "fragment"),
-        ("bf16-wgmma-hilo", "bf16", False, "fragment"),
-        ("bf16-wgmma-prmt", "bf16", False, "fragment"),
-        ("bf16", "bf16", False, "natural"),
-        ("fp8-dynamic", "fp8", False, "natural"),
-        ("fp8-static", "fp8", True, "natural"),
-    )
-    for label, act, static, word_order in variants:
-        if label not in args.acts.split(","):
-            continue
-        options = {}
-        if label in ("bf16-wgmma-hilo", "bf16-wgmma-prmt"):
-            options["f16_intermediate"] = False  # bf16 hi + lo SwiGLU intermediate
-        if label == "bf16-wgmma-prmt":
-            options["shift_decode"] = False  # mxfp4_words' byte-permute decode
-        prepared, scales = gpt_oss_tensors(static, word_order, **options)
-        one = [prepared]
-        cold = weight_copies(prepared, args.layers)
-        ms_list = (1, 4, 16, 64, 4096, 8192) if act == "bf16" else (1, 4096)
-        if args.sizes:
-            ms_list = tuple(int(m) for m in args.sizes.split(","))
-        for m in ms_list:
-            eager, distinct = run_case(one, m, act, scales, graph=False)
-            decode = m <= 64
-            warm = run_case(one, m, act, scales, graph=True)[0] if decode else float("nan")
-            graph = run_case(cold, m, act, scales, graph=True)[0] if decode else float("nan")
-            best = graph if decode else eager
-            floor = distinct * EXPERT_BYTES / bw * 1e6
-            flops = m * TOP_K * 2 * (H * 2 * I + I * H)
-            rate = flops / (best * 1e-6)
-            lines.append(
-                f"| {m} | {label} | {distinct} | {floor:.1f} | {eager:.1f} | {warm:.1f} | "
-                f"{graph:.1f} | {best / floor:.2f} | {rate / 1e12:.0f} | "
-                f"{100 * rate / dense:.0f}% |"
-            )
-            print(lines[-1], flush=True)
-        if args.sweep and label.startswith("bf16"):
-            sweep += [
-                "",
-                f"Tile sweep ({label}, us; M <= 64: graph-timed over {args.layers} layers):",
-                "",
-            ]
-            table = SWEEP if label == "bf16" else FRAGMENT_SWEEP
-            for m, configs in table.items():
-                if m not in ms_list:
-                    continue
-                for config in configs:
-                    layers = cold if m <= 64 else one
-                    try:
-                        us = run_case(layers, m, act, scales, graph=m <= 64, config=config)[0]
-                        sweep.append(f"- M={m} {config}: {us:.1f} us")
-                    except Exception as exc:  # noqa: BLE001 - a tile that does not fit is reported
-                        sweep.append(
-                            f"- M={m} {config}: failed {type(exc).__name__}: {str(exc)[:120]}"
-                        )
-                    print(sweep[-1], flush=True)
-        if args.profile and label in ("bf16", "bf16-wgmma"):
-            for m in (1, 4096):
-                sweep += ["", f"Per-kernel device time, M={m} (torch.profiler, 20 calls):", ""]
-                sweep += profile_case(prepared, m)
-                print("\n".join(sweep[-8:]), flush=True)
-        del prepared, one, cold
+    rows, extra = [], []
+    for label in args.variants.split(","):
+        variant_rows, variant_extra = time_sizes(label, args, bw, dense)
+        rows += variant_rows
+        extra += variant_extra
         torch.cuda.empty_cache()
-    text = "\n".join(lines + sweep) + "\n"
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text)
+    lines += record.table(COLUMNS, sorted(rows, key=lambda row: row[0])) + extra
+    record.write("moe", lines, device=name, record=not args.no_record)
     return 0
 
 

@@ -1,12 +1,7 @@
-"""Triton mha_prefill (and mha_extend_with_kvcache) vs FlashAttention-3 at GPT-OSS shapes.
+"""Triton mha_prefill and mha_extend_with_kvcache against FlashAttention-3 at GPT-OSS shapes;
+rewrites benchmarks/results/prefill_<gpu>.md.
 
-hd 64, 64 query / 8 KV heads, sinks, bf16. Per case: numerics against the core fp32 reference
-and against FA3, then the median time of FA3, of the heuristic config, and of a small sweep of
-pinned configs, all in one process so the ratios compare like with like. FLOPs count useful
-work only: 4 * Hq * D * (visible keys summed over queries).
-
-    PYTHONPATH=packages/tokenspeed-kernel-core/src:packages/tokenspeed-kernel-triton/src \\
-        python3 benchmarks/bench_prefill.py [--sweep] [--json out.json]
+    python3 benchmarks/bench_prefill.py [--sweep] [--only causal|window] [--no-extend] [--no-record]
 """
 
 from __future__ import annotations
@@ -15,12 +10,14 @@ import argparse
 import json
 import math
 
+import record
 import torch
 import triton
+from record import table
 
 from tokenspeed_kernel.ops.attention.reference import reference_extend, reference_prefill
 from tokenspeed_kernel_triton.attention import extend, prefill
-from tokenspeed_kernel_triton.attention._common import AttentionConfig, device_kind
+from tokenspeed_kernel_triton.attention._common import AttentionConfig
 
 HQ, HKV, D = 64, 8, 64
 SCALE = 1.0 / math.sqrt(D)
@@ -43,6 +40,16 @@ SWEEP = {
         C(128, 32, 4, 3, 8, True),
     ],
 }
+METHOD = (
+    f"GPT-OSS-120B attention: head dim {D}, {HQ} query / {HKV} KV heads, per-head sinks "
+    "(bf16), bf16 q/k/v, causal; window rows use `window_left=127` (FA3 `window_size=(127, "
+    "0)`). FLOPs = 4 * Hq * D * (visible keys summed over queries): useful work only, for us "
+    "and for FA3. Times: `triton.testing.do_bench` medians (warmup 25 ms, rep 150 ms). FA3 "
+    "runs in the same process. Numerics: relative L2 error of the bf16 output against the "
+    "core fp32 reference on the same inputs, FA3's beside it. FA3 / ours = FA3's time over "
+    "ours (> 1: we are faster). Config tuples: BLOCK_M, BLOCK_N, warps, stages, heads per "
+    "tile, masked/unmasked split."
+)
 EXTEND_SWEEP = {
     False: [C(128, 64, 8, 4, 8), C(128, 64, 4, 3, 8), C(128, 32, 8, 3, 8), C(128, 64, 8, 2, 8)],
     True: [C(128, 32, 4, 3, 8, False), C(64, 64, 4, 3, 8, False), C(64, 32, 4, 2, 8, False)],
@@ -74,7 +81,44 @@ def prefill_inputs(seqlen, batch, gen):
     return q, k, v, sinks, cu
 
 
-def run_prefill_case(seqlen, batch, window, fa3, sweep, rows):
+def peer_ms(run_fa3, ref, check: dict) -> float:
+    """FA3's time; its error against the reference goes into `check`."""
+    fa3_out = run_fa3()
+    fa3_out = fa3_out[0] if isinstance(fa3_out, tuple) else fa3_out
+    check["fa3_err_vs_ref"] = rel_err(fa3_out, ref)
+    return bench(run_fa3)
+
+
+def case_rows(label, flops, run, out, ref, check, fa3_ms, configs, pin) -> list[dict]:
+    """The heuristic row beside FA3, then one row per pinned config (errors reported)."""
+    ms = bench(run)
+    rows = [
+        dict(
+            case=label,
+            config="heuristic",
+            ms=ms,
+            tflops=flops / ms / 1e9,
+            fa3_ms=fa3_ms,
+            fa3_tflops=fa3_ms and flops / fa3_ms / 1e9,
+            **check,
+        )
+    ]
+    for config in configs:
+        try:
+            with pin(config):
+                run()
+                err = rel_err(out, ref)
+                ms = bench(run)
+        except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported
+            rows.append(dict(case=label, config=str(config), error=str(exc)[:200]))
+            continue
+        rows.append(
+            dict(case=label, config=str(config), ms=ms, tflops=flops / ms / 1e9, err_vs_ref=err)
+        )
+    return rows
+
+
+def run_prefill_case(seqlen, batch, window, fa3, sweep) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(seqlen + window)
     q, k, v, sinks, cu = prefill_inputs(seqlen, batch, gen)
     kwargs = dict(
@@ -95,13 +139,11 @@ def run_prefill_case(seqlen, batch, window, fa3, sweep, rows):
         lse_max_err=(lse - ref_lse).abs().max().item(),
         nan=bool(out.isnan().any() or lse.isnan().any()),
     )
-    flops = 4 * HQ * D * batch * visible_keys(seqlen, window)
-    label = f"prefill {'causal' if window < 0 else f'window{window}'} S={seqlen}x{batch}"
     fa3_ms = None
     if fa3 is not None:
-
-        def run_fa3():
-            return fa3.flash_attn_varlen_func(
+        window_size = (window, 0) if window >= 0 else (-1, -1)
+        fa3_ms = peer_ms(
+            lambda: fa3.flash_attn_varlen_func(
                 q,
                 k,
                 v,
@@ -111,41 +153,23 @@ def run_prefill_case(seqlen, batch, window, fa3, sweep, rows):
                 seqlen,
                 softmax_scale=SCALE,
                 causal=True,
-                window_size=(window, 0) if window >= 0 else (-1, -1),
+                window_size=window_size,
                 sinks=sinks,
-            )
-
-        fa3_out = run_fa3()
-        fa3_out = fa3_out[0] if isinstance(fa3_out, tuple) else fa3_out
-        check["fa3_err_vs_ref"] = rel_err(fa3_out, ref)
-        fa3_ms = bench(run_fa3)
-    ours_ms = bench(lambda: prefill.mha_prefill(q, k, v, out=out, lse=None, **kwargs))
-    rows.append(
-        dict(
-            case=label,
-            config="heuristic",
-            ms=ours_ms,
-            tflops=flops / ours_ms / 1e9,
-            fa3_ms=fa3_ms,
-            fa3_tflops=fa3_ms and flops / fa3_ms / 1e9,
-            **check,
+            ),
+            ref,
+            check,
         )
-    )
-    for config in sweep[window >= 0] if sweep else ():
-        try:
-            with prefill.pin_config(config):
-                prefill.mha_prefill(q, k, v, out=out, lse=lse, **kwargs)
-                err = rel_err(out, ref)
-                ms = bench(lambda: prefill.mha_prefill(q, k, v, out=out, lse=None, **kwargs))
-        except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported
-            rows.append(dict(case=label, config=str(config), error=str(exc)[:200]))
-            continue
-        rows.append(
-            dict(case=label, config=str(config), ms=ms, tflops=flops / ms / 1e9, err_vs_ref=err)
-        )
+    label = f"prefill {'causal' if window < 0 else f'window{window}'} S={seqlen}x{batch}"
+    flops = 4 * HQ * D * batch * visible_keys(seqlen, window)
+
+    def run():
+        prefill.mha_prefill(q, k, v, out=out, lse=None, **kwargs)
+
+    configs = sweep[window >= 0] if sweep else ()
+    return case_rows(label, flops, run, out, ref, check, fa3_ms, configs, prefill.pin_config)
 
 
-def run_extend_case(ctx, new, batch, window, page, fa3, sweep, rows):
+def run_extend_case(ctx, new, batch, window, page, fa3, sweep) -> list[dict]:
     """Chunked prefill: `new` query tokens at the end of `ctx` cached tokens, page `page`."""
     gen = torch.Generator(device="cuda").manual_seed(ctx + new + window)
     pages_per_seq = ctx // page
@@ -170,21 +194,19 @@ def run_extend_case(ctx, new, batch, window, page, fa3, sweep, rows):
         v_scale=1.0,
     )
     out = torch.full_like(q, float("nan"))
-    extend.mha_extend_with_kvcache(q, k_cache, v_cache, out=out, lse=None, **kwargs)
+
+    def run():
+        extend.mha_extend_with_kvcache(q, k_cache, v_cache, out=out, lse=None, **kwargs)
+
+    run()
     ref = torch.empty_like(q, dtype=torch.float32)
     reference_extend(q, k_cache, v_cache, out=ref, lse=None, **kwargs)
     check = dict(err_vs_ref=rel_err(out, ref), nan=bool(out.isnan().any()))
-    vis = visible_keys(ctx, window) - visible_keys(ctx - new, window)
-    flops = 4 * HQ * D * batch * vis
-    label = (
-        f"extend {'causal' if window < 0 else f'window{window}'} ctx={ctx} new={new}"
-        f"x{batch} page{page}"
-    )
     fa3_ms = None
     if fa3 is not None:
-
-        def run_fa3():
-            return fa3.flash_attn_with_kvcache(
+        window_size = (window, 0) if window >= 0 else (-1, -1)
+        fa3_ms = peer_ms(
+            lambda: fa3.flash_attn_with_kvcache(
                 q,
                 k_cache,
                 v_cache,
@@ -194,60 +216,46 @@ def run_extend_case(ctx, new, batch, window, page, fa3, sweep, rows):
                 max_seqlen_q=new,
                 softmax_scale=SCALE,
                 causal=True,
-                window_size=(window, 0) if window >= 0 else (-1, -1),
+                window_size=window_size,
                 sinks=sinks,
-            )
-
-        fa3_out = run_fa3()
-        fa3_out = fa3_out[0] if isinstance(fa3_out, tuple) else fa3_out
-        check["fa3_err_vs_ref"] = rel_err(fa3_out, ref)
-        fa3_ms = bench(run_fa3)
-
-    def run():
-        extend.mha_extend_with_kvcache(q, k_cache, v_cache, out=out, lse=None, **kwargs)
-
-    ms = bench(run)
-    rows.append(
-        dict(
-            case=label,
-            config="heuristic",
-            ms=ms,
-            tflops=flops / ms / 1e9,
-            fa3_ms=fa3_ms,
-            fa3_tflops=fa3_ms and flops / fa3_ms / 1e9,
-            **check,
+            ),
+            ref,
+            check,
         )
+    label = (
+        f"extend {'causal' if window < 0 else f'window{window}'} ctx={ctx} new={new}"
+        f"x{batch} page{page}"
     )
-    for config in sweep[window >= 0] if sweep else ():
-        try:
-            with extend.pin_config(config):
-                run()
-                err = rel_err(out, ref)
-                ms = bench(run)
-        except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported
-            rows.append(dict(case=label, config=str(config), error=str(exc)[:200]))
-            continue
-        rows.append(
-            dict(case=label, config=str(config), ms=ms, tflops=flops / ms / 1e9, err_vs_ref=err)
-        )
+    flops = 4 * HQ * D * batch * (visible_keys(ctx, window) - visible_keys(ctx - new, window))
+    configs = sweep[window >= 0] if sweep else ()
+    return case_rows(label, flops, run, out, ref, check, fa3_ms, configs, extend.pin_config)
 
 
-def table(rows) -> str:
-    lines = [
-        "| case | config | ms | TFLOP/s | FA3 TFLOP/s | ratio | rel err vs ref |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['case']} | {r['config']} | error: {r['error'][:80]} | | | | |")
-            continue
-        fa3 = r.get("fa3_tflops")
-        ratio = f"{r['tflops'] / fa3:.2f}" if fa3 else ""
-        lines.append(
-            f"| {r['case']} | {r['config']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-            f"{'' if not fa3 else f'{fa3:.0f}'} | {ratio} | {r['err_vs_ref']:.1e} |"
-        )
-    return "\n".join(lines)
+def _cells(r: dict) -> list[object]:
+    if "error" in r:
+        return [r["case"], r["config"], f"error: {r['error'][:80]}", "", "", "", "", ""]
+    fa3_ms = r.get("fa3_ms")
+    peer = ["", "", ""]
+    if fa3_ms:
+        peer = [f"{fa3_ms:.3f}", f"{r['fa3_tflops']:.0f}", f"{fa3_ms / r['ms']:.2f}"]
+    err = f"{r['err_vs_ref']:.1e}"
+    if "fa3_err_vs_ref" in r:
+        err += f" / {r['fa3_err_vs_ref']:.1e}"
+    if r.get("nan"):
+        err += " (NaN in the output)"
+    return [r["case"], r["config"], f"{r['ms']:.3f}", f"{r['tflops']:.0f}", *peer, err]
+
+
+def prefill_lines(rows: list[dict]) -> list[str]:
+    """The heuristic rows side by side with FA3, then the pinned configs (--sweep)."""
+    columns = ["case", "config", "ms", "TFLOP/s", "FA3 ms", "FA3 TFLOP/s", "FA3 / ours"]
+    columns.append("rel err vs ref (ours / FA3)")
+    lines = table(columns, (_cells(r) for r in rows if r["config"] == "heuristic"))
+    swept = [r for r in rows if r["config"] != "heuristic"]
+    if swept:
+        lines += ["", "Pinned configs (`pin_config`):", ""]
+        lines += table(columns, (_cells(r) for r in swept))
+    return lines
 
 
 def main() -> None:
@@ -255,38 +263,31 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time pinned configs")
     parser.add_argument("--no-extend", action="store_true")
     parser.add_argument("--only", choices=("causal", "window"), help="prefill cases to run")
-    parser.add_argument("--json", help="write all rows here")
+    record.add_record_argument(parser)
     args = parser.parse_args()
     try:
         import flash_attn_interface as fa3
     except ImportError:
         fa3 = None
         print("FA3 (flash_attn_interface) not importable: peer columns stay empty")
-    kind = device_kind(torch.device("cuda"))
-    print(f"device: {torch.cuda.get_device_name()} {kind}")
+    name = torch.cuda.get_device_name()
     rows: list[dict] = []
     for seqlen, batch, window in PREFILL_CASES:
         if args.only and (window >= 0) != (args.only == "window"):
             continue
-        run_prefill_case(seqlen, batch, window, fa3, SWEEP if args.sweep else None, rows)
+        rows += run_prefill_case(seqlen, batch, window, fa3, SWEEP if args.sweep else None)
         print(json.dumps(rows[-1]), flush=True)
     if not args.no_extend:
         for window, page in ((-1, 64), (127, 64), (-1, 16)):
-            run_extend_case(
-                8192,
-                2048,
-                2,
-                window,
-                page,
-                fa3,
-                EXTEND_SWEEP if args.sweep and page == 64 else None,
-                rows,
-            )
+            sweep = EXTEND_SWEEP if args.sweep and page == 64 else None
+            rows += run_extend_case(8192, 2048, 2, window, page, fa3, sweep)
             print(json.dumps(rows[-1]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print(table(rows))
+    fa3_version = record.package_version("tokenspeed-fa3", "flash-attn-3", "flash_attn_3")
+    lines = record.header(
+        f"Prefill and extend attention against FlashAttention-3, {name}", name, {"FA3": fa3_version}
+    )
+    lines += [METHOD, "", *prefill_lines(rows)]
+    record.write("prefill", lines, device=name, record=not args.no_record)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,129 @@
+"""The benchmark record: each script rewrites benchmarks/results/<op>_<gpu>.md in place, so the
+file always holds the last run of the current code, headed by what it takes to reproduce it
+(date, device, versions, commit, command). Rejected designs and their figures live in
+docs/decisions.md, not here."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def gpu_kind(device_name: str) -> str:
+    """The GPU kind a results file is named by: 'h100' for 'NVIDIA H100 80GB HBM3', 'h200'
+    for 'NVIDIA H200', 'mi300x' for 'AMD Instinct MI300X'; the first token that mixes letters
+    and digits, else the whole name in lower case with dashes."""
+    tokens = re.findall(r"[a-z0-9]+", device_name.lower())
+    for token in tokens:
+        if re.fullmatch(r"[a-z]+\d+[a-z]*", token):
+            return token
+    return "-".join(tokens) or "unknown"
+
+
+def device_name() -> str:
+    """The CUDA/ROCm device's name, or 'cpu' where torch sees no GPU."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as run from the repository root: `python3 benchmarks/x.py --flag ...`."""
+    argv = list(sys.argv if argv is None else argv)
+    script = Path(argv[0]).resolve()
+    if script.is_relative_to(REPO):
+        argv[0] = str(script.relative_to(REPO))
+    return shlex.join(["python3", *argv])
+
+
+def package_version(*names: str) -> str | None:
+    """The installed version of the first distribution among `names`, or None."""
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _commit() -> str | None:
+    """The measured tree's commit (`+dirty` with local changes), where git and .git exist."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def header(title: str, device: str, peers: dict[str, str | None] | None = None) -> list[str]:
+    """The file's title and the lines that say how its figures were produced."""
+    import torch
+    import triton
+
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    versions += f", python {platform.python_version()}"
+    for peer, version in (peers or {}).items():
+        versions += f", {peer} {version or 'not installed'}"
+    lines = [
+        f"# {title}",
+        "",
+        f"- date: {datetime.date.today().isoformat()}",
+        f"- device: {device}",
+        f"- versions: {versions}",
+    ]
+    commit = _commit()
+    if commit:
+        lines.append(f"- commit: {commit}")
+    lines += [f"- command: `{command_line()}`", ""]
+    return lines
+
+
+def table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """A markdown table; numbers are written as given (format them before)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines
+
+
+def add_record_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-record",
+        action="store_true",
+        help="print the results without rewriting benchmarks/results/<op>_<gpu>.md "
+        "(for partial runs and sweeps that should not replace the record)",
+    )
+
+
+def write(op: str, lines: Sequence[str], *, device: str, record: bool = True) -> Path | None:
+    """Print the results and, with `record`, rewrite benchmarks/results/<op>_<gpu kind>.md."""
+    text = "\n".join(lines).rstrip() + "\n"
+    print(text)
+    if not record:
+        return None
+    path = RESULTS / f"{op}_{gpu_kind(device)}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {path.relative_to(REPO)}")
+    return path
