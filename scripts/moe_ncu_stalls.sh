@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Nsight Compute view of triton.moe.wgmma's two grouped GEMMs on GPT-OSS-120B shapes: duration,
-# active warps, issue rate and the stall reasons per issued instruction, for each M given
+# Nsight Compute view of triton.moe_apply.sm90's two grouped GEMMs on GPT-OSS-120B shapes:
+# duration, active warps, issue rate and the stall reasons per issued instruction, for each M given
 # (default: 1 and 4096). Run on the GPU machine from the repo root:
 #   bash scripts/moe_ncu_stalls.sh [M ...]
 # The SM clock is left free (--clock-control none), as in benchmarks/bench_moe.py; kernels still
@@ -33,6 +33,6 @@ sizes=("$@")
 [ ${#sizes[@]} -eq 0 ] && sizes=(1 4096)
 for tokens in "${sizes[@]}"; do
     echo "## M=$tokens (the second call's GEMM1, then GEMM2; the first call compiles)"
-    bash scripts/gpu_session.sh "$ncu" --clock-control none --kernel-name regex:_fragment_gemm --launch-skip 2 \
+    bash scripts/run_from_source.sh "$ncu" --clock-control none --kernel-name regex:_fragment_gemm --launch-skip 2 \
         --launch-count 2 --metrics "$metrics" python3 "$driver" "$tokens" | grep -v "^==PROF=="
 done

@@ -1,10 +1,10 @@
-"""Kernel timeline of triton.moe.wgmma's forward on GPT-OSS-120B shapes: each kernel's start and
-end (torch.profiler, CUDA activity) in the last of several CUDA-graph replays over 4 layers'
+"""Kernel timeline of triton.moe_apply.sm90's forward on GPT-OSS-120B shapes: each kernel's start
+and end (torch.profiler, CUDA activity) in the last of several CUDA-graph replays over 4 layers'
 distinct weights (L2-cold, as benchmarks/bench_moe.py times decode). Under programmatic
 dependent launch a kernel starts while the previous one finishes, so the overlaps show where
 the critical path runs. The profiler adds about 2 us per layer. On the GPU machine:
 
-    bash scripts/gpu_session.sh python3 scripts/moe_timeline.py [M ...]
+    bash scripts/run_from_source.sh python3 scripts/moe_timeline.py [M ...]
 """
 
 from __future__ import annotations

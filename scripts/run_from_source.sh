@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the project from its sources on a GPU machine that has torch/triton but none of our
 # packages installed: sources on PYTHONPATH, entry points through a throwaway *.dist-info.
-# Usage: bash scripts/gpu_session.sh CMD...   (e.g. bash scripts/gpu_session.sh tokenspeed-kernel)
+# Usage: bash scripts/run_from_source.sh CMD...
+#   e.g. bash scripts/run_from_source.sh tokenspeed-kernel check --op moe_apply
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 ep="$(mktemp -d)"
