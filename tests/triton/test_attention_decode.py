@@ -13,12 +13,12 @@ import torch
 
 from tokenspeed_kernel.ops.attention.reference import reference_decode
 from tokenspeed_kernel.testing import assert_close, assert_conformance, conformance_params
-from tokenspeed_kernel_triton.attention import decode
-from tokenspeed_kernel_triton.attention.decode import (
+from tokenspeed_kernel.tuning import pin_config
+from tokenspeed_kernel_triton.attention.decode import KERNEL_NAME, mha_decode_with_kvcache
+from tokenspeed_kernel_triton.attention.decode_config import (
+    MAX_SPLITS,
     DecodeConfig,
     choose_num_splits,
-    mha_decode,
-    pin_decode_config,
 )
 
 OP = "mha_decode_with_kvcache"
@@ -131,8 +131,8 @@ def test_split_counts_agree_with_reference(num_splits, page_size, block_n):
     with 16-key blocks reads one page per block; page 4 gathers four pages per block."""
     q, caches, _, kwargs = _inputs((0, 2, 9, 77), 2, 8, 2, 64, page_size, seed=num_splits)
     q = q.to(DEVICE)
-    with pin_decode_config(DecodeConfig(block_n, 1 if not ON_GPU else 4, 1, 1, num_splits)):
-        out, lse = _run(mha_decode, q, caches, kwargs)
+    with pin_config(KERNEL_NAME, DecodeConfig(block_n, 1 if not ON_GPU else 4, 1, 1, num_splits)):
+        out, lse = _run(mha_decode_with_kvcache, q, caches, kwargs)
     want, want_lse = _run(reference_decode, q.cpu(), caches, kwargs)
     assert_close(out.cpu(), want, dtype=DTYPE, name="out")
     assert_close(lse.cpu(), want_lse, dtype=torch.float32, name="lse")
@@ -148,8 +148,8 @@ def test_window_never_reads_outside(num_splits):
         (70, 13, 3), q_len, 4, 1, 64, 4, seed=11, window_left=window, poison_outside_window=True
     )
     q = q.to(DEVICE)
-    with pin_decode_config(DecodeConfig(16, 1 if not ON_GPU else 4, 1, 1, num_splits)):
-        out, lse = _run(mha_decode, q, poisoned, kwargs)
+    with pin_config(KERNEL_NAME, DecodeConfig(16, 1 if not ON_GPU else 4, 1, 1, num_splits)):
+        out, lse = _run(mha_decode_with_kvcache, q, poisoned, kwargs)
     want, want_lse = _run(reference_decode, q.cpu(), clean, kwargs)
     assert_close(out.cpu(), want, dtype=DTYPE, name="out")
     assert_close(lse.cpu(), want_lse, dtype=torch.float32, name="lse")
@@ -170,8 +170,10 @@ def test_many_query_rows_and_strided_metadata(window_left):
     wide, lens = wide.to(DEVICE), lens.to(DEVICE)
     assert wide[:, ::2].stride(1) == 2 and lens[:, 0].stride(0) == 2
     strided = dict(kwargs, cache_seqlens=lens[:, 0])
-    with pin_decode_config(DecodeConfig(16, 1 if not ON_GPU else 4, 1, 1, 2)):
-        out, lse = _run(mha_decode, q.to(DEVICE), (k_cache, v_cache, wide[:, ::2]), strided)
+    with pin_config(KERNEL_NAME, DecodeConfig(16, 1 if not ON_GPU else 4, 1, 1, 2)):
+        out, lse = _run(
+            mha_decode_with_kvcache, q.to(DEVICE), (k_cache, v_cache, wide[:, ::2]), strided
+        )
     want, want_lse = _run(reference_decode, q, caches, kwargs)
     assert_close(out.cpu(), want, dtype=DTYPE, name="out")
     assert_close(lse.cpu(), want_lse, dtype=torch.float32, name="lse")
@@ -186,7 +188,7 @@ def test_split_heuristic_fills_the_device_and_stays_whole_when_full():
     assert choose_num_splits(512, 128, 132, 4) == 1
     assert choose_num_splits(512, 3, 132, 4) == 1  # window 127: three blocks at most
     assert choose_num_splits(8, 1, 132, 4) == 1  # one block cannot be split
-    assert choose_num_splits(1, 10_000, 132, 4) <= decode.MAX_SPLITS
+    assert choose_num_splits(1, 10_000, 132, 4) <= MAX_SPLITS
 
 
 @pytest.mark.gpu
@@ -203,7 +205,7 @@ def test_cuda_graph_replay_with_new_lengths():
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="cuda")
 
     def step():
-        mha_decode(
+        mha_decode_with_kvcache(
             q,
             k_cache,
             v_cache,

@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from tokenspeed_kernel.ops.attention.reference import reference_extend, reference_prefill
+from tokenspeed_kernel.platform import KNOWN_PLATFORMS, Platform
 from tokenspeed_kernel.testing import (
     assert_close,
     assert_conformance,
     conformance_params,
 )
+from tokenspeed_kernel.tuning import pin_config, pinned_config
 from tokenspeed_kernel_triton.attention import extend, prefill
-from tokenspeed_kernel_triton.attention._common import AttentionConfig, DeviceKind
+from tokenspeed_kernel_triton.attention._common import AttentionConfig, choose_config
 
 OPS = ("mha_prefill", "mha_extend_with_kvcache")
 ON_GPU = torch.cuda.is_available()
@@ -95,7 +97,7 @@ def test_extend_never_reads_keys_outside_the_window(page_size):
         for pos in range(first_needed):
             cache[page_row[pos // page_size], pos % page_size] = float("nan")
     got = torch.full_like(q, float("nan"))
-    with extend.pin_config(AttentionConfig(16, 16, 1, 1)):
+    with pin_config(extend.KERNEL_NAME, AttentionConfig(16, 16, 1, 1)):
         extend.mha_extend_with_kvcache(q, cache_args["k"], cache_args["v"], out=got, **kwargs)
     assert_close(got, want, dtype=torch.float16, name="out")
 
@@ -132,35 +134,35 @@ def test_prefill_pinned_configs(config, causal, window):
     want, want_lse = torch.empty_like(q), torch.empty(total, heads_q)
     reference_prefill(q, k, v, out=want, lse=want_lse, **kwargs)
     got, got_lse = torch.full_like(q, float("nan")), torch.full((total, heads_q), float("nan"))
-    with prefill.pin_config(config):
+    with pin_config(prefill.KERNEL_NAME, config):
         prefill.mha_prefill(q, k, v, out=got, lse=got_lse, **kwargs)
     assert_close(got, want, dtype=torch.float16, name="out")
     assert_close(got_lse, want_lse, dtype=torch.float32, name="lse")
 
 
 def test_pin_config_is_scoped():
-    kind = DeviceKind("nvidia", "sm_90", 90, 132)
     pinned = AttentionConfig(16, 16, 1, 1)
-    with prefill.pin_config(pinned):
-        assert prefill._PIN.pinned == pinned
-    assert prefill._PIN.pinned is None
-    assert prefill.choose_config(kind, 64, False).block_m == 128
+    with pin_config(prefill.KERNEL_NAME, pinned):
+        assert pinned_config(prefill.KERNEL_NAME) == pinned
+        assert pinned_config(extend.KERNEL_NAME) is None
+    assert pinned_config(prefill.KERNEL_NAME) is None
+    assert choose_config(KNOWN_PLATFORMS["h100"], 64, False).block_m == 128
 
 
 @pytest.mark.parametrize(
-    "kind",
+    "platform",
     [
-        DeviceKind("nvidia", "sm_90", 90, 132),
-        DeviceKind("nvidia", "sm_80", 80, 108),
-        DeviceKind("amd", "gfx942", 0, 304),
-        DeviceKind("amd", "gfx950", 0, 256),
+        KNOWN_PLATFORMS["h100"],
+        Platform("nvidia", "sm_80", 0, 108, "NVIDIA A100"),
+        KNOWN_PLATFORMS["mi300x"],
+        KNOWN_PLATFORMS["mi355x"],
     ],
+    ids=lambda platform: platform.arch,
 )
 @pytest.mark.parametrize("head_dim", prefill.HEAD_DIMS)
-def test_configs_tile_the_head_dim(kind, head_dim):
-    for module in (prefill, extend):
-        for window in (False, True):
-            config = module.choose_config(kind, head_dim, window)
-            assert config.block_m >= 16 and config.block_n >= 16
-            assert config.block_m & (config.block_m - 1) == 0
-            assert config.block_n & (config.block_n - 1) == 0
+def test_configs_tile_the_head_dim(platform, head_dim):
+    for window in (False, True):
+        config = choose_config(platform, head_dim, window)
+        assert config.block_m >= 16 and config.block_n >= 16
+        assert config.block_m & (config.block_m - 1) == 0
+        assert config.block_n & (config.block_n - 1) == 0

@@ -1,14 +1,16 @@
 """Entry point `tokenspeed_kernel.plugins: triton`: registers every Triton kernel with core.
 
-The only module of this package that imports core; the kernel modules work without it.
+Each kernel module ends with its own `register()`; this module only lists them.
 """
 
 from __future__ import annotations
 
+from .attention import decode, extend, kvcache_store, prefill
+from .moe import moe, moe_sm90
+
+KERNEL_MODULES = (prefill, extend, decode, kvcache_store, moe, moe_sm90)
+
 
 def register() -> None:
-    from .attention.registration import register_attention_kernels
-    from .moe.registration import register_moe_kernels
-
-    register_attention_kernels()
-    register_moe_kernels()
+    for module in KERNEL_MODULES:
+        module.register()

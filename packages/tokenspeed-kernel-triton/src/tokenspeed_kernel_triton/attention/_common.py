@@ -1,5 +1,6 @@
-"""Pieces shared by the Triton attention kernels: the online-softmax block update, the final
-normalization (sinks, lse), the tile config type with its scoped pin, and device queries.
+"""Pieces shared by the Triton attention kernels: the online-softmax block update, the key loop
+of the prefill/extend tiles, the final normalization (sinks, lse), the tile config with its
+heuristic, and what the kernels' registrations have in common.
 
 Scores live in the log2 domain (`qk_scale` = softmax_scale * log2(e)) so the exponentials are
 `exp2`, one MUFU instruction each; the lse is converted back to the natural log at the end.
@@ -7,19 +8,20 @@ Scores live in the log2 domain (`qk_scale` = softmax_scale * log2(e)) so the exp
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+from tokenspeed_kernel.platform import Platform, arch_number, interpreting, platform_of
+from tokenspeed_kernel.registry import Support
+from tokenspeed_kernel.tuning import pinned_config
+
+# constexprs, so kernels read them too (`.value` on the host).
+LOG2E = tl.constexpr(math.log2(math.e))
+LN2 = tl.constexpr(math.log(2.0))
 
 
 @triton.jit
@@ -70,11 +72,146 @@ def attn_block_update(
 
 
 @triton.jit
+def _contiguous_key_block(keys, n0, cols, seq_k, MASK: tl.constexpr):
+    """K^T [D, BLOCK_N] and V [BLOCK_N, D] of keys n0.. of one sequence stored token-major."""
+    k_base, v_base, stride_kt, stride_vt, offs_n, offs_d = keys
+    # 64-bit block base, 32-bit offsets inside the block: no overflow at any length.
+    n0_64 = tl.cast(n0, tl.int64)
+    k_ptrs = k_base + n0_64 * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None]
+    v_ptrs = v_base + n0_64 * stride_vt + offs_n[:, None] * stride_vt + offs_d[None, :]
+    if MASK:
+        # Keys past the sequence end belong to the next sequence (or lie past the tensor).
+        k = tl.load(k_ptrs, mask=cols[None, :] < seq_k, other=0.0)
+        v = tl.load(v_ptrs, mask=cols[:, None] < seq_k, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return k, v
+
+
+@triton.jit
+def _paged_key_block(
+    keys, n0, cols, seq_k, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """K^T and V of keys n0.. gathered from a paged cache, token p at page p // P, slot p % P."""
+    (
+        K,
+        V,
+        page_row,
+        kv_head_k,
+        kv_head_v,
+        stride_kp,
+        stride_kt,
+        stride_vp,
+        stride_vt,
+        offs_n,
+        offs_d,
+    ) = keys
+    in_seq = cols < seq_k
+    if PAGE_SIZE % BLOCK_N == 0:
+        # Loop bounds are BLOCK_N-aligned, so the block lies in one page: one page-table
+        # read, and contiguous rows the compiler can see as such.
+        page = tl.load(page_row + n0 // PAGE_SIZE).to(tl.int64)
+        slot_in_page = n0 % PAGE_SIZE + offs_n
+    else:
+        if MASK:
+            page = tl.load(page_row + cols // PAGE_SIZE, mask=in_seq, other=0)
+        else:
+            page = tl.load(page_row + cols // PAGE_SIZE)
+        page = page.to(tl.int64)
+        slot_in_page = cols % PAGE_SIZE
+    k_rows = page * stride_kp + slot_in_page * stride_kt
+    v_rows = page * stride_vp + slot_in_page * stride_vt
+    k_ptrs = K + kv_head_k + k_rows[None, :] + offs_d[:, None]
+    v_ptrs = V + kv_head_v + v_rows[:, None] + offs_d[None, :]
+    if MASK:
+        k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return k, v
+
+
+@triton.jit
+def _attend_key_range(
+    state,
+    q,
+    tile,
+    keys,
+    lo,
+    hi,
+    MASK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """Online softmax over the key blocks [lo, hi). PAGE_SIZE 0: keys stored token-major
+    (`keys` as `_contiguous_key_block` takes them); else a paged cache (`_paged_key_block`).
+    An FP8 cache's blocks are converted to q's dtype in registers."""
+    acc, l_i, m_i = state
+    rows, seq_k, window_left, qk_scale, offs_n = tile
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        if PAGE_SIZE == 0:
+            k, v = _contiguous_key_block(keys, n0, cols, seq_k, MASK)
+        else:
+            k, v = _paged_key_block(keys, n0, cols, seq_k, MASK, PAGE_SIZE, BLOCK_N)
+        acc, l_i, m_i = attn_block_update(
+            acc, l_i, m_i, q, k.to(q.dtype), v.to(q.dtype), qk_scale, rows, cols, seq_k,
+            window_left, MASK, IS_CAUSAL, HAS_WINDOW,
+        )  # fmt: skip
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attend_key_ranges(
+    q,
+    tile,
+    keys,
+    lo,
+    full_lo,
+    full_hi,
+    hi,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SPLIT_MASK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """(acc, l, m) of a query tile over its visible keys (bounds from `key_block_bounds`):
+    one masked loop, or masked edges around an unmasked middle (SPLIT_MASK)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    state = (acc, l_i, m_i)
+    if not SPLIT_MASK:
+        state = _attend_key_range(
+            state, q, tile, keys, lo, hi, True, BLOCK_N, IS_CAUSAL, HAS_WINDOW, PAGE_SIZE
+        )
+    else:
+        if HAS_WINDOW:
+            state = _attend_key_range(
+                state, q, tile, keys, lo, full_lo, True, BLOCK_N, IS_CAUSAL, HAS_WINDOW, PAGE_SIZE
+            )
+        state = _attend_key_range(
+            state, q, tile, keys, full_lo, full_hi, False, BLOCK_N, IS_CAUSAL, HAS_WINDOW, PAGE_SIZE
+        )
+        state = _attend_key_range(
+            state, q, tile, keys, full_hi, hi, True, BLOCK_N, IS_CAUSAL, HAS_WINDOW, PAGE_SIZE
+        )
+    return state
+
+
+@triton.jit
 def attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS: tl.constexpr):
     """Divide by the softmax denominator (plus each row's head's sink term, added once, here, in the
     log2 domain against the running max). Returns (out [BLOCK_M, D] fp32, lse natural log)."""
     if HAS_SINKS:
-        sink = tl.load(Sinks + heads).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(Sinks + heads).to(tl.float32) * LOG2E
         m_fin = tl.maximum(m_i, sink)
         alpha = tl.math.exp2(m_i - m_fin)
         l_fin = l_i * alpha + tl.math.exp2(sink - m_fin)
@@ -84,13 +221,30 @@ def attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS: tl.constexpr):
         l_fin = l_i
         # l = 0 only for a query that sees nothing and has no sink: its output is zeros.
         acc = acc / tl.where(l_fin == 0.0, 1.0, l_fin)[:, None]
-    lse = (m_fin + tl.math.log2(l_fin)) * 0.6931471805599453
+    lse = (m_fin + tl.math.log2(l_fin)) * LN2
     return acc, lse
 
 
 @triton.jit
-def store_rows(Out, Lse, acc, lse, out_rows, lse_rows, row_ok, offs_d, HAS_LSE: tl.constexpr):
-    """Write the valid rows of one tile; out_rows/lse_rows are each row's element offset."""
+def load_q_tile(Q, tile0, local, heads, row_ok, offs_d, stride_qt, stride_qh):
+    """The tile's query rows (local token, head); tile0 is its int64 first token."""
+    return tl.load(
+        Q + tile0 * stride_qt + (local * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+
+
+@triton.jit
+def store_rows(
+    Out, Lse, acc, lse, tile0, local, heads, row_ok, offs_d, strides, HAS_LSE: tl.constexpr
+):
+    """Write the valid rows of one tile (Out [T, H, D], Lse [T, H]); tile0 as in `load_q_tile`."""
+    stride_ot, stride_oh, stride_lt = strides
+    Out = Out + tile0 * stride_ot
+    Lse = Lse + tile0 * stride_lt
+    out_rows = local * stride_ot + heads * stride_oh
+    lse_rows = local * stride_lt + heads
     tl.store(
         Out + out_rows[:, None] + offs_d[None, :],
         acc.to(Out.dtype.element_ty),
@@ -174,52 +328,90 @@ class AttentionConfig:
         return heads
 
 
-class ConfigPin:
-    """A scoped override of a kernel's heuristic config (tests and benchmarks)."""
-
-    def __init__(self) -> None:
-        self._pinned: AttentionConfig | None = None
-
-    @property
-    def pinned(self) -> AttentionConfig | None:
-        return self._pinned
-
-    @contextlib.contextmanager
-    def pin(self, config: AttentionConfig) -> Iterator[AttentionConfig]:
-        previous, self._pinned = self._pinned, config
-        try:
-            yield config
-        finally:
-            self._pinned = previous
-
-
-@dataclass(frozen=True)
-class DeviceKind:
-    """What the config heuristics need to know about a device."""
-
-    vendor: str  # "nvidia", "amd" or "interpreter"
-    arch: str  # "sm_90", "gfx942", ... or "cpu"
-    sm: int  # NVIDIA compute capability as 90, 80, ...; 0 elsewhere
-    sm_count: int
+def choose_config(platform: Platform, head_dim: int, window: bool) -> AttentionConfig:
+    """Tile config of the prefill and extend kernels; each branch names the hardware reason."""
+    if platform.vendor == "cpu":
+        # The interpreter runs every block op in numpy: small tiles keep CPU tests fast while
+        # short sequences still cross several blocks and pages (masked and unmasked paths run).
+        return AttentionConfig(32, 16, 1, 1, heads_per_tile=2)
+    if platform.vendor == "amd":
+        # CDNA: 64-wide wavefronts, 4 warps fill a CU's SIMDs; K/V (gathered rows too) go
+        # through LDS, 64 KB on gfx942 (160 KB on gfx950), so hd 128 drops to single-buffered
+        # K/V there.
+        stages = 1 if head_dim > 64 and platform.arch == "gfx942" else 2
+        return AttentionConfig(128, 64, 4, stages, heads_per_tile=8)
+    if platform.sm == 90:
+        # Hopper: GQA packing puts 8 heads x 16 tokens in a 128-row tile over 8 warps (two
+        # warpgroups, wgmma m64 each); K/V load once per 8 heads; 3 cp.async stages of 64-key
+        # blocks (paged rows cannot use TMA) measured best (H100 prefill: 411-435 TFLOP/s
+        # causal hd 64, vs 329-368 with 128-key blocks). A sliding window (memory-bound: each
+        # tile visits ~5 key blocks) wants short tiles (8 tokens x 8 heads) on 32-key blocks in
+        # one masked loop: little masked waste, one pipeline warm-up per tile.
+        if window:
+            return AttentionConfig(64, 32, 4, 3, heads_per_tile=8, split_mask=False)
+        return AttentionConfig(128, 64, 8, 3, heads_per_tile=8)
+    # Ampere/Ada (mma.sync) and newer parts: 4 warps x 32 rows; 2-3 cp.async stages fit
+    # 100-164 KB of shared memory.
+    return AttentionConfig(128, 64, 4, 3 if head_dim <= 64 else 2, heads_per_tile=8)
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def plan_tiles(kernel_name, q, num_kv_heads, num_seqs, max_seqlen_q, window_left, sinks, lse):
+    """(grid, num_m_blocks, constexprs and launch options) of a prefill/extend launch, from
+    the config pinned for `kernel_name` or the platform's heuristic."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    has_window = window_left >= 0
+    config = pinned_config(kernel_name) or choose_config(
+        platform_of(q.device), head_dim, has_window
+    )
+    group = num_q_heads // num_kv_heads
+    heads_per_tile = config.packing(group)
+    num_m_blocks = triton.cdiv(max_seqlen_q, config.block_m // heads_per_tile)
+    grid = (num_m_blocks, num_q_heads // heads_per_tile, num_seqs)
+    meta = dict(
+        GROUP=group,
+        HEADS_PER_TILE=heads_per_tile,
+        HEAD_DIM=head_dim,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        HAS_WINDOW=has_window,
+        HAS_SINKS=sinks is not None,
+        HAS_LSE=lse is not None,
+        SPLIT_MASK=config.split_mask,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return grid, num_m_blocks, meta
 
 
-@functools.cache
-def _device_kind(device_type: str, index: int | None) -> DeviceKind:
-    if device_type != "cuda":
-        return DeviceKind("interpreter", "cpu", 0, os.cpu_count() or 1)
-    props = torch.cuda.get_device_properties(index)
-    if torch.version.hip:
-        return DeviceKind("amd", props.gcnArchName.split(":")[0], 0, props.multi_processor_count)
-    sm = props.major * 10 + props.minor
-    return DeviceKind("nvidia", f"sm_{sm}", sm, props.multi_processor_count)
+# ----------------------------------------------------------------------------- registration
+
+FP8 = torch.float8_e4m3fn
+HALF = (torch.bfloat16, torch.float16)
 
 
-def device_kind(device: torch.device) -> DeviceKind:
-    index = device.index
-    if device.type == "cuda" and index is None:
-        index = torch.cuda.current_device()
-    return _device_kind(device.type, index)
+def attention_platforms() -> list[str]:
+    """Where the attention kernels run; the CPU only through the Triton interpreter (tests,
+    debugging)."""
+    platforms = ["nvidia:sm_80+", "amd:gfx942,gfx950"]
+    if interpreting():
+        platforms.append("cpu")
+    return platforms
+
+
+def interpreter_dot_verdict(request, platform) -> Support:
+    if platform.vendor == "cpu" and request.dtype == torch.bfloat16:
+        return Support.no("the Triton 3.6 interpreter multiplies raw bits in a bf16 tl.dot")
+    return Support.yes()
+
+
+def fp8_verdict(request, platform) -> Support:
+    if request.kv_dtype == FP8 and platform.vendor == "nvidia":
+        if (arch_number(platform.arch) or 0) < 89:
+            return Support.no(f"FP8 e4m3 conversion needs sm_89+, this is {platform.arch}")
+    return Support.yes()
+
+
+def supports_dot_and_fp8(request, platform) -> Support:
+    """The interpreter's bf16 dot and the FP8 conversion are what the dot kernels need."""
+    verdict = interpreter_dot_verdict(request, platform)
+    return fp8_verdict(request, platform) if verdict else verdict

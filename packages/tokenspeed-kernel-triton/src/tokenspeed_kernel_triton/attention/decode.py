@@ -19,36 +19,22 @@ shapes (batch, KV heads, page-table width or window) and the SM count.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from .decode_config import (
-    MAX_SPLITS,
-    DecodeConfig,
-    choose_num_splits,
-    device_info,
-    heuristic_config,
-    pin_decode_config,
-    pinned_config,
-    plan_decode,
-)
+from tokenspeed_kernel.platform import platform_of
+from tokenspeed_kernel.registry import ANY, register_kernel
+from tokenspeed_kernel.tuning import pinned_config
+
+from ._common import FP8, HALF, LN2, LOG2E, attention_platforms, supports_dot_and_fp8
+from .decode_config import plan_decode
 from .decode_reduce import decode_reduce
 
-__all__ = [
-    "MAX_SPLITS",
-    "DecodeConfig",
-    "choose_num_splits",
-    "device_info",
-    "heuristic_config",
-    "mha_decode",
-    "pin_decode_config",
-    "plan_decode",
-]
-
-LOG2E = math.log2(math.e)
+KERNEL_NAME = "triton.mha_decode_with_kvcache"
+HEAD_DIMS = (64, 128)
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_Q_LEN = 64
 
 
 @triton.jit
@@ -115,18 +101,16 @@ def _store_final(
     head,
     row_ok,
     offs_d,
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    stride_lb,
-    stride_lt,
-    stride_lh,
+    out_strides,
+    lse_strides,
     HAS_SINKS: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
     """Single-split path: add the sink (once: there is no other split), normalize, store."""
+    stride_ob, stride_ot, stride_oh = out_strides
+    stride_lb, stride_lt, stride_lh = lse_strides
     if HAS_SINKS:
-        sink = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
         m_fin = tl.maximum(m_i, sink)
         alpha = tl.math.exp2(m_i - m_fin)
         l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
@@ -137,7 +121,7 @@ def _store_final(
     o_ptrs = Out + b * stride_ob + tok[:, None] * stride_ot + head[:, None] * stride_oh
     tl.store(o_ptrs + offs_d[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
     if HAS_LSE:
-        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        lse = (m_i + tl.math.log2(l_i)) * LN2
         tl.store(Lse + b * stride_lb + tok * stride_lt + head * stride_lh, lse, mask=row_ok)
 
 
@@ -213,7 +197,7 @@ def _decode_split_kernel(
 
     if NUM_SPLITS == 1:
         _store_final(Out, Lse, Sinks, acc, l_i, m_i, v_scale, b, tok, head, row_ok, offs_d,
-                     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
+                     (stride_ob, stride_ot, stride_oh), (stride_lb, stride_lt, stride_lh),
                      HAS_SINKS, HAS_LSE)
     else:
         # Partial of this split: normalized output and its lse (log2), -inf when empty.
@@ -247,7 +231,7 @@ def _split_scratch(device: torch.device, rows: int, splits: int, head_dim: int):
     return buffers
 
 
-def mha_decode(
+def mha_decode_with_kvcache(
     q,
     k_cache,
     v_cache,
@@ -272,11 +256,8 @@ def mha_decode(
     _, page_size, num_kv_heads, _ = k_cache.shape
     if batch == 0:
         return
-    arch, sm_count, smem = device_info(q.device)
     config, block_m, splits = plan_decode(
-        arch,
-        sm_count,
-        smem,
+        platform_of(q.device),
         k_cache.element_size(),
         batch,
         q_len,
@@ -286,7 +267,7 @@ def mha_decode(
         page_size,
         page_table.shape[1],
         window_left,
-        pinned_config(),
+        pinned_config(KERNEL_NAME),
     )
     group = num_q_heads // num_kv_heads
     m_tiles = -(-q_len * group // block_m)
@@ -297,20 +278,16 @@ def mha_decode(
     lse_t = lse if lse is not None else out
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     grid = (batch * num_kv_heads * m_tiles, splits)
-    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    kv_fp8 = k_cache.dtype == FP8
     q_prescale = 2.0**-8 if kv_fp8 and q.dtype == torch.bfloat16 else 1.0
     # fmt: off
     _decode_split_kernel[grid](
         q, k_cache, v_cache, page_table, cache_seqlens, sinks if sinks is not None else q,
         out, lse_t, mid_o, mid_lse,
-        softmax_scale * k_scale * LOG2E / q_prescale, v_scale, window_left, num_kv_heads,
+        softmax_scale * k_scale * LOG2E.value / q_prescale, v_scale, window_left, num_kv_heads,
         cache_seqlens.stride(0),
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        page_table.stride(0), page_table.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        *lse_strides,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *page_table.stride(),
+        *out.stride()[:3], *lse_strides,
         Q_LEN=q_len, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m,
         BLOCK_N=config.block_n, NUM_SPLITS=splits, HAS_WINDOW=window_left >= 0,
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
@@ -322,113 +299,50 @@ def mha_decode(
         decode_reduce(mid_o, mid_lse, sinks, out, lse, batch, q_len, num_q_heads, head_dim, splits)
 
 
-SUPPORTED_HEAD_DIMS = (64, 128)
-SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MAX_Q_LEN = 64
+# GPT-OSS-like decode (GQA 8, one new token, sinks, lse) at the split counts the heuristic picks
+# on every target for these lengths: 64 sequences fill the device unsplit (page 64; page 16 with
+# a window); one sequence of 960 keys splits 16 ways (and runs the reduce), of 192 keys over an
+# FP8 cache 4 ways, of 448 keys at hd 128 in pages of one token 8 ways.
+_AOT_CASE = dict(
+    seqlens=(64,) * 64,
+    q_lens=(1,),
+    num_q_heads=64,
+    num_kv_heads=8,
+    head_dim=64,
+    page_size=64,
+    sinks=0.0,
+    lse=True,
+)
+_ONE_SEQUENCE = dict(_AOT_CASE, num_q_heads=16, num_kv_heads=2)
+AOT_CASES = (
+    _AOT_CASE,
+    dict(_AOT_CASE, page_size=16, window_left=127),
+    dict(_ONE_SEQUENCE, seqlens=(960,)),
+    dict(_ONE_SEQUENCE, seqlens=(192,), kv_dtype=FP8),
+    dict(_ONE_SEQUENCE, seqlens=(448,), head_dim=128, page_size=1),
+)
 
 
-def aot_specs(kind) -> list:
-    """Specializations GPT-OSS-like models launch on `kind` (a `_common.DeviceKind`), with the
-    launcher's config, for the ahead-of-time compile check (tokenspeed_kernel_triton.aot)."""
-    from ..aot import AotSpec
-    from .decode_reduce import _decode_reduce_kernel
-
-    strides = (
-        "stride_qb",
-        "stride_qt",
-        "stride_qh",
-        "stride_kp",
-        "stride_ks",
-        "stride_kh",
-        "stride_vp",
-        "stride_vs",
-        "stride_vh",
-        "stride_ptb",
-        "stride_ptp",
-        "stride_sb",
-        "stride_ob",
-        "stride_ot",
-        "stride_oh",
-        "stride_lb",
-        "stride_lt",
-        "stride_lh",
-    )
-    specs = []
-    for kv, head_dim, page_size, window, splits in (
-        ("bf16", 64, 64, False, 1),
-        ("bf16", 64, 64, False, 16),
-        ("bf16", 64, 16, True, 1),
-        ("fp8e4nv", 64, 64, False, 4),
-        ("bf16", 128, 1, False, 8),
-    ):
-        config = heuristic_config(kind.arch, head_dim)
-        signature = {
-            "Q": "*bf16",
-            "K": f"*{kv}",
-            "V": f"*{kv}",
-            "PageTable": "*i32",
-            "SeqLens": "*i32",
-            "Sinks": "*fp32",
-            "Out": "*bf16",
-            "Lse": "*fp32",
-            "MidO": "*fp32",
-            "MidLse": "*fp32",
-            "qk_scale": "fp32",
-            "v_scale": "fp32",
-            "window_left": "i32",
-            "num_kv_heads": "i32",
-            **dict.fromkeys(strides, "i32"),
-        }
-        # Parameter order, as the compiler binds them.
-        names = _decode_split_kernel.arg_names
-        signature = {n: signature[n] for n in names if n in signature}
-        constexprs = dict(
-            Q_LEN=1,
-            GROUP=8,
-            HEAD_DIM=head_dim,
-            PAGE_SIZE=page_size,
-            BLOCK_M=16,
-            BLOCK_N=config.block_n,
-            NUM_SPLITS=splits,
-            HAS_WINDOW=window,
-            HAS_SINKS=True,
-            HAS_LSE=True,
-            BLOCK_IN_PAGE=page_size % config.block_n == 0,
-            KV_FP8=kv == "fp8e4nv",
-            Q_PRESCALE=2.0**-8 if kv == "fp8e4nv" else 1.0,
-        )
-        name = (
-            f"decode_{kv}_hd{head_dim}_page{page_size}_splits{splits}{'_window' if window else ''}"
-        )
-        specs.append(
-            AotSpec(
-                name,
-                _decode_split_kernel,
-                signature,
-                constexprs,
-                config.num_warps,
-                config.num_stages,
-            )
-        )
-    reduce_signature = {
-        "MidO": "*fp32",
-        "MidLse": "*fp32",
-        "Sinks": "*fp32",
-        "Out": "*bf16",
-        "Lse": "*fp32",
-        "num_q_heads": "i32",
-        **dict.fromkeys(
-            ("stride_ob", "stride_ot", "stride_oh", "stride_lb", "stride_lt", "stride_lh"), "i32"
+def register() -> None:
+    register_kernel(
+        "mha_decode_with_kvcache",
+        name=KERNEL_NAME,
+        backend="triton",
+        platforms=attention_platforms(),
+        traits=dict(
+            dtype=HALF,
+            kv_dtype=(*HALF, FP8),
+            head_dim=HEAD_DIMS,
+            gqa_ratio=ANY,
+            page_size=PAGE_SIZES,
+            q_len=range(1, MAX_Q_LEN + 1),
+            window=True,
+            sinks=True,
+            lse=True,
         ),
-    }
-    specs.append(
-        AotSpec(
-            "decode_reduce_hd64_splits16",
-            _decode_reduce_kernel,
-            reduce_signature,
-            dict(Q_LEN=1, HEAD_DIM=64, NUM_SPLITS=16, BLOCK_S=16, HAS_SINKS=True, HAS_LSE=True),
-            1,
-            1,
-        )
-    )
-    return specs
+        priority=100,
+        supports=supports_dot_and_fp8,
+        description="split-KV paged decode; GQA heads x Q tokens share each K/V tile (tl.dot), "
+        "window-bounded splits, sink added once in the reduce, FP8 KV",
+        aot_cases=AOT_CASES,
+    )(mha_decode_with_kvcache)

@@ -1,18 +1,16 @@
-"""Launch configuration of the decode kernels: the per-platform tile heuristic, the split
-count chosen from the work and the SM count (read from the device), and a scoped pin for tests
-and benchmarks. Host-side only; nothing here reads a device value."""
+"""Launch configuration of the decode kernels: the per-platform tile heuristic and the split
+count chosen from the work and the platform's SM count. Host-side only; nothing here reads a
+device value."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
 import triton
+
+from tokenspeed_kernel.platform import Platform
 
 
 @dataclass(frozen=True)
@@ -33,51 +31,13 @@ _PROGRAM_OVERHEAD_BLOCKS = 1
 _LONG_SPLIT_BLOCKS = 8  # key blocks per split from which a deeper cp.async pipeline pays
 _STAGING_BYTES = 4096  # q tile and the bf16 probabilities staged through shared memory
 
-_pinned: DecodeConfig | None = None
 
-
-def pinned_config() -> DecodeConfig | None:
-    """The config pinned by `pin_decode_config`, or None (use the heuristic)."""
-    return _pinned
-
-
-@contextlib.contextmanager
-def pin_decode_config(config: DecodeConfig) -> Iterator[DecodeConfig]:
-    """Scoped override of the heuristic (tests and benchmarks)."""
-    global _pinned
-    previous, _pinned = _pinned, config
-    try:
-        yield config
-    finally:
-        _pinned = previous
-
-
-@functools.cache
-def _device_info(device_type: str, index: int | None) -> tuple[str, int, int]:
-    """(arch, SM/CU count, shared memory per SM) read from the device once;
-    ("interpreter", cores, 0) off the GPU."""
-    if device_type != "cuda":
-        return "interpreter", os.cpu_count() or 1, 0
-    props = torch.cuda.get_device_properties(index)
-    smem = getattr(props, "shared_memory_per_multiprocessor", 0) or 0
-    if torch.version.hip:
-        return props.gcnArchName.split(":")[0], props.multi_processor_count, smem
-    return f"sm_{props.major}{props.minor}", props.multi_processor_count, smem
-
-
-def device_info(device: torch.device) -> tuple[str, int, int]:
-    index = device.index
-    if device.type == "cuda" and index is None:
-        index = torch.cuda.current_device()
-    return _device_info(device.type, index)
-
-
-def heuristic_config(arch: str, head_dim: int) -> DecodeConfig:
+def heuristic_config(platform: Platform, head_dim: int) -> DecodeConfig:
     """Per-platform tile and pipeline choice, each with its hardware reason."""
-    if arch == "interpreter":
+    if platform.vendor == "cpu":
         # The interpreter's cost is per block op, not per byte: small tiles keep CPU tests fast.
         return DecodeConfig(block_n=16, num_warps=1, num_stages=1, ctas_per_sm=1)
-    if arch.startswith("gfx"):
+    if platform.vendor == "amd":
         # CDNA: 64 KB LDS per CU; two LDS stages of K+V (16-32 KB) leave room for 2 workgroups,
         # and 4 wavefronts of 64 lanes cover a 16x64 mfma tile set.
         return DecodeConfig(block_n=64, num_warps=4, num_stages=2, ctas_per_sm=2)
@@ -114,9 +74,7 @@ def choose_num_splits(programs: int, blocks: int, sm_count: int, ctas_per_sm: in
 
 @functools.lru_cache(maxsize=1024)
 def plan_decode(
-    arch: str,
-    sm_count: int,
-    smem_per_sm: int,
+    platform: Platform,
     kv_bytes: int,
     batch: int,
     q_len: int,
@@ -129,7 +87,7 @@ def plan_decode(
     pinned: DecodeConfig | None,
 ) -> tuple[DecodeConfig, int, int]:
     """(config, BLOCK_M, splits) for one call shape; cached: the hot path pays a dict lookup."""
-    config = pinned or heuristic_config(arch, head_dim)
+    config = pinned or heuristic_config(platform, head_dim)
     group = num_q_heads // num_kv_heads
     # 16 rows is the smallest tensor-core tile; 64 caps the score tile's registers.
     block_m = min(max(16, triton.next_power_of_2(q_len * group)), 64)
@@ -142,7 +100,7 @@ def plan_decode(
     splits = config.num_splits
     if splits is None:
         splits = choose_num_splits(
-            batch * num_kv_heads * m_tiles, blocks, sm_count, config.ctas_per_sm
+            batch * num_kv_heads * m_tiles, blocks, platform.sm_count, config.ctas_per_sm
         )
     splits = max(1, min(splits, MAX_SPLITS))
     # Long streams: 5 stages make Triton's pipeliner keep two K/V tiles in flight behind the
@@ -151,12 +109,12 @@ def plan_decode(
     # second, partial wave: 252 -> 290 us), and not on short splits, where the deeper
     # prologue costs more than it hides.
     deep_smem = 2 * 2 * config.block_n * head_dim * kv_bytes + _STAGING_BYTES
-    resident = smem_per_sm // deep_smem
+    resident = platform.shared_memory_per_sm_bytes // deep_smem
     programs = batch * num_kv_heads * m_tiles * splits
     if (
         pinned is None
-        and arch.startswith("sm_")
-        and programs <= sm_count * resident
+        and platform.vendor == "nvidia"
+        and programs <= platform.sm_count * resident
         and -(-blocks // splits) >= _LONG_SPLIT_BLOCKS
     ):
         config = dataclasses.replace(config, num_stages=5)

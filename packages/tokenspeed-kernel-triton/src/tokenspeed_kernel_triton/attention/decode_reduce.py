@@ -12,6 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._common import LN2, LOG2E
+
 
 @triton.jit
 def _decode_reduce_kernel(
@@ -44,7 +46,7 @@ def _decode_reduce_kernel(
     lse_s = tl.load(MidLse + row * NUM_SPLITS + offs_s, mask=split_ok, other=float("-inf"))
     m = tl.max(lse_s, 0)
     if HAS_SINKS:
-        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(Sinks + head).to(tl.float32) * LOG2E
         m = tl.maximum(m, sink)
     # Nothing visible and no sink: m = -inf; shift by 0 so every weight is 0, not NaN.
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -58,7 +60,7 @@ def _decode_reduce_kernel(
     out_ptrs = Out + b * stride_ob + t * stride_ot + head * stride_oh + offs_d
     tl.store(out_ptrs, o.to(Out.dtype.element_ty))
     if HAS_LSE:
-        lse = (m + tl.math.log2(denom)) * 0.6931471805599453
+        lse = (m + tl.math.log2(denom)) * LN2
         tl.store(Lse + b * stride_lb + t * stride_lt + head * stride_lh, lse)
 
 

@@ -8,11 +8,14 @@ round-to-nearest-even, bit-identical to the core reference.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+from tokenspeed_kernel.registry import ANY, Support, register_kernel
+
+from ._common import FP8, HALF, attention_platforms, fp8_verdict
+
+KERNEL_NAME = "triton.kvcache_store"
 # Elements of one program's [heads, D] tile per tensor: 4096 fp32 values over 4 warps is 32
 # registers a thread, before spilling would start.
 _MAX_TILE = 4096
@@ -107,47 +110,55 @@ def kvcache_store(k, v, k_cache, v_cache, *, slot_mapping, k_scale, v_scale) -> 
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_H=block_h,
         BLOCK_D=block_d,
-        IS_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        IS_FP8=k_cache.dtype == FP8,
         # A warp moves 512 B of bf16 per 16-byte access round; one warp per 512 elements.
         num_warps=max(1, min(4, tile // 512)),
     )
 
 
-def aot_specs(kind) -> list:
-    """GPT-OSS-shaped stores (8 KV heads, D=64) into bf16 and FP8 caches, for the
-    ahead-of-time compile check (tokenspeed_kernel_triton.aot)."""
-    from ..aot import AotSpec
+def _interpreter_fp8_ok() -> bool:
+    """Whether the Triton interpreter's float32 -> fp8 e4m3 cast rounds to nearest even.
 
-    strides = (
-        "stride_kt",
-        "stride_kh",
-        "stride_vt",
-        "stride_vh",
-        "stride_kcp",
-        "stride_kcs",
-        "stride_kch",
-        "stride_vcp",
-        "stride_vcs",
-        "stride_vch",
-    )
-    specs = []
-    for cache in ("bf16", "fp8e4nv"):
-        signature = {
-            "K": "*bf16",
-            "V": "*bf16",
-            "KCache": f"*{cache}",
-            "VCache": f"*{cache}",
-            "Slots": "*i64",
-            "k_scale": "fp32",
-            "v_scale": "fp32",
-            "num_kv_heads": "i32",
-            "stride_st": "i32",
-            **dict.fromkeys(strides, "i32"),
-        }
-        constexprs = dict(HEAD_DIM=64, PAGE_SIZE=64, BLOCK_H=8, BLOCK_D=64, IS_FP8=cache != "bf16")
-        specs.append(
-            AotSpec(
-                f"kvcache_store_bf16_to_{cache}", _kvcache_store_kernel, signature, constexprs, 1, 1
-            )
+    Triton 3.6's interpreter rounds half up on the truncated mantissa and drops the carry into
+    the exponent (7.75 -> 4 instead of 8), so a quantizing store run on the CPU would be wrong;
+    probed at selection time (a few microseconds) so a fixed interpreter, or the tests' openly
+    documented shim, is accepted. Any failure to probe counts as broken.
+    """
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+
+        rtne = interpreter._ir.ROUNDING_MODE.RTNE
+        got = interpreter._convert_float(
+            np.array([7.75], np.float32), tl.float32, tl.float8e4nv, rtne
         )
-    return specs
+        return int(np.asarray(got).view(np.uint8).reshape(-1)[0]) == 0x50  # e4m3fn 8.0
+    except Exception:  # noqa: BLE001 - a private interpreter API; unknown means unsafe
+        return False
+
+
+def supports(request, platform) -> Support:
+    if platform.vendor == "cpu" and request.kv_dtype == FP8 and not _interpreter_fp8_ok():
+        return Support.no(
+            "this Triton interpreter rounds float32 -> fp8 e4m3 wrongly (7.75 does not become 8)"
+        )
+    return fp8_verdict(request, platform)
+
+
+# GPT-OSS-shaped stores (8 KV heads, D=64) into bf16 and FP8 caches.
+_AOT_CASE = dict(num_tokens=16, num_kv_heads=8, head_dim=64, page_size=64, num_pages=4)
+AOT_CASES = (_AOT_CASE, dict(_AOT_CASE, kv_dtype=FP8))
+
+
+def register() -> None:
+    register_kernel(
+        "kvcache_store",
+        name=KERNEL_NAME,
+        backend="triton",
+        platforms=attention_platforms(),
+        traits=dict(dtype=HALF, kv_dtype=(*HALF, FP8), head_dim=ANY, page_size=ANY),
+        priority=100,
+        supports=supports,
+        description="paged K/V store; negative slots skipped; FP8 saturating RNE quantization",
+        aot_cases=AOT_CASES,
+    )(kvcache_store)

@@ -9,78 +9,28 @@ left edge, the sequence tail) and an unmasked middle.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from tokenspeed_kernel.registry import ANY, register_kernel
+
 from ._common import (
+    HALF,
     LOG2E,
-    AttentionConfig,
-    ConfigPin,
-    DeviceKind,
-    attn_block_update,
+    attend_key_ranges,
+    attention_platforms,
     attn_finalize,
-    device_kind,
+    interpreter_dot_verdict,
     key_block_bounds,
+    load_q_tile,
     packed_rows,
+    plan_tiles,
     store_rows,
 )
 
+KERNEL_NAME = "triton.mha_prefill"
 HEAD_DIMS = (64, 128)
-
-
-@triton.jit
-def _prefill_key_loop(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_base,
-    v_base,
-    rows,
-    lo,
-    hi,
-    seq_k,
-    window_left,
-    qk_scale,
-    stride_kt,
-    stride_vt,
-    offs_n,
-    offs_d,
-    BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-):
-    for n0 in range(lo, hi, BLOCK_N):
-        cols = n0 + offs_n
-        # 64-bit block base, 32-bit offsets inside the block: no overflow at any length.
-        n0_64 = tl.cast(n0, tl.int64)
-        k_ptrs = k_base + n0_64 * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None]
-        v_ptrs = v_base + n0_64 * stride_vt + offs_n[:, None] * stride_vt + offs_d[None, :]
-        if MASK:
-            # Keys past the sequence end belong to the next sequence (or lie past the tensor).
-            k = tl.load(k_ptrs, mask=cols[None, :] < seq_k, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < seq_k, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        acc, l_i, m_i = attn_block_update(
-            acc,
-            l_i,
-            m_i,
-            q,
-            k,
-            v,
-            qk_scale,
-            rows,
-            cols,
-            seq_k,
-            window_left,
-            MASK,
-            IS_CAUSAL,
-            HAS_WINDOW,
-        )
-    return acc, l_i, m_i
 
 
 @triton.jit
@@ -136,11 +86,7 @@ def _prefill_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     tile0 = tok0 + t0  # int64 first token of the tile; in-tile offsets stay 32-bit
     local = rows - t0
-    q = tl.load(
-        Q + tile0 * stride_qt + (local * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
+    q = load_q_tile(Q, tile0, local, heads, row_ok, offs_d, stride_qt, stride_qh)
     k_base = K + tok0 * stride_kt + kv_head * stride_kh
     v_base = V + tok0 * stride_vt + kv_head * stride_vh
 
@@ -148,165 +94,42 @@ def _prefill_kernel(
     lo, full_lo, full_hi, hi = key_block_bounds(
         t0, last_row, seqlen, window_left, BLOCK_N, IS_CAUSAL, HAS_WINDOW
     )
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if not SPLIT_MASK:
-        acc, l_i, m_i = _prefill_key_loop(
-            acc,
-            l_i,
-            m_i,
-            q,
-            k_base,
-            v_base,
-            rows,
-            lo,
-            hi,
-            seqlen,
-            window_left,
-            qk_scale,
-            stride_kt,
-            stride_vt,
-            offs_n,
-            offs_d,
-            BLOCK_N,
-            True,
-            IS_CAUSAL,
-            HAS_WINDOW,
-        )
-    else:
-        if HAS_WINDOW:
-            acc, l_i, m_i = _prefill_key_loop(
-                acc,
-                l_i,
-                m_i,
-                q,
-                k_base,
-                v_base,
-                rows,
-                lo,
-                full_lo,
-                seqlen,
-                window_left,
-                qk_scale,
-                stride_kt,
-                stride_vt,
-                offs_n,
-                offs_d,
-                BLOCK_N,
-                True,
-                IS_CAUSAL,
-                HAS_WINDOW,
-            )
-        acc, l_i, m_i = _prefill_key_loop(
-            acc,
-            l_i,
-            m_i,
-            q,
-            k_base,
-            v_base,
-            rows,
-            full_lo,
-            full_hi,
-            seqlen,
-            window_left,
-            qk_scale,
-            stride_kt,
-            stride_vt,
-            offs_n,
-            offs_d,
-            BLOCK_N,
-            False,
-            IS_CAUSAL,
-            HAS_WINDOW,
-        )
-        acc, l_i, m_i = _prefill_key_loop(
-            acc,
-            l_i,
-            m_i,
-            q,
-            k_base,
-            v_base,
-            rows,
-            full_hi,
-            hi,
-            seqlen,
-            window_left,
-            qk_scale,
-            stride_kt,
-            stride_vt,
-            offs_n,
-            offs_d,
-            BLOCK_N,
-            True,
-            IS_CAUSAL,
-            HAS_WINDOW,
-        )
-
-    acc, lse = attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS)
-    store_rows(
-        Out + tile0 * stride_ot,
-        Lse + tile0 * stride_lt,
-        acc,
-        lse,
-        local * stride_ot + heads * stride_oh,
-        local * stride_lt + heads,
-        row_ok,
-        offs_d,
-        HAS_LSE,
+    acc, l_i, m_i = attend_key_ranges(
+        q,
+        (rows, seqlen, window_left, qk_scale, offs_n),
+        (k_base, v_base, stride_kt, stride_vt, offs_n, offs_d),
+        lo,
+        full_lo,
+        full_hi,
+        hi,
+        BLOCK_M,
+        HEAD_DIM,
+        BLOCK_N,
+        IS_CAUSAL,
+        HAS_WINDOW,
+        SPLIT_MASK,
+        0,
     )
+    acc, lse = attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS)
+    strides = (stride_ot, stride_oh, stride_lt)
+    store_rows(Out, Lse, acc, lse, tile0, local, heads, row_ok, offs_d, strides, HAS_LSE)
 
 
 # ----------------------------------------------------------------------------- launcher
 
-_PIN = ConfigPin()
-
-
-def pin_config(config: AttentionConfig):
-    """Context manager: run mha_prefill with `config` instead of the heuristic's choice."""
-    return _PIN.pin(config)
-
-
-def choose_config(kind: DeviceKind, head_dim: int, window: bool) -> AttentionConfig:
-    """Tile config for a device kind; each branch names the hardware reason."""
-    if kind.vendor == "interpreter":
-        # The interpreter runs every block op in numpy: small tiles keep CPU tests fast while
-        # short sequences still cross several blocks (masked and unmasked paths both run).
-        return AttentionConfig(32, 16, 1, 1, heads_per_tile=2)
-    if kind.vendor == "amd":
-        # CDNA: 64-wide wavefronts, 4 warps fill a CU's SIMDs; LDS is 64 KB on gfx942 (160 KB on
-        # gfx950) so hd 128 drops to single-buffered K/V there.
-        stages = 1 if head_dim > 64 and kind.arch == "gfx942" else 2
-        return AttentionConfig(128, 64, 4, stages, heads_per_tile=8)
-    if kind.sm == 90:
-        # Hopper: GQA packing puts 8 heads x 16 tokens in a 128-row tile over 8 warps (two
-        # warpgroups, wgmma m64 each); K/V load once per 8 heads; 3 stages of 64-key blocks
-        # measured best (H100: 411-435 TFLOP/s causal hd 64, vs 329-368 with 128-key blocks).
-        # A sliding window (memory-bound: each tile visits ~5 key blocks) wants short tiles
-        # (8 tokens x 8 heads) on 32-key blocks in one masked loop: little masked waste, one
-        # pipeline warm-up per tile.
-        if window:
-            return AttentionConfig(64, 32, 4, 3, heads_per_tile=8, split_mask=False)
-        return AttentionConfig(128, 64, 8, 3, heads_per_tile=8)
-    # Ampere/Ada (mma.sync) and newer parts: 4 warps x 32 rows; 2-3 cp.async stages fit
-    # 100-164 KB of shared memory.
-    return AttentionConfig(128, 64, 4, 3 if head_dim <= 64 else 2, heads_per_tile=8)
+# GPT-OSS-like structure (GQA 8, sinks, lse): bf16 with and without a window and at hd 128, and
+# fp16 once (same code, other dtype). The tile config depends on none of the lengths.
+_AOT_CASE = dict(seqlens=(128,), num_q_heads=16, num_kv_heads=2, head_dim=64, sinks=0.0, lse=True)
+AOT_CASES = (
+    _AOT_CASE,
+    dict(_AOT_CASE, window_left=127),
+    dict(_AOT_CASE, head_dim=128),
+    dict(_AOT_CASE, dtype=torch.float16, window_left=127),
+)
 
 
 def mha_prefill(
-    q,
-    k,
-    v,
-    *,
-    cu_seqlens,
-    max_seqlen,
-    causal,
-    window_left,
-    sinks,
-    softmax_scale,
-    out,
-    lse,
+    q, k, v, *, cu_seqlens, max_seqlen, causal, window_left, sinks, softmax_scale, out, lse
 ):
     """Ragged self-attention; writes `out` and, unless None, `lse`.
 
@@ -314,16 +137,12 @@ def mha_prefill(
     max_seqlen >= every sequence length; sinks [Hq] float32/bfloat16 or None;
     out [T, Hq, D]; lse [T, Hq] float32 or None. Arguments arrive validated.
     """
-    num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = cu_seqlens.shape[0] - 1
-    if num_tokens == 0 or num_seqs == 0 or max_seqlen == 0:
+    if q.shape[0] == 0 or num_seqs == 0 or max_seqlen == 0:
         return
-    has_window = window_left >= 0
-    config = _PIN.pinned or choose_config(device_kind(q.device), head_dim, has_window)
-    group = num_q_heads // k.shape[1]
-    heads_per_tile = config.packing(group)
-    num_m_blocks = triton.cdiv(max_seqlen, config.block_m // heads_per_tile)
-    grid = (num_m_blocks, num_q_heads // heads_per_tile, num_seqs)
+    grid, num_m_blocks, meta = plan_tiles(
+        KERNEL_NAME, q, k.shape[1], num_seqs, max_seqlen, window_left, sinks, lse
+    )
     _prefill_kernel[grid](
         q,
         k,
@@ -332,90 +151,37 @@ def mha_prefill(
         out if lse is None else lse,
         q if sinks is None else sinks,
         cu_seqlens,
-        softmax_scale * LOG2E,
+        softmax_scale * LOG2E.value,
         window_left,
         num_m_blocks,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
+        *q.stride()[:2],
+        *k.stride()[:2],
+        *v.stride()[:2],
+        *out.stride()[:2],
         0 if lse is None else lse.stride(0),
-        GROUP=group,
-        HEADS_PER_TILE=heads_per_tile,
-        HEAD_DIM=head_dim,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
         IS_CAUSAL=causal,
-        HAS_WINDOW=has_window,
-        HAS_SINKS=sinks is not None,
-        HAS_LSE=lse is not None,
-        SPLIT_MASK=config.split_mask,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **meta,
     )
 
 
-# ----------------------------------------------------------------------------- AOT specs
-
-
-def aot_specs(kind: DeviceKind) -> list:
-    """Specializations GPT-OSS-like models launch on `kind`, with the launcher's config, for
-    the ahead-of-time compile check (tokenspeed_kernel_triton.aot)."""
-    from ..aot import AotSpec
-
-    strides = (
-        "stride_qt",
-        "stride_qh",
-        "stride_kt",
-        "stride_kh",
-        "stride_vt",
-        "stride_vh",
-        "stride_ot",
-        "stride_oh",
-        "stride_lt",
-    )
-    specs = []
-    # bf16 at every structure GPT-OSS-like models launch; fp16 once (same code, other dtype).
-    for dtype, head_dim, window in (
-        ("bf16", 64, False),
-        ("bf16", 64, True),
-        ("bf16", 128, False),
-        ("fp16", 64, True),
-    ):
-        config = choose_config(kind, head_dim, window)
-        signature = {
-            "Q": f"*{dtype}",
-            "K": f"*{dtype}",
-            "V": f"*{dtype}",
-            "Out": f"*{dtype}",
-            "Lse": "*fp32",
-            "Sinks": "*fp32",
-            "CuSeqlens": "*i32",
-            "qk_scale": "fp32",
-            "window_left": "i32",
-            "num_m_blocks": "i32",
-            **dict.fromkeys(strides, "i32"),
-        }
-        constexprs = dict(
-            GROUP=8,
-            HEADS_PER_TILE=config.packing(8),
-            HEAD_DIM=head_dim,
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            IS_CAUSAL=True,
-            HAS_WINDOW=window,
-            HAS_SINKS=True,
-            HAS_LSE=True,
-            SPLIT_MASK=config.split_mask,
-        )
-        name = f"prefill_{dtype}_hd{head_dim}{'_window' if window else ''}"
-        specs.append(
-            AotSpec(
-                name, _prefill_kernel, signature, constexprs, config.num_warps, config.num_stages
-            )
-        )
-    return specs
+def register() -> None:
+    register_kernel(
+        "mha_prefill",
+        name=KERNEL_NAME,
+        backend="triton",
+        platforms=attention_platforms(),
+        traits=dict(
+            dtype=HALF,
+            kv_dtype=HALF,
+            head_dim=HEAD_DIMS,
+            gqa_ratio=ANY,
+            window=True,
+            sinks=True,
+            lse=True,
+            non_causal=True,
+        ),
+        priority=100,
+        supports=interpreter_dot_verdict,
+        description="ragged flash attention; window-bounded key loop, unmasked interior blocks",
+        aot_cases=AOT_CASES,
+    )(mha_prefill)
