@@ -27,17 +27,19 @@ from tokenspeed_kernel.testing import (
     moe_plan_for,
 )
 from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_weights
-from tokenspeed_kernel_triton.moe._common import MoETileConfig, pin_config
-from tokenspeed_kernel_triton.moe.fragment_config import FRAGMENT_PIN, FragmentConfig
-from tokenspeed_kernel_triton.moe.kernel import moe_forward
+from tokenspeed_kernel.tuning import pin_config
+from tokenspeed_kernel_triton.moe.fragment_config_sm90 import FragmentConfig
+from tokenspeed_kernel_triton.moe.moe import MoETileConfig
+from tokenspeed_kernel_triton.moe.moe_sm90 import moe_forward_sm90
 from tokenspeed_kernel_triton.moe.routing import route
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-KERNEL = "triton.moe"
+KERNEL = "triton.moe_apply"
+HOPPER = "triton.moe_apply.sm90"
 
 
-@pytest.mark.parametrize("kernel,case", conformance_params(op="moe", backend="triton"))
+@pytest.mark.parametrize("kernel,case", conformance_params(op="moe_apply", backend="triton"))
 def test_conformance(kernel, case):
     assert_conformance(kernel, case)
 
@@ -129,7 +131,7 @@ def test_prepare_never_mutates_or_aliases_and_padding_does_not_leak():
     shape = MoEShape(5, 8, 2, 96, 160, bias_dtype=torch.bfloat16)
     config, weights = _layer(shape)
     before = {k: v.clone() for k, v in vars(weights).items() if isinstance(v, torch.Tensor)}
-    with use_kernel("moe", KERNEL):
+    with use_kernel("moe_apply", KERNEL):
         plan = moe_plan(config, device=DEVICE)
         assert plan.kernel == KERNEL
         assert (plan.padded_hidden_size, plan.padded_intermediate_size) == (128, 256)
@@ -154,7 +156,7 @@ def test_prepare_never_mutates_or_aliases_and_padding_does_not_leak():
     assert result.shape == (5, 96) and result.data_ptr() == out.data_ptr()
     assert torch.isnan(buffer[0]).all() and torch.isnan(buffer[6]).all()
     assert torch.isnan(buffer[:, :2]).all() and torch.isnan(buffer[:, 98:]).all()
-    reference = get_kernel("moe", "reference.moe")
+    reference = get_kernel("moe_apply", "reference.moe_apply")
     ref_plan = moe_plan_for(reference, config, plan.max_num_tokens, DEVICE)
     ref_out = torch.empty_like(x)
     reference.fn.apply(
@@ -172,9 +174,9 @@ def test_scale_bytes_beyond_kernel_range_are_refused():
     scale = weights.w2_scale.clone()
     scale[0, 0, 0] = 250
     bad = MoEWeights(**{**vars(weights), "w2_scale": scale})
-    plan = moe_plan_for(get_kernel("moe", KERNEL), config, 16, DEVICE)
+    plan = moe_plan_for(get_kernel("moe_apply", KERNEL), config, 16, DEVICE)
     with pytest.raises(ValueError, match="w2_scale holds e8m0 byte 250"):
-        get_kernel("moe", KERNEL).fn.prepare_weights(plan, bad)
+        get_kernel("moe_apply", KERNEL).fn.prepare_weights(plan, bad)
 
 
 def test_pinned_config_gives_the_same_result():
@@ -182,7 +184,7 @@ def test_pinned_config_gives_the_same_result():
     rows padded differently) reproduces the default's output bit for bit."""
     shape = MoEShape(9, 8, 2, 64, 64)
     config, weights = _layer(shape)
-    spec = get_kernel("moe", KERNEL)
+    spec = get_kernel("moe_apply", KERNEL)
     plan = moe_plan_for(spec, config, 16, DEVICE)
     prepared = spec.fn.prepare_weights(plan, weights)
     gen = generator("moe-pin")
@@ -191,7 +193,7 @@ def test_pinned_config_gives_the_same_result():
     default = torch.empty_like(x)
     spec.fn.apply(plan, x, prepared, router_logits=logits, out=default)
     pinned = torch.empty_like(x)
-    with pin_config(MoETileConfig(32, 64, 32, 64, 4, 1)):
+    with pin_config(KERNEL, MoETileConfig(32, 64, 32, 64, 4, 1)):
         spec.fn.apply(plan, x, prepared, router_logits=logits, out=pinned)
     assert torch.equal(default, pinned)
 
@@ -199,7 +201,7 @@ def test_pinned_config_gives_the_same_result():
 @pytest.mark.parametrize(
     "act,hidden,expected",
     [
-        ("bf16", 2880, "triton.moe.wgmma"),
+        ("bf16", 2880, HOPPER),
         ("fp8", 2880, KERNEL),  # the wgmma kernel takes bf16 activations only
         ("bf16", 2888, KERNEL),  # x rows are copied in 16-byte vectors
     ],
@@ -211,12 +213,14 @@ def test_hopper_selects_the_wgmma_kernel_where_it_applies(act, hidden, expected)
 
     request = MoERequest("mxfp4", act, True, "topk_softmax", 128, 4, hidden, 2880, 8192)
     for gpu in ("h100", "h200"):
-        assert explain("moe", request, KNOWN_PLATFORMS[gpu]).selected == expected
+        assert explain("moe_apply", request, KNOWN_PLATFORMS[gpu]).selected == expected
     # Blackwell has no wgmma.
-    assert explain("moe", request, KNOWN_PLATFORMS["b200"]).selected == KERNEL
+    assert explain("moe_apply", request, KNOWN_PLATFORMS["b200"]).selected == KERNEL
     if hidden % 16:
-        verdicts = {c.name: c for c in explain("moe", request, KNOWN_PLATFORMS["h200"]).candidates}
-        assert "not a multiple of 16" in verdicts["triton.moe.wgmma"].reason
+        verdicts = {
+            c.name: c for c in explain("moe_apply", request, KNOWN_PLATFORMS["h200"]).candidates
+        }
+        assert "not a multiple of 16" in verdicts[HOPPER].reason
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -266,13 +270,13 @@ def gpt_oss_weights(activation_format="bf16", static=False, seed=0, device="cuda
         (KERNEL, "bf16"),
         (KERNEL, "fp8-dynamic"),
         (KERNEL, "fp8-static"),
-        ("triton.moe.wgmma", "bf16"),
-        ("triton.moe.wgmma", "bf16-hilo"),
-        ("triton.moe.wgmma", "bf16-prmt"),
+        (HOPPER, "bf16"),
+        (HOPPER, "bf16-hilo"),
+        (HOPPER, "bf16-prmt"),
     ],
 )
 def test_gpt_oss_120b_shapes(kernel, act):
-    """bf16 on triton.moe.wgmma shift-decodes both weights, w2 to fp16 for an fp16 SwiGLU
+    """bf16 on triton.moe_apply.sm90 shift-decodes both weights, w2 to fp16 for an fp16 SwiGLU
     intermediate. bf16-hilo plants a w2 scale byte fp16 cannot hold (bf16 hi + lo, w2 still
     shift-decoded to bf16); bf16-prmt plants one bf16's shift decode cannot hold in each weight
     (byte-permute decode for both)."""
@@ -284,17 +288,17 @@ def test_gpt_oss_120b_shapes(kernel, act):
     if act == "bf16-prmt":
         weights.w13_scale[9, 11, 13] = 129  # the factor 2^128 is no bf16
         weights.w2_scale[5, 100, 7] = 129
-    spec = get_kernel("moe", kernel)
+    spec = get_kernel("moe_apply", kernel)
     mismatches = [p.mismatch(platform_of(torch.device("cuda"))) for p in spec.platforms]
     if all(mismatches):
         pytest.skip(f"{kernel}: {mismatches[0]}")
     plan = moe_plan_for(spec, config, 4096, "cuda")
     prepared = spec.fn.prepare_weights(plan, weights)
-    if kernel == "triton.moe.wgmma":
+    if kernel == HOPPER:
         decodes = {"bf16": ("bf16", "fp16"), "bf16-hilo": ("bf16", "bf16")}
         expected = decodes.get(act, ("prmt", "prmt"))
         assert (prepared.tensors["w13_decode"], prepared.tensors["w2_decode"]) == expected
-    reference = get_kernel("moe", "reference.moe")
+    reference = get_kernel("moe_apply", "reference.moe_apply")
     ref_plan = moe_plan_for(reference, config, 4096, "cuda")
     ref_prepared = reference.fn.prepare_weights(ref_plan, weights)
     dtype = torch.float8_e4m3fn if activation_format == "fp8" else torch.bfloat16
@@ -311,10 +315,10 @@ def test_gpt_oss_120b_shapes(kernel, act):
 
 
 def _wgmma_gpt_oss_layer():
-    """triton.moe.wgmma planned for GPT-OSS-120B (bf16 activations) with its prepared weights,
+    """triton.moe_apply.sm90 planned for GPT-OSS-120B (bf16 activations) with its prepared weights,
     or a skip where this GPU has no wgmma."""
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
-    spec = get_kernel("moe", "triton.moe.wgmma")
+    spec = get_kernel("moe_apply", HOPPER)
     if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
         pytest.skip("no wgmma on this GPU")
     plan = moe_plan_for(spec, config, 4096, "cuda")
@@ -342,7 +346,7 @@ def test_wgmma_ring_steps_of_several_chunks_are_exact():
             tile = FragmentConfig(
                 block_w, block_t, warps, stages, split, chunks, mma_in_flight=in_flight
             )
-            with FRAGMENT_PIN.pin(tile):
+            with pin_config(HOPPER, tile):
                 spec.fn.apply(plan, x, prepared, router_logits=logits, out=out)
             outs.append(out)
         for out in outs[1:]:
@@ -366,7 +370,7 @@ def test_wgmma_takes_the_weights_through_their_strides():
         logits = torch.randn(m, 128, generator=g, device="cuda")
         outs = [torch.empty_like(x) for _ in range(2)]
         for tensors, out in zip((prepared.tensors, row_major), outs, strict=True):
-            moe_forward(x, tensors, top_k=4, out=out, router_logits=logits)
+            moe_forward_sm90(x, tensors, top_k=4, out=out, router_logits=logits)
         assert torch.equal(outs[0], outs[1]), f"M={m}"
 
 
@@ -394,7 +398,7 @@ def test_wgmma_programmatic_dependent_launch_changes_nothing():
         # Plain launches; GEMM2 waiting for GEMM1's grid; GEMM2 waiting tile by tile.
         for pdl, tile_ready in ((False, False), (True, False), (True, True)):
             outs = [torch.empty_like(x) for x in xs]
-            with FRAGMENT_PIN.pin(FragmentConfig(**tile, pdl=pdl, tile_ready=tile_ready)):
+            with pin_config(HOPPER, FragmentConfig(**tile, pdl=pdl, tile_ready=tile_ready)):
                 for x, lg, out in zip(xs, logits, outs, strict=True):
                     spec.fn.apply(plan, x, prepared, router_logits=lg, out=out)
             results.append(outs)
@@ -413,7 +417,7 @@ def test_wgmma_post_scaling_matches_the_reference_across_row_magnitudes():
     spec, plan, prepared = _wgmma_gpt_oss_layer()
     assert (prepared.tensors["w13_decode"], prepared.tensors["w2_decode"]) == ("bf16", "fp16")
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
-    reference = get_kernel("moe", "reference.moe")
+    reference = get_kernel("moe_apply", "reference.moe_apply")
     ref_plan = moe_plan_for(reference, config, 4096, "cuda")
     ref_prepared = reference.fn.prepare_weights(ref_plan, gpt_oss_weights())
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -432,6 +436,6 @@ def test_wgmma_post_scaling_matches_the_reference_across_row_magnitudes():
         reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
         for tile in tiles:
             out = torch.empty_like(x)
-            with FRAGMENT_PIN.pin(tile):
+            with pin_config(HOPPER, tile):
                 spec.fn.apply(plan, x, prepared, router_logits=logits, out=out)
             assert_close(out, expected, dtype=torch.bfloat16, name=f"out (M={m}, {tile})")

@@ -1,4 +1,4 @@
-"""The Hopper fragment GEMM's weight order (tokenspeed_kernel_triton.moe.fragment_layout): each
+"""The Hopper fragment GEMM's weight order (tokenspeed_kernel_triton.moe.fragment_layout_sm90): each
 word holds exactly the 8 K elements its thread's wgmma A fragment needs, inside one scale
 block; w13 rows regroup gate/up so one thread holds both halves of a SwiGLU pair; preparation
 is a pure re-layout (decodable back to the checkpoint, caller's tensors untouched).
@@ -13,14 +13,11 @@ import math
 import pytest
 import torch
 
-from tokenspeed_kernel_triton.moe import shift_words
-from tokenspeed_kernel_triton.moe.fragment_config import (
-    FRAGMENT_PIN,
-    FragmentConfig,
-    gemm2_splits,
-    pick_fragment_config,
-)
-from tokenspeed_kernel_triton.moe.fragment_layout import (
+from tokenspeed_kernel.tuning import pin_config
+from tokenspeed_kernel_triton.moe import shift_words_sm90 as shift_words
+from tokenspeed_kernel_triton.moe._common import swiglu_fits_f16
+from tokenspeed_kernel_triton.moe.fragment_config_sm90 import FragmentConfig, gemm2_splits
+from tokenspeed_kernel_triton.moe.fragment_layout_sm90 import (
     PANEL_ROWS,
     fragment_order,
     group_gate_up,
@@ -28,10 +25,11 @@ from tokenspeed_kernel_triton.moe.fragment_layout import (
     panel_major,
     panel_view,
 )
-from tokenspeed_kernel_triton.moe.kernel import moe_forward, swiglu_fits_f16
 from tokenspeed_kernel_triton.moe.layout import prepare_weights
+from tokenspeed_kernel_triton.moe.moe_sm90 import KERNEL_NAME, moe_forward_sm90
+from tokenspeed_kernel_triton.moe.moe_sm90 import pick_config as pick_fragment_config
 from tokenspeed_kernel_triton.moe.mxfp4_words import decode_words_reference
-from tokenspeed_kernel_triton.moe.wgmma_gemm import fragment_gemm
+from tokenspeed_kernel_triton.moe.wgmma_gemm_sm90 import fragment_gemm
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
@@ -353,7 +351,7 @@ def test_forward_refuses_a_clamp_the_fp16_layout_was_not_prepared_for():
     assert prepared["w2_decode"] == "fp16"
     x = torch.zeros(2, 96, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="f16_intermediate=False"):
-        moe_forward(
+        moe_forward_sm90(
             x,
             prepared,
             top_k=1,
@@ -452,7 +450,7 @@ def test_weights_that_cannot_post_scale_get_the_scaled_form_of_the_pick():
     assert (scaled.block_w, scaled.chunks, scaled.pdl) == (decode.block_w, decode.chunks, True)
     prefill = pick_fragment_config(100000)
     assert pick_fragment_config(100000, post_scalable=False) is prefill
-    with FRAGMENT_PIN.pin(decode):
+    with pin_config(KERNEL_NAME, decode):
         assert pick_fragment_config(10**6, post_scalable=False) == scaled
 
 

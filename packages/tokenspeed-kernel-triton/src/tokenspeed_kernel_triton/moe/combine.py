@@ -10,7 +10,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from ._common import interpreting, round_to_bf16
+from tokenspeed_kernel.platform import interpreting
+
+from ._common import round_to_bf16
 
 
 @triton.jit
@@ -39,7 +41,7 @@ def _combine_kernel(
 
 def combine(y, out, *, top_k: int, pdl: bool = False) -> None:
     """y [M * top_k, H] float32 -> out [M, H] bfloat16. pdl: launch with programmatic
-    dependent launch (CUDA sm_90+), behind a kernel that triggers it (wgmma_gemm's PDL)."""
+    dependent launch (CUDA sm_90+), behind a kernel that triggers it (wgmma_gemm_sm90's PDL)."""
     M, H = out.shape
     if M == 0:
         return
@@ -59,12 +61,3 @@ def combine(y, out, *, top_k: int, pdl: bool = False) -> None:
         num_warps=4,
         launch_pdl=pdl,
     )
-
-
-def aot_specs(kind) -> list:
-    """GPT-OSS combine (top-4, H=2880), for the ahead-of-time compile check."""
-    from ..aot import AotSpec
-
-    signature = dict(y_ptr="*fp32", out_ptr="*bf16", H="i32", stride_y="i32", stride_o="i32")
-    constexprs = dict(TOPK=4, BLOCK_H=1024, INTERPRETED=False, WAIT_PRIOR=kind.arch == "sm_90")
-    return [AotSpec("moe_combine", _combine_kernel, signature, constexprs, 4, 1)]

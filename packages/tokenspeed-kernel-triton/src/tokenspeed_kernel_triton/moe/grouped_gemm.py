@@ -26,37 +26,26 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    W_FP8,
-    W_MXFP4,
-    WEIGHT_FORMAT_CODES,
-    MoETileConfig,
-    round_to_bf16,
-    round_to_fp8,
-)
+from ._common import FP8_MAX, W_FP8, W_MXFP4, WEIGHT_FORMAT_CODES, round_to_bf16, round_to_fp8
 from .mxfp4_words import WORD_ELEMENTS, decode_words, decode_words_ptx
 
-FP8_MAX = tl.constexpr(448.0)
 _MXFP4 = WEIGHT_FORMAT_CODES["mxfp4"]
 
 
 @triton.jit
 def _weight_tile(
-    w_ptr,
-    ws_ptr,
-    w_base,
-    ws_base,
+    weights,
     offs_n,
     k0,
-    stride_wn,
-    stride_sn,
     W_FORMAT: tl.constexpr,
     PTX_DECODE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Weight rows offs_n, columns k0..k0+BLOCK_K of one expert as [BLOCK_K, BLOCK_N] bf16."""
+    """Weight rows offs_n, columns k0..k0+BLOCK_K of one expert as [BLOCK_K, BLOCK_N] bf16.
+    weights: (w_ptr, ws_ptr, w_base, ws_base, stride_wn, stride_sn)."""
+    w_ptr, ws_ptr, w_base, ws_base, stride_wn, stride_sn = weights
     if W_FORMAT == W_MXFP4:
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_ptr + w_base + offs_n[:, None] * stride_wn + offs_w[None, :])
@@ -84,19 +73,16 @@ def _mma(a, b, acc, INTERPRETED: tl.constexpr):
 def _swiglu_store(
     out_ptr,
     acc,
-    offs_m,
-    row_ok,
-    pid_n,
-    N,
-    stride_om,
-    out_scale,
-    alpha,
-    limit,
+    rows,
+    activation,
     QUANT_OUT: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """rows: (offs_m, row_ok, pid_n, N, stride_om); activation: (out_scale, alpha, limit)."""
+    offs_m, row_ok, pid_n, N, stride_om = rows
+    out_scale, alpha, limit = activation
     g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
     g = tl.minimum(g, limit)
     u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -180,27 +166,14 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_base = expert * stride_we
     ws_base = expert * stride_se
+    weights = (w_ptr, ws_ptr, w_base, ws_base, stride_wn, stride_sn)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a_mask = row_ok[:, None] & (k0 + offs_k < K_VALID)[None, :]
         a = tl.load(
             a_ptr + a_rows[:, None] * stride_am + (k0 + offs_k)[None, :], mask=a_mask, other=0.0
         )
-        b = _weight_tile(
-            w_ptr,
-            ws_ptr,
-            w_base,
-            ws_base,
-            offs_n,
-            k0,
-            stride_wn,
-            stride_sn,
-            W_FORMAT,
-            PTX_DECODE,
-            INTERPRETED,
-            BLOCK_N,
-            BLOCK_K,
-        )
+        b = _weight_tile(weights, offs_n, k0, W_FORMAT, PTX_DECODE, INTERPRETED, BLOCK_N, BLOCK_K)
         if SPLIT_A:
             # GEMM1 stored the SwiGLU rows as [hi | lo] bf16 halves: two MMAs on the one
             # dequantized weight tile.
@@ -222,22 +195,9 @@ def _grouped_gemm_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * stride_be + offs_n)[None, :]
     if SWIGLU:
-        _swiglu_store(
-            out_ptr,
-            acc,
-            offs_m,
-            row_ok,
-            pid_n,
-            N,
-            stride_om,
-            out_scale,
-            alpha,
-            limit,
-            QUANT_OUT,
-            INTERPRETED,
-            BLOCK_M,
-            BLOCK_N,
-        )
+        rows = (offs_m, row_ok, pid_n, N, stride_om)
+        activation = (out_scale, alpha, limit)
+        _swiglu_store(out_ptr, acc, rows, activation, QUANT_OUT, INTERPRETED, BLOCK_M, BLOCK_N)
     else:
         acc *= tl.load(route_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
         ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -260,7 +220,7 @@ def grouped_gemm(
     gemm1: bool,
     k_valid: int,
     n_valid: int,
-    config: MoETileConfig,
+    config,
     interpreted: bool,
     ptx_decode: bool = False,
     out_scale: float | None = None,
@@ -325,75 +285,3 @@ def grouped_gemm(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-
-
-def aot_specs(kind) -> list:
-    """GPT-OSS-120B MXFP4 GEMM1 (gather + SwiGLU) and GEMM2 (weighted scatter) at the decode and
-    prefill configs of `kind`, bf16 and FP8 (dynamic per-row) activations, for the
-    ahead-of-time compile check (tokenspeed_kernel_triton.aot)."""
-    from ..aot import AotSpec
-    from ._common import has_ptx_decode, pick_config
-
-    ints = (
-        "N",
-        "K",
-        "K_VALID",
-        "N_VALID",
-        "stride_am",
-        "stride_we",
-        "stride_wn",
-        "stride_se",
-        "stride_sn",
-        "stride_be",
-        "stride_om",
-    )
-    specs = []
-    for label, pairs in (("decode", 4), ("prefill", 4096 * 4)):
-        config = pick_config(pairs, kind)
-        for act in ("bf16", "fp8e4nv"):
-            for gemm1 in (True, False):
-                a_type = act
-                signature = {
-                    "a_ptr": f"*{a_type}",
-                    "a_scale_ptr": "*fp32",
-                    "a_scale": "fp32",
-                    "w_ptr": "*i32",
-                    "ws_ptr": "*u8",
-                    "bias_ptr": "*fp32",
-                    "out_ptr": "*bf16" if gemm1 and act == "bf16" else "*fp32",
-                    "route_w_ptr": "*fp32",
-                    "sorted_ptr": "*i32",
-                    "tiles_ptr": "*i32",
-                    "num_tiles_ptr": "*i32",
-                    **dict.fromkeys(ints, "i32"),
-                    "out_scale": "fp32",
-                    "alpha": "fp32",
-                    "limit": "fp32",
-                }
-                constexprs = dict(
-                    TOPK=4,
-                    W_FORMAT=_MXFP4,
-                    PTX_DECODE=has_ptx_decode(kind),
-                    A_SCALE=2 if act != "bf16" else 0,
-                    GATHER_A=gemm1,
-                    SPLIT_A=not gemm1 and act == "bf16",
-                    SWIGLU=gemm1,
-                    QUANT_OUT=False,
-                    HAS_BIAS=True,
-                    INTERPRETED=False,
-                    BLOCK_M=config.block_m,
-                    BLOCK_N=config.block_n1 if gemm1 else config.block_n2,
-                    BLOCK_K=config.block_k,
-                )
-                name = f"moe_{'gemm1' if gemm1 else 'gemm2'}_mxfp4_{act}_{label}"
-                specs.append(
-                    AotSpec(
-                        name,
-                        _grouped_gemm_kernel,
-                        signature,
-                        constexprs,
-                        config.num_warps,
-                        config.num_stages,
-                    )
-                )
-    return specs

@@ -1,4 +1,5 @@
-"""Expert weights laid out for the Triton MoE kernels ("triton-mx4words-padded" layout).
+"""Expert weights laid out for the Triton MoE kernels: the portable kernel's
+"triton-mx4words-padded" layout and the Hopper kernel's "triton-mx4fragment-padded" one.
 
 Checkpoint row order is kept (w13 rows interleave gate/up; e8m0 scales unchanged); MXFP4 codes
 are re-encoded as int32 words of 8 K elements (mxfp4_words.py: same bytes, cheaper decode),
@@ -13,18 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from . import shift_words
-from ._common import PAD_MULTIPLE, round_up
-from .fragment_layout import fragment_order, group_gate_up, panel_major
+from tokenspeed_kernel.ops.moe.types import PreparedMoEWeights
+
+from . import shift_words_sm90
+from ._common import padded_sizes, swiglu_fits_f16
+from .fragment_layout_sm90 import fragment_order, group_gate_up, panel_major
 from .mxfp4_words import encode_words
 
 # e8m0 bytes above this would overflow the kernel's 2^(scale - 113) float32 factor (elements of
 # 2^114 and beyond, far outside any trained weight); 255 is NaN in the format.
 MAX_SCALE_BYTE = 240
-
-
-def padded_sizes(hidden_size: int, intermediate_size: int) -> tuple[int, int]:
-    return round_up(hidden_size, PAD_MULTIPLE), round_up(intermediate_size, PAD_MULTIPLE)
 
 
 def _pad(t: torch.Tensor, shape: tuple[int, ...], fill: int | float = 0) -> torch.Tensor:
@@ -36,6 +35,29 @@ def _pad(t: torch.Tensor, shape: tuple[int, ...], fill: int | float = 0) -> torc
 def _pad_fp8(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     # torch.full has no float8 kernel on every device; pad the raw bytes.
     return _pad(t.view(torch.uint8), shape).view(t.dtype)
+
+
+def prepare_moe_weights(kernel: str, plan, weights, *, word_order: str) -> PreparedMoEWeights:
+    """A MoE kernel object's prepare_weights: `weights` (MoEWeights, never written) laid out
+    for `plan`'s config in `word_order`, with the static FP8 input scales as floats."""
+    config = plan.config
+    tensors = prepare_weights(
+        config.weight_format,
+        config.hidden_size,
+        config.intermediate_size,
+        w13=weights.w13,
+        w2=weights.w2,
+        w13_scale=weights.w13_scale,
+        w2_scale=weights.w2_scale,
+        w13_bias=weights.w13_bias,
+        w2_bias=weights.w2_bias,
+        word_order=word_order,
+        f16_intermediate=swiglu_fits_f16(config.activation.alpha, config.activation.limit),
+    )
+    for name in ("w13_input_scale", "w2_input_scale"):
+        value = getattr(weights, name)
+        tensors[name] = None if value is None else float(value)
+    return PreparedMoEWeights(kernel=kernel, config=config, tensors=tensors)
 
 
 def prepare_weights(
@@ -53,14 +75,15 @@ def prepare_weights(
     f16_intermediate: bool = True,
     shift_decode: bool = True,
 ) -> dict:
-    """Checkpoint tensors (see the MoE contract) -> dict of padded tensors for `moe_forward`.
+    """Checkpoint tensors (see the MoE contract) -> dict of padded tensors for `moe_forward`
+    (word_order "natural") or `moe_forward_sm90` ("fragment").
 
     word_order "fragment" (MXFP4 only) lays the words and w13 rows out for the Hopper fragment
-    GEMM (fragment_layout.py; words [E, N / 64, 64, K / 128, 16] int32 and scales [E, N / 64,
+    GEMM (fragment_layout_sm90.py; words [E, N / 64, 64, K / 128, 16] int32 and scales [E, N / 64,
     64, K / 128, 4] uint8, stored panel-major), each weight in the cheapest encoding that
     decodes it exactly (recorded as "w13_decode" / "w2_decode"): shift_words' fp16 layout for
     w2 when f16_intermediate (the caller's SwiGLU clamp bounds the intermediate,
-    kernel.swiglu_fits_f16) and every w2 scale byte allows it, else its bf16 layout, else
+    _common.swiglu_fits_f16) and every w2 scale byte allows it, else its bf16 layout, else
     mxfp4_words' byte-permute words ("prmt"; always, with shift_decode=False). Raises
     ValueError for MXFP4 scale bytes above 240 (the kernel's exact range)."""
     if word_order not in ("natural", "fragment"):
@@ -74,36 +97,11 @@ def prepare_weights(
     E = w13.shape[0]
     H, I = hidden_size, intermediate_size  # noqa: E741
     Hp, Ip = padded_sizes(H, I)
+    w2_kinds = ("fp16", "bf16") if f16_intermediate else ("bf16",)
+    w2_kinds = w2_kinds if shift_decode else ()
     if weight_format == "mxfp4":
-        for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
-            top = int(s.max()) if s.numel() else 0
-            if top > MAX_SCALE_BYTE:
-                raise ValueError(
-                    f"moe_prepare_weights: weights.{name} holds e8m0 byte {top}, expected at "
-                    f"most {MAX_SCALE_BYTE} (2^113) for the Triton MoE kernel"
-                )
-        tensors = dict(
-            w13=_pad(w13, (E, 2 * Ip, Hp // 2)),
-            w13_scale=_pad(w13_scale, (E, 2 * Ip, Hp // 32), 127),
-            w2=_pad(w2, (E, Hp, Ip // 2)),
-            w2_scale=_pad(w2_scale, (E, Hp, Ip // 32), 127),
-        )
-        if word_order == "fragment":
-            tensors["w13"] = group_gate_up(tensors["w13"])
-            tensors["w13_scale"] = group_gate_up(tensors["w13_scale"])
-            w2_kinds = ("fp16", "bf16") if f16_intermediate else ("bf16",)
-            for name, kinds in (("w13", ("bf16",)), ("w2", w2_kinds)):
-                kinds = kinds if shift_decode else ()
-                kind = shift_words.pick(tensors[f"{name}_scale"], kinds)
-                tensors[f"{name}_decode"] = kind or "prmt"
-                ordered = fragment_order(tensors[name])
-                tensors[name] = shift_words.encode(ordered, kind) if kind else ordered
-        for name in ("w13", "w2"):
-            if tensors.get(f"{name}_decode", "prmt") == "prmt":
-                tensors[name] = encode_words(tensors[name])
-            if word_order == "fragment":
-                for key in (name, f"{name}_scale"):
-                    tensors[key] = panel_major(tensors[key])
+        scales = (w13_scale, w2_scale)
+        tensors = _prepare_mxfp4(w13, w2, scales, (E, Hp, Ip), word_order, w2_kinds)
     elif weight_format == "fp8":
         tensors = dict(
             w13=_pad_fp8(w13, (E, 2 * Ip, Hp)),
@@ -128,4 +126,39 @@ def prepare_weights(
         num_experts=E,
         word_order=word_order,
     )
+    return tensors
+
+
+def _prepare_mxfp4(w13, w2, scales, sizes, word_order: str, w2_kinds: tuple) -> dict:
+    """prepare_weights for MXFP4: padded words and scales; w2_kinds: the shift_words_sm90
+    layouts w2 may take in fragment order (w13 takes bf16), cheapest first (none: prmt)."""
+    E, Hp, Ip = sizes
+    for name, s in zip(("w13_scale", "w2_scale"), scales, strict=True):
+        top = int(s.max()) if s.numel() else 0
+        if top > MAX_SCALE_BYTE:
+            raise ValueError(
+                f"moe_prepare_weights: weights.{name} holds e8m0 byte {top}, expected at "
+                f"most {MAX_SCALE_BYTE} (2^113) for the Triton MoE kernel"
+            )
+    tensors = dict(
+        w13=_pad(w13, (E, 2 * Ip, Hp // 2)),
+        w13_scale=_pad(scales[0], (E, 2 * Ip, Hp // 32), 127),
+        w2=_pad(w2, (E, Hp, Ip // 2)),
+        w2_scale=_pad(scales[1], (E, Hp, Ip // 32), 127),
+    )
+    if word_order == "fragment":
+        tensors["w13"] = group_gate_up(tensors["w13"])
+        tensors["w13_scale"] = group_gate_up(tensors["w13_scale"])
+        w13_kinds = ("bf16",) if w2_kinds else ()
+        for name, kinds in (("w13", w13_kinds), ("w2", w2_kinds)):
+            kind = shift_words_sm90.pick(tensors[f"{name}_scale"], kinds)
+            tensors[f"{name}_decode"] = kind or "prmt"
+            ordered = fragment_order(tensors[name])
+            tensors[name] = shift_words_sm90.encode(ordered, kind) if kind else ordered
+    for name in ("w13", "w2"):
+        if tensors.get(f"{name}_decode", "prmt") == "prmt":
+            tensors[name] = encode_words(tensors[name])
+        if word_order == "fragment":
+            for key in (name, f"{name}_scale"):
+                tensors[key] = panel_major(tensors[key])
     return tensors

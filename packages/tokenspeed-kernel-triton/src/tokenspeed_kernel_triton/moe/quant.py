@@ -10,9 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting, round_to_fp8
+from tokenspeed_kernel.platform import interpreting
 
-FP8_MAX = tl.constexpr(448.0)
+from ._common import FP8_MAX, round_to_fp8
+
 AMAX_FLOOR = tl.constexpr(1e-12)
 
 
@@ -68,26 +69,3 @@ def quantize_rows(x, static_scale: float | None):
             num_warps=4 if block <= 4096 else 8,
         )
     return q, scale
-
-
-def aot_specs(kind) -> list:
-    """FP8 row quantization of x (bf16, H=2880) and of the SwiGLU rows (fp32, I=2944), dynamic
-    and static, for the ahead-of-time compile check."""
-    from ..aot import AotSpec
-
-    specs = []
-    for src in ("bf16", "fp32"):
-        for dynamic in (True, False):
-            signature = dict(
-                x_ptr=f"*{src}",
-                q_ptr="*fp8e4nv",
-                scale_ptr="*fp32",
-                static_scale="fp32",
-                n_cols="i32",
-                stride_x="i32",
-                stride_q="i32",
-            )
-            constexprs = dict(DYNAMIC=dynamic, BLOCK=4096, INTERPRETED=False)
-            name = f"moe_quant_{src}_{'dynamic' if dynamic else 'static'}"
-            specs.append(AotSpec(name, _quant_rows_kernel, signature, constexprs, 4, 1))
-    return specs

@@ -23,8 +23,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 # every pair of a chunk, [CHUNK, CHUNK] elements, cheap at 256.
 FUSED_MAX_PAIRS = 256
 # The one-program router runs in one warp up to this many pairs, then in four. H200, router
-# alone, graph-timed (benchmarks/results/moe_h200_session8.md, run 11): 4 pairs 2.5 us (four
-# warps 3.1), 8 pairs 3.1 (3.5), 16 pairs 4.6 (3.6).
+# alone, graph-timed: 4 pairs 2.5 us (four warps 3.1), 8 pairs 3.1 (3.5), 16 pairs 4.6 (3.6).
 ONE_WARP_MAX_PAIRS = 8
 _CHUNK = 1024
 _TILE_CHUNK = 128
@@ -372,89 +371,3 @@ def route(
         topk_ids, num_pairs, cursor, sorted_pairs, CHUNK=_CHUNK
     )
     return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
-
-
-def aot_specs(kind) -> list:
-    """GPT-OSS routing (E=128, top-4): the one-program decode router and the three large-batch
-    kernels, for the ahead-of-time compile check (tokenspeed_kernel_triton.aot)."""
-    from ..aot import AotSpec
-
-    common = dict(BLOCK_E=128, BLOCK_K=4)
-    small = dict(
-        logits_ptr="*fp32",
-        ids_ptr="*i32",
-        weights_ptr="*fp32",
-        sorted_ptr="*i32",
-        tiles_ptr="*i32",
-        num_tiles_ptr="*i32",
-        ready_ptr="*i32",
-        x_ptr="*bf16",
-        scaled_ptr="*bf16",
-        exp_ptr="*i32",
-        M="i32",
-        E="i32",
-        H="i32",
-        stride_lm="i32",
-        stride_x="i32",
-        stride_s="i32",
-        max_tiles="i32",
-    )
-    return [
-        AotSpec(
-            "moe_route_small",
-            _route_small_kernel,
-            small,
-            dict(
-                TOPK=4,
-                HAS_LOGITS=True,
-                BLOCK_T=16,
-                BLOCK_M=16,
-                TILE_CHUNK=_TILE_CHUNK,
-                LAUNCH_DEPENDENTS=kind.arch == "sm_90",
-                CLEAR_READY=kind.arch == "sm_90",
-                PRESCALE=kind.arch == "sm_90",
-                BLOCK_H=4096,
-                **common,
-            ),
-            4,
-            1,
-        ),
-        AotSpec(
-            "moe_topk",
-            _topk_kernel,
-            dict(
-                logits_ptr="*fp32",
-                ids_ptr="*i32",
-                weights_ptr="*fp32",
-                M="i32",
-                E="i32",
-                stride_lm="i32",
-            ),
-            dict(TOPK=4, BLOCK_T=32, **common),
-            4,
-            1,
-        ),
-        AotSpec(
-            "moe_align",
-            _align_kernel,
-            dict(
-                ids_ptr="*i32",
-                num_pairs="i32",
-                tiles_ptr="*i32",
-                num_tiles_ptr="*i32",
-                cursor_ptr="*i32",
-                max_tiles="i32",
-            ),
-            dict(BLOCK_M=128, BLOCK_E=128, CHUNK=_CHUNK, TILE_CHUNK=_TILE_CHUNK),
-            4,
-            1,
-        ),
-        AotSpec(
-            "moe_scatter",
-            _scatter_kernel,
-            dict(ids_ptr="*i32", num_pairs="i32", cursor_ptr="*i32", sorted_ptr="*i32"),
-            dict(CHUNK=_CHUNK),
-            4,
-            1,
-        ),
-    ]

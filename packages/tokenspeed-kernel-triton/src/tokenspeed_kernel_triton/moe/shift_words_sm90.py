@@ -63,7 +63,9 @@ def encode(packed: torch.Tensor, kind: str) -> torch.Tensor:
     """[..., K/2] uint8 MXFP4 codes (low nibble first; 8 consecutive codes per word) ->
     [..., K/8] int32 words laid out for `kind` ("bf16" or "fp16"). `packed` is only read."""
     if packed.shape[-1] % 4:
-        raise ValueError(f"shift_words.encode: K/2 = {packed.shape[-1]} is not a multiple of 4")
+        raise ValueError(
+            f"shift_words_sm90.encode: K/2 = {packed.shape[-1]} is not a multiple of 4"
+        )
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).to(torch.int64)
     codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] // 4, 8)
     word = torch.zeros(codes.shape[:-1], dtype=torch.int64, device=packed.device)

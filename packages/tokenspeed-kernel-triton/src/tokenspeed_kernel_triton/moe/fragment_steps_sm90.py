@@ -1,4 +1,4 @@
-"""Device-side pieces of the Hopper fragment GEMM (wgmma_gemm.py): the cp.async ring's copies
+"""Device-side pieces of the Hopper fragment GEMM (wgmma_gemm_sm90.py): the cp.async ring's copies
 and one ring step of decode + wgmma, with the e8m0 factors multiplied into the weight halves
 (`mma_step`) or applied to fp32 partials after the MMA (`post_scaled_step`, POST_SCALE)."""
 
@@ -9,7 +9,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-from . import shift_words
+from . import shift_words_sm90
 from .mxfp4_words import bf16_scale_factors, decode_word_slots_tables
 
 
@@ -28,25 +28,25 @@ def decode_fragment(
     """words [BLOCK_W, 16] int32 in the words layout and scale_words [BLOCK_W] int32 (a row's
     four e8m0 bytes of this K chunk, in the words layout's row slice) -> [BLOCK_W, 128] bf16
     (fp16 with F16) in wgmma's A-operand layout. Word j = 4 * jhi + jlo holds K elements
-    32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0 in slot 4 * b2 + 2 * b1 + b0 (fragment_layout),
+    32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0 in slot 4 * b2 + 2 * b1 + b0 (fragment_layout_sm90),
     so it is scaled by byte jlo. SHIFT: words in shift_words' layout for the output type; else
     mxfp4_words' byte-permute layout (bf16 only), whose lo_table / hi_table scalars
     (LOOKUP_TABLE_WORDS) are loaded at run time so that they stay in registers. RAW: shift
-    words without their factors (shift_words.RAW_EXPONENT; scale_words unused)."""
+    words without their factors (shift_words_sm90.RAW_EXPONENT; scale_words unused)."""
     jlo = gl.arange(0, 16, layout=gl.SliceLayout(0, words.type.layout)) % 4
     zero = gl.zeros_like(words)
     selector = (jlo * 0x0101 + 0x4040)[None, :] + zero
     if RAW:
         if F16:
-            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words.decode_word_slots_raw_f16(words)
+            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words_sm90.decode_word_slots_raw_f16(words)
         else:
-            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words.decode_word_slots_raw_bf16(words)
+            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words_sm90.decode_word_slots_raw_bf16(words)
     elif SHIFT:
-        factor = shift_words.scale_factors(scale_words[:, None] + zero, selector, F16)
+        factor = shift_words_sm90.scale_factors(scale_words[:, None] + zero, selector, F16)
         if F16:
-            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words.decode_word_slots_f16(words, factor)
+            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words_sm90.decode_word_slots_f16(words, factor)
         else:
-            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words.decode_word_slots_bf16(words, factor)
+            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words_sm90.decode_word_slots_bf16(words, factor)
     else:
         factor = bf16_scale_factors(scale_words[:, None] + zero, selector)
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots_tables(
@@ -143,14 +143,10 @@ def issue_weights(
 @gluon.jit
 def post_scaled_step(
     acc,
-    ring_words,
-    ring_scales,
-    act,
+    ring,
     ring_step,
     words_layout: gl.constexpr,
     dot_a: gl.constexpr,
-    mma: gl.constexpr,
-    BLOCK_W: gl.constexpr,
     BLOCK_T: gl.constexpr,
     CHUNKS: gl.constexpr,
     IN_FLIGHT: gl.constexpr,
@@ -161,7 +157,11 @@ def post_scaled_step(
     product [BLOCK_W, 4 * BLOCK_T] holds per-block partial sums, and a thread's columns all
     belong to one block: its accumulator takes them times one fp32 factor per row. That costs
     a few FMAs per chunk instead of a half multiply per weight pair; the epilogue sums the
-    four groups."""
+    four groups. ring: (words, scales, activations, lo activations) ring buffers and the
+    byte-permute lookup tables (unused here); acc [BLOCK_W, 4 * BLOCK_T] in wgmma's layout."""
+    ring_words, ring_scales, act, _, _, _ = ring
+    BLOCK_W: gl.constexpr = ring_words.shape[1]
+    mma: gl.constexpr = acc.type.layout
     cols = gl.arange(0, 4 * BLOCK_T, layout=gl.SliceLayout(0, mma))
     # prmt selector of each column's scale byte (its group), zeros above it.
     selector = gl.zeros([BLOCK_W, 4 * BLOCK_T], gl.int32, mma) + (0x4440 + cols // BLOCK_T)[None, :]
@@ -191,7 +191,7 @@ def post_scaled_step(
             older = prev
             older_factor = factor
         rows_scale = gl.convert_layout(scale_words, gl.SliceLayout(1, mma))
-        factor = shift_words.float_factors(
+        factor = shift_words_sm90.float_factors(
             rows_scale[:, None] + selector * 0, selector, act.dtype == gl.float16
         )
         prev = part
@@ -206,22 +206,19 @@ def post_scaled_step(
 @gluon.jit
 def mma_step(
     acc,
-    ring_words,
-    ring_scales,
-    act,
-    act_lo,
+    ring,
     ring_step,
-    lo_table,
-    hi_table,
     words_layout: gl.constexpr,
     dot_a: gl.constexpr,
-    BLOCK_W: gl.constexpr,
     CHUNKS: gl.constexpr,
     SHIFT_DECODE: gl.constexpr,
     SPLIT_A: gl.constexpr,
     MMA_IN_FLIGHT: gl.constexpr,
 ):
-    """One ring step with scaled fragments (the e8m0 factor multiplied into the halves)."""
+    """One ring step with scaled fragments (the e8m0 factor multiplied into the halves). ring:
+    as post_scaled_step, with the byte-permute lookup tables (lo, hi) last."""
+    ring_words, ring_scales, act, act_lo, lo_table, hi_table = ring
+    BLOCK_W: gl.constexpr = ring_words.shape[1]
     for c in gl.static_range(CHUNKS):
         slot = ring_step * CHUNKS + c
         words = ring_words.index(slot).load(words_layout)

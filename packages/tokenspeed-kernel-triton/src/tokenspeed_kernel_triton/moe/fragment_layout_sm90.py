@@ -1,4 +1,4 @@
-"""Weight order and register layouts of the Hopper fragment GEMM (wgmma_gemm.py).
+"""Weight order and register layouts of the Hopper fragment GEMM (wgmma_gemm_sm90.py).
 
 wgmma's A operand in registers (bf16, k_width 2) gives thread (warp w, lane l) of a
 [64 rows, 128 K] chunk the rows 16w + l/4 (+8) and, per row, the K elements

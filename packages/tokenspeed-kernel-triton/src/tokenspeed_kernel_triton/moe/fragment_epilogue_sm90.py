@@ -1,4 +1,4 @@
-"""The Hopper fragment GEMM's epilogue (wgmma_gemm.py), in the accumulator layout: the token
+"""The Hopper fragment GEMM's epilogue (wgmma_gemm_sm90.py), in the accumulator layout: the token
 columns of a post-scaled accumulator, the operands the epilogue reads besides it, and GEMM1's
 clamped SwiGLU store."""
 
@@ -20,7 +20,6 @@ def token_columns(acc, POST_SCALE: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_T:
 @gluon.jit
 def epilogue_operands(
     source,
-    stride_be,
     TOPK: gl.constexpr,
     SWIGLU: gl.constexpr,
     HAS_BIAS: gl.constexpr,
@@ -35,9 +34,10 @@ def epilogue_operands(
     one), and a factor per column: GEMM2 the routing weight; GEMM1 post-scaled 2^(E_t -
     SCALE_BIAS), since x's row of token t was multiplied by 2^(126 - E_t) (x_exp_ptr: E_t),
     which the raw bf16 weights' 2^-126 and the factors' bias leave as 2^(SCALE_BIAS - E_t);
-    else ones (unused). source: (sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, expert, tile, pid_w,
-    row_end)."""
-    sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, expert, tile, pid_w, row_end = source
+    else ones (unused). source: ((sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be),
+    expert, tile, pid_w, row_end)."""
+    pointers, expert, tile, pid_w, row_end = source
+    sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be = pointers
     rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, out_layout))
     cols = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_layout))
     col_ok = cols < row_end
@@ -64,19 +64,17 @@ def _gate_up(x, BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr):
 
 @gluon.jit
 def swiglu_store(
-    out_ptr,
+    out_rows,
     acc,
-    rows,
-    cols,
-    col_ok,
-    N,
-    stride_om,
     alpha,
     limit,
     BLOCK_W: gl.constexpr,
     BLOCK_T: gl.constexpr,
     F16: gl.constexpr,
 ):
+    """GEMM1's clamped SwiGLU of acc into its rows of out. out_rows: (out_ptr, N, stride_om,
+    the weight rows, the token columns, which columns are valid)."""
+    out_ptr, N, stride_om, rows, cols, col_ok = out_rows
     g, u = _gate_up(acc, BLOCK_W, BLOCK_T)
     # Index tensors go through the same reshape so that they share g's layout.
     zero = gl.zeros_like(acc).to(gl.int32)

@@ -4,24 +4,26 @@ The portable kernel (grouped_gemm.py) dequantizes a weight tile in registers, th
 it to shared memory and reloads it with ldmatrix for the MMA: that round trip, not HBM, bounds
 decode. Here the operands are swapped: out^T = W x^T, the weight tile [BLOCK_W rows, 128 K] is
 wgmma's A operand, which may live in registers, and the activations [BLOCK_T tokens, 128 K] are
-the B operand in shared memory (cp.async ring). `fragment_layout.py` permutes the MXFP4 words at
-prepare time so that the words each thread loads decode, in place, to exactly its elements of the
-A fragment: no shuffle, no shared-memory pass for weights, 16-byte coalesced word loads.
+the B operand in shared memory (cp.async ring). `fragment_layout_sm90.py` permutes the MXFP4
+words at prepare time so that the words each thread loads decode, in place, to exactly its
+elements of the A fragment: no shuffle, no shared-memory pass for weights, 16-byte coalesced
+word loads.
 
-Weights decode with shift_words (a shift and a mask per half pair, the subnormal trick, then the
-e8m0 multiply) where that is exact for their scale bytes, else with mxfp4_words' byte permutes
-("w13_decode" / "w2_decode" in the prepared weights, chosen by layout.prepare_weights).
+Weights decode with shift_words_sm90 (a shift and a mask per half pair, the subnormal trick,
+then the e8m0 multiply) where that is exact for their scale bytes, else with mxfp4_words' byte
+permutes ("w13_decode" / "w2_decode" in the prepared weights, chosen by layout.prepare_weights).
 
 GEMM1 (SWIGLU): B rows are x gathered by token; the prepared w13 puts the gate row of 8
 intermediate channels in rows 0-7 of each 16-row group and their up rows in rows 8-15, which
 the accumulator layout hands to the same thread, so the SwiGLU epilogue needs no exchange. It
 writes `a` in fp16 when w2 was laid out to decode to fp16 (its scale bytes allow it exactly and
-the clamp bounds `a`, kernel.swiglu_fits_f16); else as bf16 [hi | lo] halves (as the portable
-kernel; see grouped_gemm.py). fp16 is as accurate here (scripts/moe_intermediate_precision.py)
-and halves GEMM2's MMAs and activation bytes.
+the clamp bounds `a`, _common.swiglu_fits_f16); else as bf16 [hi | lo] halves (as the portable
+kernel; see grouped_gemm.py). fp16 is as accurate here and halves GEMM2's MMAs and bytes.
 GEMM2: B rows are the sorted `a` rows (fp16: weights decoded to fp16; bf16: two wgmmas, hi and
 lo, on one decoded fragment); the epilogue adds the bias, multiplies by the routing weight and
 writes fp32 rows by pair (split-K: partial rows, summed by the combine).
+
+One kernel body over 80 lines: its prologue, main loop and epilogue share a dozen values.
 """
 
 from __future__ import annotations
@@ -32,15 +34,15 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import fragment_epilogue, fragment_steps, shift_words
-from .fragment_config import CONFIGS, gemm2_splits
-from .fragment_layout import PANEL_ROWS, panel_view
+from .fragment_config_sm90 import gemm2_splits
+from .fragment_epilogue_sm90 import epilogue_operands, swiglu_store, token_columns
+from .fragment_layout_sm90 import PANEL_ROWS, kernel_layouts, panel_view
+from .fragment_steps_sm90 import issue_activations, issue_weights, mma_step, post_scaled_step
 from .mxfp4_words import LOOKUP_TABLE_WORDS
+from .shift_words_sm90 import POST_SCALE_BIAS
 
 _PANEL_ROWS = gl.constexpr(PANEL_ROWS)
 
@@ -126,7 +128,7 @@ def _fragment_gemm_kernel(
     expert = gl.load(tiles_ptr + 2 * tile, cache_modifier=".cg").to(gl.int64)
     row_end = gl.load(tiles_ptr + 2 * tile + 1, cache_modifier=".cg")
     # Activation rows of this tile (B operand), in the copy layout: the MMA's columns, one per
-    # token, or with POST_SCALE four groups of the tile's tokens (fragment_steps.post_scaled_step).
+    # token, or with POST_SCALE four groups of the tile's tokens (post_scaled_step).
     MMA_N: gl.constexpr = 4 * BLOCK_T if POST_SCALE else BLOCK_T
     mma_col = gl.arange(0, MMA_N, layout=gl.SliceLayout(1, copy_layout))
     offs_t = tile * BLOCK_T + mma_col % BLOCK_T
@@ -147,7 +149,7 @@ def _fragment_gemm_kernel(
     a_dtype: gl.constexpr = a_ptr.dtype.element_ty
     # The ring: STAGES steps of CHUNKS K chunks (128 columns) each. A step's activations are
     # one [BLOCK_T, CHUNKS * 128] tile; its chunk c of words and scales is buffer s * CHUNKS + c
-    # (the copy sees each step as one [CHUNKS, ...] view: fragment_steps.step_view).
+    # (the copy sees each step as one [CHUNKS, ...] view: fragment_steps_sm90.step_view).
     act = gl.allocate_shared_memory(a_dtype, [STAGES, MMA_N, CHUNKS * 128], smem_layout)
     act_lo = gl.allocate_shared_memory(
         a_dtype, [STAGES if SPLIT_A else 1, MMA_N, CHUNKS * 128], smem_layout
@@ -163,8 +165,7 @@ def _fragment_gemm_kernel(
     # per row and chunk (row r at panel r // 64, row r % 64 of it: strides _wp / _sp, _wn / _sn;
     # chunks: _wc / _sc), through the cp.async ring with the activations. The ring keeps
     # STAGES - 1 steps of HBM reads in flight, which small batches need: each CTA has little
-    # else to overlap (M=1: 46.3 us against 51.5 loading them into registers one step ahead,
-    # benchmarks/results/moe_h200_session4.md).
+    # else to overlap (M=1: 46.3 us against 51.5 loading them into registers one step ahead).
     wc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_copy)))
     wr = pid_w * BLOCK_W + gl.arange(
         0, BLOCK_W, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_copy))
@@ -190,17 +191,17 @@ def _fragment_gemm_kernel(
     lo_table = gl.load(table_ptr)
     hi_table = gl.load(table_ptr + 1)
 
-    # What the ring copies read (fragment_steps.issue_weights, issue_activations).
+    # What the ring copies read (fragment_steps_sm90.issue_weights, issue_activations) and
+    # what its steps multiply (mma_step, post_scaled_step).
     weights_src = (ring_words, ring_scales, w_copy_ptrs, s_copy_ptrs, stride_wc, stride_sc, num_k)
     acts_src = (a_ptr, a_rows, t_ok, k_first, num_k, K, K_VALID, stride_am, mma_col // BLOCK_T)
+    ring = (ring_words, ring_scales, act, act_lo, lo_table, hi_table)
     # Prologue: the first STAGES - 1 steps into the ring, weights first. They depend on nothing
     # the previous kernel writes, so under PDL GEMM2 streams them while GEMM1 finishes.
     num_steps = gl.cdiv(num_k, CHUNKS)
     for p in gl.static_range(STAGES - 1):
         if p < num_steps:
-            fragment_steps.issue_weights(
-                weights_src, p, words_step_layout, scales_step_layout, CHUNKS
-            )
+            issue_weights(weights_src, p, words_step_layout, scales_step_layout, CHUNKS)
     if PDL:
         if not SWIGLU:
             if TILE_READY:
@@ -212,24 +213,20 @@ def _fragment_gemm_kernel(
                 gdc_wait()  # all of GEMM1
     for p in gl.static_range(STAGES - 1):
         if p < num_steps:
-            fragment_steps.issue_activations(
-                act, act_lo, acts_src, p, copy_layout, CHUNKS, SPLIT_A, POST_SCALE
-            )
+            issue_activations(act, act_lo, acts_src, p, copy_layout, CHUNKS, SPLIT_A, POST_SCALE)
         async_copy.commit_group()
 
     acc = gl.zeros([BLOCK_W, MMA_N], gl.float32, layout=mma)
     # The epilogue's layout: the accumulator's, or with POST_SCALE its sum over the groups.
-    out_layout: gl.constexpr = fragment_epilogue.token_columns(
-        acc, POST_SCALE, BLOCK_W, BLOCK_T
-    ).type.layout
+    out_layout: gl.constexpr = token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T).type.layout
     # Small tiles load what the epilogue reads now: its latency hides behind the main loop
     # instead of following it (a few registers; 64-token tiles would hold 32 per thread).
     PRELOAD: gl.constexpr = BLOCK_T <= 8
-    epilogue_src = (sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, expert, tile, pid_w, row_end)
+    epilogue_ptrs = (sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be)
+    epilogue_src = (epilogue_ptrs, expert, tile, pid_w, row_end)
     if PRELOAD:
-        operands = fragment_epilogue.epilogue_operands(
+        operands = epilogue_operands(
             epilogue_src,
-            stride_be,
             TOPK,
             SWIGLU,
             HAS_BIAS,
@@ -250,57 +247,27 @@ def _fragment_gemm_kernel(
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         if it < num_steps:
-            fragment_steps.issue_weights(
-                weights_src, it, words_step_layout, scales_step_layout, CHUNKS
-            )
-            fragment_steps.issue_activations(
-                act, act_lo, acts_src, it, copy_layout, CHUNKS, SPLIT_A, POST_SCALE
-            )
+            issue_weights(weights_src, it, words_step_layout, scales_step_layout, CHUNKS)
+            issue_activations(act, act_lo, acts_src, it, copy_layout, CHUNKS, SPLIT_A, POST_SCALE)
         async_copy.commit_group()
-        ring_step = (it - (STAGES - 1)) % STAGES
+        slot = (it - (STAGES - 1)) % STAGES
         # The step's copies (generic proxy) before the wgmmas that read them (async proxy):
         # one fence for all of its chunks.
         fence_async_shared()
         if POST_SCALE:
-            acc = fragment_steps.post_scaled_step(
-                acc,
-                ring_words,
-                ring_scales,
-                act,
-                ring_step,
-                words_layout,
-                dot_a,
-                mma,
-                BLOCK_W,
-                BLOCK_T,
-                CHUNKS,
-                MMA_IN_FLIGHT,
+            acc = post_scaled_step(
+                acc, ring, slot, words_layout, dot_a, BLOCK_T, CHUNKS, MMA_IN_FLIGHT
             )
         else:
-            acc = fragment_steps.mma_step(
-                acc,
-                ring_words,
-                ring_scales,
-                act,
-                act_lo,
-                ring_step,
-                lo_table,
-                hi_table,
-                words_layout,
-                dot_a,
-                BLOCK_W,
-                CHUNKS,
-                SHIFT_DECODE,
-                SPLIT_A,
-                MMA_IN_FLIGHT,
+            acc = mma_step(
+                acc, ring, slot, words_layout, dot_a, CHUNKS, SHIFT_DECODE, SPLIT_A, MMA_IN_FLIGHT
             )
     async_copy.wait_group(0)
 
-    acc = fragment_epilogue.token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T)
+    acc = token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T)
     if not PRELOAD:
-        operands = fragment_epilogue.epilogue_operands(
+        operands = epilogue_operands(
             epilogue_src,
-            stride_be,
             TOPK,
             SWIGLU,
             HAS_BIAS,
@@ -319,20 +286,9 @@ def _fragment_gemm_kernel(
         if split == 0:  # one split adds the bias
             acc += bias[:, None]
     if SWIGLU:
-        fragment_epilogue.swiglu_store(
-            out_ptr,
-            acc,
-            rows,
-            cols,
-            col_ok,
-            N,
-            stride_om,
-            alpha,
-            limit,
-            BLOCK_W,
-            BLOCK_T,
-            out_ptr.dtype.element_ty == gl.float16,
-        )
+        F16_OUT: gl.constexpr = out_ptr.dtype.element_ty == gl.float16
+        out_rows = (out_ptr, N, stride_om, rows, cols, col_ok)
+        swiglu_store(out_rows, acc, alpha, limit, BLOCK_W, BLOCK_T, F16_OUT)
         if TILE_READY:
             # Every thread's rows are stored (the barrier), then one release increment.
             gl.thread_barrier()
@@ -350,8 +306,6 @@ def _fragment_gemm_kernel(
 
 @functools.cache
 def _layouts(block_w: int, block_t: int, num_warps: int, chunks: int) -> dict:
-    from .fragment_layout import kernel_layouts
-
     return kernel_layouts(block_w, block_t, num_warps, chunks)
 
 
@@ -386,7 +340,7 @@ def fragment_gemm(
     a [rows, K]: x (bf16) for GEMM1, gathered by token; for GEMM2 the sorted SwiGLU rows,
     either bf16 [hi | lo] halves or fp16. GEMM1's `out` dtype (bf16 [rows, 2 Ip] or fp16
     [rows, Ip]) picks the form it writes. w [E, N / 64, 64, K / 128, 16] int32 words in
-    fragment order (fragment_layout.py; prepare_weights stores them panel-major, any strides
+    fragment order (fragment_layout_sm90.py; prepare_weights stores them panel-major, any strides
     do; row-major [E, N, K / 8] is taken too), encoded as `decode` says (prepared["w13_decode"]
     / ["w2_decode"]: shift_words' "bf16" or "fp16" layout, or "prmt"); w_scale [E, N / 64, 64,
     K / 128, 4] uint8 (or [E, N, K / 32] with row-major words), a row's 16 words (4 bytes) of
@@ -403,36 +357,11 @@ def fragment_gemm(
     start a tile once its count reaches ready_target (GEMM1's CTAs per tile)."""
     if w.dim() == 3:
         w, w_scale = panel_view(w), panel_view(w_scale)
-    if w.stride(4) != 1 or w_scale.stride(4) != 1:
-        raise ValueError("fragment_gemm: a chunk's words (scale bytes) of a row must be contiguous")
+    operand = _check_operands(a, w, w_scale, gemm1, decode, split_k, config, ready, x_exp)
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
-    if split_k != 1 and (gemm1 or split_k != gemm2_splits(split_k, K)):
-        raise ValueError(f"fragment_gemm: split_k {split_k} for GEMM{1 if gemm1 else 2}")
-    # The weights decode to the A operand's type: x's bf16 for GEMM1, a's type for GEMM2.
-    operand = "bf16" if gemm1 or a.dtype == torch.bfloat16 else "fp16"
-    if decode not in (operand, "prmt") or (decode == "prmt" and operand == "fp16"):
-        raise ValueError(f"fragment_gemm: {decode} weights for a {operand} operand")
-    if not gemm1:
-        width = {torch.float16: K, torch.bfloat16: 2 * K}.get(a.dtype)
-        if a.shape[1] != width:
-            raise ValueError(
-                f"fragment_gemm: GEMM2 rows are {a.dtype} x {a.shape[1]}, expected fp16 x {K} "
-                f"or bf16 x {2 * K} ([hi | lo])"
-            )
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
-    if config.tile_ready and (
-        ready is None or ready.numel() < max_tiles or ready.dtype != torch.int32
-    ):
+    if config.tile_ready and ready.numel() < max_tiles:
         raise ValueError("fragment_gemm: tile_ready needs `ready`, one zeroed int32 per tile")
-    # Post-scaling needs raw halves that multiply exactly: shift-decoded fp16 weights, or
-    # bf16 weights against x rows scaled up by 2^(126 - x_exp) (routing's _prescale_row).
-    if config.post_scale and (decode == "prmt" or not (gemm1 or operand == "fp16")):
-        raise ValueError(
-            f"fragment_gemm: post_scale needs shift-decoded weights for GEMM1 or an "
-            f"fp16 GEMM2, got {decode} weights for a {operand} operand"
-        )
-    if config.post_scale and gemm1 and x_exp is None:
-        raise ValueError("fragment_gemm: post-scaled GEMM1 needs x_exp (route's prescale)")
     # A row's four e8m0 bytes of one 128-element K chunk, as one int32: [E, N / 64, 64, K / 128].
     scale_words = w_scale.view(torch.int32)[..., 0]
     grid = (max_tiles * -(-n_valid // config.block_w) * split_k,)
@@ -481,108 +410,40 @@ def fragment_gemm(
         TILE_READY=config.tile_ready,
         MMA_IN_FLIGHT=config.in_flight,
         POST_SCALE=config.post_scale,
-        SCALE_BIAS=shift_words.POST_SCALE_BIAS[operand],
+        SCALE_BIAS=POST_SCALE_BIAS[operand],
         num_warps=config.num_warps,
         launch_pdl=config.pdl,
         **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
     )
 
 
-# (GEMM1?, SwiGLU intermediate, weight decode) pairs that prepare_weights can produce: GEMM1
-# writes fp16 when w2 takes the fp16 layout; both GEMMs fall back to prmt for large scales.
-_AOT_VARIANTS = (
-    (True, "fp16", "shift"),
-    (True, "bf16", "prmt"),
-    (False, "fp16", "shift"),
-    (False, "bf16", "shift"),
-    (False, "bf16", "prmt"),
-)
-
-
-def aot_specs(kind) -> list:
-    """GPT-OSS-120B GEMM1 and GEMM2 at every tile config, in each _AOT_VARIANTS form, for the
-    ahead-of-time compile check (sm_90 only: wgmma exists nowhere else)."""
-    from ..aot import AotSpec
-
-    if kind.arch != "sm_90":
-        return []
-    pointers = dict(
-        a_ptr="*bf16",
-        w_ptr="*i32",
-        ws_ptr="*i32",
-        bias_ptr="*fp32",
-        out_ptr="*bf16",
-        route_w_ptr="*fp32",
-        sorted_ptr="*i32",
-        tiles_ptr="*i32",
-        num_tiles_ptr="*i32",
-        table_ptr="*i32",
-        ready_ptr="*i32",
-        x_exp_ptr="*i32",
-    )
-    ints = (
-        "N",
-        "K",
-        "K_VALID",
-        "N_VALID",
-        "stride_am",
-        "stride_we",
-        "stride_wp",
-        "stride_wn",
-        "stride_wc",
-        "stride_se",
-        "stride_sp",
-        "stride_sn",
-        "stride_sc",
-    )
-    ints += ("stride_be", "stride_om")
-    specs = []
-    for _, config in CONFIGS:
-        for gemm1, intermediate, decode in _AOT_VARIANTS:
-            if config.post_scale and (decode == "prmt" or not (gemm1 or intermediate == "fp16")):
-                continue  # prepare_weights' other forms take the unscaled config
-            signature = {
-                **pointers,
-                "a_ptr": "*bf16" if gemm1 else f"*{intermediate}",
-                "out_ptr": f"*{intermediate}" if gemm1 else "*fp32",
-                **dict.fromkeys(ints, "i32"),
-                "ready_target": "i32",
-                "alpha": "fp32",
-                "limit": "fp32",
-            }
-            constexprs = dict(
-                TOPK=4,
-                SWIGLU=gemm1,
-                SPLIT_A=not gemm1 and intermediate == "bf16",
-                HAS_BIAS=True,
-                BLOCK_W=config.block_w,
-                BLOCK_T=config.block_t,
-                STAGES=config.stages,
-                CHUNKS=config.chunks,
-                SPLIT_K=1 if gemm1 else config.gemm2_split_k,
-                SHIFT_DECODE=decode == "shift",
-                PDL=config.pdl,
-                TILE_READY=config.tile_ready,
-                MMA_IN_FLIGHT=config.in_flight,
-                POST_SCALE=config.post_scale,
-                SCALE_BIAS=shift_words.POST_SCALE_BIAS["bf16" if gemm1 else intermediate],
-                **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
+def _check_operands(a, w, w_scale, gemm1, decode, split_k, config, ready, x_exp) -> str:
+    """fragment_gemm's checks of what its caller passed; returns the A operand's half type."""
+    if w.stride(4) != 1 or w_scale.stride(4) != 1:
+        raise ValueError("fragment_gemm: a chunk's words (scale bytes) of a row must be contiguous")
+    K = w.shape[3] * 128
+    if split_k != 1 and (gemm1 or split_k != gemm2_splits(split_k, K)):
+        raise ValueError(f"fragment_gemm: split_k {split_k} for GEMM{1 if gemm1 else 2}")
+    # The weights decode to the A operand's type: x's bf16 for GEMM1, a's type for GEMM2.
+    operand = "bf16" if gemm1 or a.dtype == torch.bfloat16 else "fp16"
+    if decode not in (operand, "prmt") or (decode == "prmt" and operand == "fp16"):
+        raise ValueError(f"fragment_gemm: {decode} weights for a {operand} operand")
+    if not gemm1:
+        width = {torch.float16: K, torch.bfloat16: 2 * K}.get(a.dtype)
+        if a.shape[1] != width:
+            raise ValueError(
+                f"fragment_gemm: GEMM2 rows are {a.dtype} x {a.shape[1]}, expected fp16 x {K} "
+                f"or bf16 x {2 * K} ([hi | lo])"
             )
-            gemm = "gemm1" if gemm1 else "gemm2"
-            specs.append(
-                AotSpec(
-                    f"moe_wgmma_{gemm}_{intermediate}_{decode}_w{config.block_w}_t{config.block_t}"
-                    f"_s{config.stages}_c{config.chunks}{'_pdl' if config.pdl else ''}"
-                    f"{'_tiles' if config.tile_ready else ''}"
-                    f"{'_post' if config.post_scale else ''}",
-                    _fragment_gemm_kernel,
-                    signature,
-                    constexprs,
-                    config.num_warps,
-                    1,
-                    # At GPT-OSS sizes (padded to 128) every size and stride divides by 16, but
-                    # for the scales' rows, 1 apart in a panel.
-                    divisible=(*pointers, *(n for n in ints if n not in ("N_VALID", "stride_sn"))),
-                )
-            )
-    return specs
+    if config.tile_ready and (ready is None or ready.dtype != torch.int32):
+        raise ValueError("fragment_gemm: tile_ready needs `ready`, one zeroed int32 per tile")
+    # Post-scaling needs raw halves that multiply exactly: shift-decoded fp16 weights, or
+    # bf16 weights against x rows scaled up by 2^(126 - x_exp) (routing's _prescale_row).
+    if config.post_scale and (decode == "prmt" or not (gemm1 or operand == "fp16")):
+        raise ValueError(
+            f"fragment_gemm: post_scale needs shift-decoded weights for GEMM1 or an "
+            f"fp16 GEMM2, got {decode} weights for a {operand} operand"
+        )
+    if config.post_scale and gemm1 and x_exp is None:
+        raise ValueError("fragment_gemm: post-scaled GEMM1 needs x_exp (route's prescale)")
+    return operand

@@ -1,13 +1,12 @@
-"""Tile configs of the Hopper fragment GEMM (wgmma_gemm.py): what a config holds, the configs
-picked by batch size (with the measurements behind them), and GEMM2's split count."""
+"""Tile configs of the Hopper fragment GEMM (wgmma_gemm_sm90.py): what a config holds, the
+configs picked by batch size (with the measurements behind them), the scaled-fragment form of a
+post-scaled config, and GEMM2's split count."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 from dataclasses import dataclass
-
-from ._common import ConfigPin, first_match
 
 
 @dataclass(frozen=True)
@@ -23,8 +22,8 @@ class FragmentConfig:
     mma_in_flight: wait for older chunks' wgmmas within a step so that at most this many hold
     their fragment registers (long steps without the registers of all their chunks);
     post_scale: raw weight halves into the MMA against block-diagonal activations (wgmma's N is
-    4 * block_t), the e8m0 factors applied to fp32 partials (fragment_steps.post_scaled_step;
-    shift-decoded weights with an fp16 intermediate only, else moe_forward falls back to
+    4 * block_t), the e8m0 factors applied to fp32 partials (fragment_steps_sm90.post_scaled_step;
+    shift-decoded weights with an fp16 intermediate only, else moe_forward_sm90 falls back to
     scaled fragments)."""
 
     block_w: int
@@ -66,16 +65,16 @@ class FragmentConfig:
 
 # (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, shift decode,
 # fp16 SwiGLU intermediate, CUDA-graph timed end to end over 4 layers' weights (L2-cold) for
-# M <= 64 (benchmarks/results/moe_h200_session6.md; earlier alternatives in _session4/5.md).
+# M <= 64.
 CONFIGS = (
     # Decode: wgmma's smallest M (64 weight rows, one warpgroup), ring steps of four K chunks,
     # GEMM2 split in two, programmatic dependent launch, and the e8m0 factors applied after
     # the MMA (post_scale: two tokens per tile, block-diagonal activations as wgmma's N = 8).
-    # Session 7 run 3, M=1 / 4 / 16 (us): post-scaled 27.1 / 71.9 / 228.9 (with each M's wait
-    # below), against session 6's scaled-fragment configs 27.7 / 75.3 / 234.6.
+    # M=1 / 4 / 16 (us): post-scaled 27.1 / 71.9 / 228.9 (with each M's wait below), against
+    # scaled-fragment tiles 27.7 / 75.3 / 234.6.
     # M=1: GEMM2 waits for GEMM1's grid, two chunks' wgmmas in flight (one: 28.1; tile by
-    # tile: 27.3). Session 8 run 6 (panel-major weights) kept it: 23.5 us against 23.7 to 28.6
-    # for tile waits, three-step rings and GEMM2 in 3 or 4 splits (_session8.md).
+    # tile: 27.3). With panel-major weights: 23.5 us against 23.7 to 28.6 for tile waits,
+    # three-step rings and GEMM2 in 3 or 4 splits.
     (
         4,
         FragmentConfig(
@@ -102,30 +101,15 @@ CONFIGS = (
     # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert
     # (M=4096: 2615 us; 128 tokens x 8 warps 3109. M=8192: 4802; 128 tokens 5178). 8 warps on
     # this tile measured within run-to-run noise of 4 (2573 us). Two chunks per step need ~2x
-    # the registers here and lost (M=4096: 3491 us against 2545, session 5 run 1). No PDL
-    # (the router that clears the tile counters is the one-program decode router; with
-    # GEMM2 waiting for the grid, M=4096 / 8192 measured 2597 / 4771 us against 2561 / 4620).
+    # the registers here and lost (M=4096: 3491 us against 2545). No PDL (the router that
+    # clears the tile counters is the one-program decode router; with GEMM2 waiting for the
+    # grid, M=4096 / 8192 measured 2597 / 4771 us against 2561 / 4620).
     (None, FragmentConfig(128, 64, 4, 4)),
 )
 
 
-FRAGMENT_PIN = ConfigPin()
-
-
-def pick_fragment_config(num_pairs: int, post_scalable: bool = True) -> FragmentConfig:
-    """The tile config for `num_pairs` = tokens x top_k (or the pinned one). post_scalable:
-    whether the weights allow post-scaling (shift-decoded, fp16 intermediate); where not, a
-    post-scaled pick becomes its scaled-fragment form."""
-    config = FRAGMENT_PIN.pinned
-    if config is None:
-        config = first_match(CONFIGS, num_pairs)
-    if config.post_scale and not post_scalable:
-        return _scaled_fragments(config)
-    return config
-
-
 @functools.cache
-def _scaled_fragments(config: FragmentConfig) -> FragmentConfig:
+def scaled_fragments(config: FragmentConfig) -> FragmentConfig:
     """A post-scaled config's scaled-fragment form: 8-token tiles (wgmma's N without the four
     block-diagonal groups), built once per config rather than per call."""
     return dataclasses.replace(config, post_scale=False, block_t=8)

@@ -1,0 +1,209 @@
+"""The Hopper Gluon MoE kernel (`triton.moe_apply.sm90`, sm_90 only: Blackwell has no wgmma):
+MXFP4 weights decoded straight into wgmma register fragments (wgmma_gemm_sm90.py), bf16
+activations. route -> GEMM1 + bias + SwiGLU -> GEMM2 + bias, routing weight -> combine, with
+programmatic dependent launch between them at decode sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenspeed_kernel.registry import Support, register_kernel
+from tokenspeed_kernel.tuning import first_match, pinned_config
+
+from ._common import padded_sizes, route_for_gemms, swiglu_fits_f16
+from .combine import combine
+from .fragment_config_sm90 import CONFIGS, FragmentConfig, gemm2_splits, scaled_fragments
+from .layout import prepare_moe_weights
+from .routing import max_tiles
+from .wgmma_gemm_sm90 import fragment_gemm
+
+KERNEL_NAME = "triton.moe_apply.sm90"
+WEIGHT_LAYOUT = "triton-mx4fragment-padded"
+
+
+def pick_config(num_pairs: int, post_scalable: bool = True) -> FragmentConfig:
+    """The tile config for `num_pairs` = tokens x top_k (or the pinned one,
+    `tuning.pin_config(KERNEL_NAME, config)`). post_scalable: whether the weights allow
+    post-scaling (shift-decoded, fp16 intermediate); where not, a post-scaled pick becomes its
+    scaled-fragment form."""
+    config = pinned_config(KERNEL_NAME)
+    if config is None:
+        config = first_match(CONFIGS, num_pairs)
+    if config.post_scale and not post_scalable:
+        return scaled_fragments(config)
+    return config
+
+
+def moe_forward_sm90(
+    x: torch.Tensor,
+    prepared: dict,
+    *,
+    top_k: int,
+    out: torch.Tensor,
+    router_logits: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    topk_ids: torch.Tensor | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """moe_forward (moe.py) on Hopper for x [M, H] bf16 and weights prepared in fragment order
+    (layout.prepare_weights(..., word_order="fragment"))."""
+    # The SwiGLU intermediate: fp16 where prepare_weights laid w2 out to decode to fp16 (one MMA
+    # per K step, and as accurate as bf16 hi + lo); else bf16 [hi | lo] halves.
+    M = x.shape[0]
+    if M == 0:
+        return out
+    f16_intermediate = prepared["w2_decode"] == "fp16"
+    if f16_intermediate and not swiglu_fits_f16(alpha, limit):
+        raise ValueError(
+            f"moe_forward_sm90: the weights were prepared for an fp16 SwiGLU intermediate, "
+            f"which alpha={alpha}, limit={limit} do not bound; prepare them with "
+            f"f16_intermediate=False"
+        )
+    # Post-scaling needs raw shift-decoded halves in both GEMMs.
+    post_scalable = prepared["w13_decode"] == "bf16" and f16_intermediate
+    config = pick_config(M * top_k, post_scalable)
+    routing, ready, x_exp, x_in = _route(
+        x, prepared, top_k, config, router_logits, topk_weights, topk_ids
+    )
+    H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
+    Ip = prepared["padded_intermediate_size"]
+    rows = routing[4] * config.block_t  # the tile-count bound
+    if f16_intermediate:
+        act = torch.empty(rows, Ip, dtype=torch.float16, device=x.device)
+    else:
+        act = torch.empty(rows, 2 * Ip, dtype=torch.bfloat16, device=x.device)
+    common = dict(config=config, ready=ready)
+    w13 = (prepared["w13"], prepared["w13_scale"], prepared["w13_bias"])
+    fragment_gemm(
+        x_in,
+        *w13,
+        act,
+        routing,
+        gemm1=True,
+        decode=prepared["w13_decode"],
+        k_valid=H,
+        n_valid=2 * I,
+        x_exp=x_exp,
+        alpha=alpha,
+        limit=limit,
+        **common,
+    )
+    splits = gemm2_splits(config.gemm2_split_k, Ip)
+    y = torch.empty(M * top_k * splits, H, dtype=torch.float32, device=x.device)
+    w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
+    # GEMM1 wrote channels up to I only (k_valid); the rest are zero-filled. ready_target:
+    # GEMM1's CTAs per tile.
+    fragment_gemm(
+        act,
+        *w2,
+        y,
+        routing,
+        gemm1=False,
+        decode=prepared["w2_decode"],
+        k_valid=I,
+        n_valid=H,
+        split_k=splits,
+        ready_target=-(-2 * I // config.block_w),
+        **common,
+    )
+    # A token's rows: its top_k pairs, each in `splits` consecutive partial rows.
+    combine(y, out, top_k=top_k * splits, pdl=config.pdl)
+    return out
+
+
+def _route(x, prepared, top_k, config, *routing_inputs):
+    """Routing for the fragment GEMMs: (routing, ready, x exponents, GEMM1's x). With
+    config.post_scale the router also writes x's rows scaled up by powers of two (GEMM1's x)
+    and their exponents; with config.tile_ready it zeroes the per-tile counters `ready` that
+    GEMM2 waits on (programmatic dependent launch: each kernel after the router starts its
+    CTAs while the previous one finishes)."""
+    M = x.shape[0]
+    prescale = None
+    if config.post_scale:
+        prescale = (x, torch.empty_like(x), torch.empty(M, dtype=torch.int32, device=x.device))
+    ready = None
+    if config.tile_ready:
+        bound = max_tiles(M * top_k, prepared["num_experts"], config.block_t)
+        ready = torch.empty(bound, dtype=torch.int32, device=x.device)
+    routing = route_for_gemms(
+        prepared,
+        top_k,
+        config.block_t,
+        routing_inputs,
+        launch_dependents=config.pdl,
+        ready=ready,
+        prescale=prescale,
+    )
+    if prescale is None:
+        return routing, ready, None, x
+    return routing, ready, prescale[2], prescale[1]
+
+
+class TritonMoESm90:
+    """The registered "moe_apply" kernel object for Hopper: MXFP4 words in fragment order,
+    decoded in registers into wgmma's A operand; bf16 activations."""
+
+    name = KERNEL_NAME
+    weight_layout = WEIGHT_LAYOUT
+
+    def padded_sizes(self, config) -> tuple[int, int]:
+        return padded_sizes(config.hidden_size, config.intermediate_size)
+
+    def prepare_weights(self, plan, weights):
+        return prepare_moe_weights(KERNEL_NAME, plan, weights, word_order="fragment")
+
+    def apply(
+        self, plan, x, prepared, *, router_logits=None, topk_weights=None, topk_ids=None, out
+    ) -> None:
+        config = plan.config
+        routing = dict(router_logits=router_logits, topk_weights=topk_weights, topk_ids=topk_ids)
+        activation = dict(alpha=config.activation.alpha, limit=config.activation.limit)
+        moe_forward_sm90(x, prepared.tensors, top_k=config.top_k, out=out, **routing, **activation)
+
+
+def supports(request, platform) -> Support:
+    if request.hidden_size % 16:
+        return Support.no(
+            f"copies x rows in 16-byte cp.async vectors: hidden_size {request.hidden_size} is "
+            "not a multiple of 16"
+        )
+    return Support.yes()
+
+
+# GPT-OSS-120B's H = I = 2880, top-4, 8 experts (no config depends on the count). M = 1, 4 and
+# 16 take the decode tiles (grid wait; tile by tile), 4096 the prefill tile. The weight gain
+# moves the e8m0 scales (centre 127 + log2(gain) - 7 for w13, - log2(gain) for w2), which picks
+# each weight's decode: gain 1 shift-decodes w13 to bf16 and w2 to fp16 (fp16 intermediate,
+# post-scaled decode tiles); 2^17 puts w13's bytes above bf16's shift range (prmt) and w2's
+# below fp16's (bf16 hi + lo intermediate); 2^-10 puts w2's above bf16's (prmt).
+_GPT_OSS = dict(num_experts=8, top_k=4, hidden_size=2880, intermediate_size=2880)
+AOT_CASES = (
+    dict(_GPT_OSS, num_tokens=1),
+    dict(_GPT_OSS, num_tokens=4),
+    dict(_GPT_OSS, num_tokens=16),
+    dict(_GPT_OSS, num_tokens=4096),
+    dict(_GPT_OSS, num_tokens=4096, gain=2.0**17),
+    dict(_GPT_OSS, num_tokens=4096, gain=2.0**-10),
+)
+
+
+def register() -> None:
+    register_kernel(
+        "moe_apply",
+        name=KERNEL_NAME,
+        backend="triton",
+        platforms=["nvidia:sm_90"],
+        traits={
+            "weight_format": {"mxfp4"},
+            "activation_format": {"bf16"},
+            "routing": {"topk_softmax"},
+            "bias": True,
+        },
+        priority=110,
+        supports=supports,
+        description="Gluon wgmma grouped GEMMs, MXFP4 words decoded straight into register "
+        "fragments (no shared-memory pass), fused bias+SwiGLU",
+        aot_cases=AOT_CASES,
+    )(TritonMoESm90())
