@@ -8,24 +8,17 @@ import contextlib
 import functools
 from collections.abc import Iterator
 
-from tokenspeed_kernel.registry import KernelSpec
+from tokenspeed_kernel.registry import KernelSpec, get_kernel
 from tokenspeed_kernel.testing import temporary_kernel
-from tokenspeed_kernel_amd.attention.registration import attention_kernels
-
-
-def real_kernel(op: str) -> dict:
-    return next(k for k in attention_kernels() if k["op"] == op)
 
 
 @contextlib.contextmanager
 def nvidia_instantiation(op: str, **launcher_kwargs) -> Iterator[KernelSpec]:
     """The kernel's shared body built with NVIDIA layouts (mma_v2, plain/cp.async loads), as a
     temporary kernel for `assert_conformance` on an NVIDIA GPU."""
-    kernel = real_kernel(op)
-    fn = functools.partial(kernel["fn"], arch="nvidia", **launcher_kwargs)
+    kernel = get_kernel(op, f"amd.{op}")
+    fn = functools.partial(kernel.fn, arch="nvidia", **launcher_kwargs)
     suffix = "".join(f".{k}{v}" for k, v in sorted(launcher_kwargs.items()))
-    name = kernel["name"].replace("amd.", "amdtest.", 1) + ".nvidia" + suffix
-    with temporary_kernel(
-        op, name, fn, traits=kernel["traits"], platforms=("nvidia:sm_80+",)
-    ) as spec:
+    name = kernel.name.replace("amd.", "amdtest.", 1) + ".nvidia" + suffix
+    with temporary_kernel(op, name, fn, traits=kernel.traits, platforms=("nvidia:sm_80+",)) as spec:
         yield spec

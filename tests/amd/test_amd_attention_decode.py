@@ -5,10 +5,16 @@ checks of its launcher that need no GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from amd_attention_helpers import nvidia_instantiation
 
+from tokenspeed_kernel.platform import KNOWN_PLATFORMS
 from tokenspeed_kernel.testing import assert_conformance, conformance_cases
+from tokenspeed_kernel.tuning import pin_config
+from tokenspeed_kernel_amd.attention._common import ARCH_CODES, CODE_NVIDIA
+from tokenspeed_kernel_amd.attention.decode import KERNEL_NAME, decode_config, num_splits
 
 OP = "mha_decode_with_kvcache"
 CASES = conformance_cases(OP, preset="gpt-oss-120b")
@@ -41,16 +47,15 @@ SPLIT_CASES = [
 def test_forced_splits_count_the_sink_once(case, splits):
     """Whatever the split count, the reduce adds each sink exactly once (a sink counted per
     split would shrink the output by up to the split count)."""
-    with nvidia_instantiation(OP, splits=splits) as spec:
+    forced = dataclasses.replace(decode_config(CODE_NVIDIA, 64), num_splits=splits)
+    with pin_config(KERNEL_NAME, forced), nvidia_instantiation(OP) as spec:
         assert_conformance(spec, case)
 
 
 def test_split_count_follows_work_and_cu_count():
-    from tokenspeed_kernel_amd.attention._common import CODE_GFX942, CODE_GFX950
-    from tokenspeed_kernel_amd.attention.decode import _configs, num_splits
-
-    for code, cus in ((CODE_GFX942, 304), (CODE_GFX950, 256)):
-        cfg = _configs(code, 64)
+    for platform in (KNOWN_PLATFORMS["mi300x"], KNOWN_PLATFORMS["mi355x"]):
+        cus = platform.sm_count
+        cfg = decode_config(ARCH_CODES[platform.arch], 64)
         # One sequence x 8 KV-head groups, a long context: split until every CU has work.
         one = num_splits(cfg, 8, 1 << 20, cus)
         assert one == min(-(-cus * cfg.programs_per_cu // 8), cfg.max_splits)

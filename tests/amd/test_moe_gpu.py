@@ -9,13 +9,19 @@ from tokenspeed_kernel.registry import KernelSpec
 from tokenspeed_kernel.testing import assert_conformance, conformance_cases
 from tokenspeed_kernel.testing.cases import moe_case
 from tokenspeed_kernel.testing.inputs import MoEShape
-from tokenspeed_kernel_amd.moe.registration import TRAITS, make_kernel
+from tokenspeed_kernel_amd.moe.mxfp4_moe import KERNEL_NAME, TRAITS, AmdMxfp4MoE
 
 pytestmark = pytest.mark.gpu
 
 # The registered spec says gfx942/gfx950; this one differs only in the platform it accepts.
 NVIDIA_SPEC = KernelSpec(
-    "moe", "amd.moe", "amd", make_kernel(), (PlatformSpec.parse("nvidia:sm_80+"),), TRAITS, 200
+    "moe_apply",
+    KERNEL_NAME,
+    "amd",
+    AmdMxfp4MoE(),
+    (PlatformSpec.parse("nvidia:sm_80+"),),
+    TRAITS,
+    200,
 )
 
 G = dict(num_experts=128, top_k=4, hidden_size=2880, intermediate_size=2880)
@@ -36,7 +42,7 @@ EXTRA = [
     moe_case("gpt-oss-bf16-m4-ties", MoEShape(4, **G, routing="ties")),
     moe_case("gpt-oss-bf16-m300", MoEShape(300, **G)),
 ]
-CASES = conformance_cases("moe", preset="gpt-oss-120b") + EXTRA
+CASES = conformance_cases("moe_apply", preset="gpt-oss-120b") + EXTRA
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -1,11 +1,8 @@
 """CPU checks of the AMD MoE host side: registration and traits on faked gfx942/gfx950, weight
 preparation against tokenspeed_kernel.formats.mxfp4, routing and grouping helpers, and the
-vendor-only import (no tokenspeed_kernel needed by the kernel modules)."""
+pinned grouped config reaching the launch."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,11 +11,18 @@ from tokenspeed_kernel.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from tokenspeed_kernel.ops.moe import MoEConfig, MoEWeights, moe_plan, moe_prepare_weights
 from tokenspeed_kernel.ops.moe.api import request_for
 from tokenspeed_kernel.ops.moe.reference import topk_softmax as reference_topk
-from tokenspeed_kernel.platform import fake_platform
+from tokenspeed_kernel.platform import KNOWN_PLATFORMS, fake_platform
 from tokenspeed_kernel.registry import get_kernel
 from tokenspeed_kernel.selector import select
+from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_amd.moe._common import group_by_expert, topk_softmax
-from tokenspeed_kernel_amd.moe.mxfp4_moe import grouped_config, tiny_config
+from tokenspeed_kernel_amd.moe.mxfp4_moe import (
+    GROUPED_PIN,
+    GroupedConfig,
+    grouped_config,
+    run_grouped,
+    tiny_config,
+)
 
 
 def _weights(config: MoEConfig, seed: int = 0) -> MoEWeights:
@@ -37,15 +41,15 @@ def _weights(config: MoEConfig, seed: int = 0) -> MoEWeights:
 def test_selected_on_cdna_for_mxfp4(platform, activation):
     config = MoEConfig(128, 4, 2880, 2880, "mxfp4", activation)
     with fake_platform(platform) as p:
-        assert select("moe", request_for(config, 8192), p).name == "amd.moe"
+        assert select("moe_apply", request_for(config, 8192), p).name == "amd.moe_apply"
         plan = moe_plan(config, device="cpu")
-    assert plan.kernel == "amd.moe"
+    assert plan.kernel == "amd.moe_apply"
     assert (plan.padded_hidden_size, plan.padded_intermediate_size) == (2944, 2944)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 def test_declines_other_weight_formats(fmt):
-    spec = get_kernel("moe", "amd.moe")
+    spec = get_kernel("moe_apply", "amd.moe_apply")
     with fake_platform("mi355x") as p:
         verdict = spec.supports(request_for(MoEConfig(8, 2, 128, 128, fmt), 64), p)
     assert not verdict.ok and "weight_format" in verdict.reason
@@ -53,14 +57,14 @@ def test_declines_other_weight_formats(fmt):
 
 @pytest.mark.parametrize("platform", ["h100", "cpu"])
 def test_declines_other_platforms(platform):
-    spec = get_kernel("moe", "amd.moe")
+    spec = get_kernel("moe_apply", "amd.moe_apply")
     with fake_platform(platform) as p:
         verdict = spec.supports(request_for(MoEConfig(8, 2, 128, 128), 64), p)
     assert not verdict.ok and "gfx942" in verdict.reason
 
 
 def test_traits_are_only_what_is_tested():
-    spec = get_kernel("moe", "amd.moe")
+    spec = get_kernel("moe_apply", "amd.moe_apply")
     assert spec.priority == 200 and spec.backend == "amd"
     assert dict(spec.traits) == {
         "weight_format": frozenset({"mxfp4"}),
@@ -127,26 +131,38 @@ def test_group_by_expert_covers_every_pair_once(block_m):
 
 
 def test_configs_follow_rows_per_expert_and_cu_count():
-    assert grouped_config("gfx942", 4 * 128, 128).block_m == 16
-    assert grouped_config("gfx950", 4 * 4096, 128).block_m == 64
-    assert (
-        tiny_config("gfx942", 4, 2944, 2944, 304).split
-        > tiny_config("gfx942", 16, 2944, 2944, 304).split
-    )
+    assert grouped_config(4 * 128, 128).block_m == 16
+    assert grouped_config(4 * 4096, 128).block_m == 64
+    cus = KNOWN_PLATFORMS["mi300x"].sm_count
+    assert tiny_config(4, 2944, 2944, cus).split > tiny_config(16, 2944, 2944, cus).split
 
 
-def test_kernel_modules_import_without_core():
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'tokenspeed_kernel':\n"
-        "            raise ImportError('core blocked')\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "import tokenspeed_kernel_amd.moe.mxfp4_moe as m\n"
-        "print(m.AmdMxfp4MoE('x').padded_sizes(type('C', (), dict(hidden_size=2880, "
-        "intermediate_size=2880))()))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "(2944, 2944)"
+def test_pinned_grouped_config_reaches_the_launch(monkeypatch):
+    """`tuning.pin_config(GROUPED_PIN, ...)` replaces the table's choice; the launches are
+    intercepted (Gluon kernels do not run on the CPU)."""
+    from tokenspeed_kernel_amd.moe import mxfp4_moe
+
+    launched = {}
+
+    class Capture:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.setdefault(self.name, kwargs)
+
+    monkeypatch.setattr(mxfp4_moe, "moe_gemm1_kernel", Capture("gemm1"))
+    monkeypatch.setattr(mxfp4_moe, "moe_gemm2_kernel", Capture("gemm2"))
+    config = MoEConfig(4, 2, 128, 128, "mxfp4", "bf16")
+    with fake_platform("mi300x"):
+        plan = moe_plan(config, device="cpu")
+    t = moe_prepare_weights(plan, _weights(config)).tensors
+    ids = torch.tensor([[0, 1]] * 8, dtype=torch.int32)
+    weights = torch.full((8, 2), 0.5)
+    x, out = torch.randn(8, 128).bfloat16(), torch.empty(8, 128, dtype=torch.bfloat16)
+    with pin_config(GROUPED_PIN, GroupedConfig(32, 64, 4)):
+        run_grouped("gfx942", config, t, x, weights, ids, out)
+    assert launched["gemm1"]["BLOCK_M"] == launched["gemm2"]["BLOCK_M"] == 32
+    launched.clear()
+    run_grouped("gfx942", config, t, x, weights, ids, out)
+    assert launched["gemm1"]["BLOCK_M"] == grouped_config(16, 4).block_m

@@ -1,15 +1,13 @@
-"""Entry point of the `tokenspeed_kernel.plugins` group: registers the AMD Gluon kernels.
-
-The only module of this package that imports tokenspeed_kernel (through the registration
-functions it calls).
-"""
+"""Entry point of the `tokenspeed_kernel.plugins` group: registers the AMD Gluon kernels."""
 
 from __future__ import annotations
 
+from .attention import decode, extend, prefill
+from .moe import mxfp4_moe
+
+KERNEL_MODULES = (prefill, extend, decode, mxfp4_moe)
+
 
 def register() -> None:
-    from .attention.registration import register_attention_kernels
-    from .moe.registration import register_moe_kernels
-
-    register_attention_kernels()
-    register_moe_kernels()
+    for module in KERNEL_MODULES:
+        module.register()

@@ -7,15 +7,13 @@ direct-to-LDS async copies; NVIDIA builds `mma_v2` layouts and plain/cp.async lo
 NVIDIA instantiation exists to check the shared body's numerics on the GPUs we have; the
 registered kernels serve gfx942/gfx950 only.
 
-This module imports torch and triton only (no tokenspeed_kernel): an engine can call the
-kernels directly.
+Host-side pieces (arch codes of a launch, offsets width, configs) are in `_launch.py`.
 """
 
 from __future__ import annotations
 
 import math
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.amd import cdna3, cdna4
@@ -25,18 +23,11 @@ CODE_NVIDIA = 0
 CODE_GFX942 = 3  # = AMDMFMALayout version for CDNA3
 CODE_GFX950 = 4  # = AMDMFMALayout version for CDNA4
 ARCH_CODES = {"nvidia": CODE_NVIDIA, "gfx942": CODE_GFX942, "gfx950": CODE_GFX950}
-# The same codes as constexprs, for the jit functions.
-ARCH_NVIDIA = gl.constexpr(CODE_NVIDIA)
-ARCH_GFX950 = gl.constexpr(CODE_GFX950)
-AMD_ARCHS = ("gfx942", "gfx950")
+ARCH_NVIDIA = gl.constexpr(CODE_NVIDIA)  # the same code as a constexpr, for the jit functions
 
-LOG2E = math.log2(math.e)
-# Buffer instructions take 32-bit byte offsets from a scalar base.
-BUFFER_LIMIT_BYTES = 1 << 31
-
-HEAD_DIMS = (64, 128)
-HALF_DTYPES = (torch.bfloat16, torch.float16)
-FP8_DTYPE = torch.float8_e4m3fn
+# The softmax runs in base 2: logits are scaled by log2(e), the lse converted back by ln(2).
+LOG2E = gl.constexpr(math.log2(math.e))
+LN2 = gl.constexpr(math.log(2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,11 +84,6 @@ def kv_smem_layout(arch, block_n, head_dim):
     if arch == CODE_NVIDIA:
         return gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
     return gl.PaddedSharedLayout.with_identity_for([[head_dim, 8]], [block_n, head_dim], [1, 0])
-
-
-@gluon.constexpr_function
-def vec_layout(arch, num_warps, block):
-    return gl.BlockedLayout([1], [warp_size(arch)], [num_warps], [0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +360,7 @@ def load_sinks(
     """Per-row sink logit in base 2; -inf (no sink) without sinks."""
     tok, g = row_coords(0, BLOCK_M, H_PACK, LAYOUT)
     if HAS_SINKS:
-        sink = gl.load(sinks_ptr + head0 + g).to(gl.float32) * 1.4426950408889634
+        sink = gl.load(sinks_ptr + head0 + g).to(gl.float32) * LOG2E
     else:
         sink = gl.full([BLOCK_M], float("-inf"), gl.float32, LAYOUT)
     return sink
@@ -409,72 +395,25 @@ def store_rows(
     value = gl.convert_layout(out, LD).to(out_ptr.dtype.element_ty)
     store(out_ptr, offs, value, gl.expand_dims(tok < n_rows, 1), BUFFER)
     if HAS_LSE:
-        lse = gl.convert_layout(lse2, gl.SliceLayout(1, LD)) * 0.6931471805599453
+        lse = gl.convert_layout(lse2, gl.SliceLayout(1, LD)) * LN2
         store(lse_ptr, tok * lse_stride_t + (head0 + g) * lse_stride_h, lse, tok < n_rows, BUFFER)
 
 
-# ---------------------------------------------------------------------------------------------
-# Host helpers (launchers)
-# ---------------------------------------------------------------------------------------------
-
-_device_info: dict[torch.device, tuple[str, int]] = {}
-
-
-def device_arch(device: torch.device) -> tuple[str, int]:
-    """("gfx942" | "gfx950" | "nvidia", compute units) of `device`, read once per device."""
-    info = _device_info.get(device)
-    if info is None:
-        props = torch.cuda.get_device_properties(device)
-        arch = props.gcnArchName.split(":")[0] if torch.version.hip else "nvidia"
-        info = _device_info[device] = (arch, props.multi_processor_count)
-    return info
-
-
-def resolve_arch(device: torch.device, arch: str | None) -> tuple[int, int]:
-    """(ARCH code, CU/SM count) for a launch; `arch` overrides the detected architecture."""
-    detected, units = device_arch(device)
-    name = detected if arch is None else arch
-    if name not in ARCH_CODES:
-        raise ValueError(f"arch is {name!r}, expected one of {', '.join(ARCH_CODES)}")
-    return ARCH_CODES[name], units
-
-
-def needs_wide_offsets(*tensors: torch.Tensor | None) -> bool:
-    """True when some tensor spans 2 GiB or more: 32-bit (buffer) offsets cannot reach it."""
-    for t in tensors:
-        if t is None:
-            continue
-        span = 1 + sum(
-            (size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)
-        )
-        if span * t.element_size() >= BUFFER_LIMIT_BYTES:
-            return True
-    return False
-
-
-def async_ok(arch_code: int, cache: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    """Direct-to-LDS copies move 16 bytes per lane: 16-bit rows, 16-byte aligned bases and
-    row strides. gfx942 has no such copy (it stages through registers)."""
-    if arch_code == CODE_GFX942 or cache.element_size() != 2:
-        return False
-    for t in (cache, *tensors):
-        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
-            return False
-    return True
-
-
-def direct_copies(
-    requested: bool | None, arch_code: int, cache: torch.Tensor, other: torch.Tensor, wide: bool
-) -> bool:
-    """Whether K/V go straight into LDS. None = wherever `async_ok` allows; False forces the
-    staging through registers (the gfx942 path, which tests check on NVIDIA this way)."""
-    allowed = async_ok(arch_code, cache, other) and not wide
-    return allowed if requested is None else bool(requested) and allowed
-
-
-def pow2_divisor(n: int, cap: int) -> int:
-    """Largest power of two dividing n, at most cap."""
-    p = 1
-    while n % (2 * p) == 0 and 2 * p <= cap:
-        p *= 2
-    return p
+@gluon.jit
+def finish_rows(
+    acc, m_i, l_i, sinks_ptr, out_ptr, lse_ptr, base, out_base_stride, lse_base_stride,
+    m_start, n_rows, head0, stride_t, stride_h, lse_stride_t, lse_stride_h,
+    ARCH: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, H_PACK: gl.constexpr,
+    NUM_WARPS: gl.constexpr, HAS_SINKS: gl.constexpr, HAS_LSE: gl.constexpr,
+    BUFFER: gl.constexpr, ROW_LAYOUT: gl.constexpr,
+):  # fmt: skip
+    """The single-pass epilogue: add the sink, normalize, store the rows (and their lse) at
+    `out_ptr + base * out_base_stride` (`lse_ptr + base * lse_base_stride`)."""
+    sink = load_sinks(sinks_ptr, head0, HAS_SINKS, BLOCK_M, H_PACK, ROW_LAYOUT)
+    acc, m_i, l_i = add_sink(acc, m_i, l_i, sink)
+    out, lse2 = normalize(acc, m_i, l_i)
+    store_rows(
+        out_ptr + base * out_base_stride, lse_ptr + base * lse_base_stride, out, lse2, m_start,
+        n_rows, head0, stride_t, stride_h, lse_stride_t, lse_stride_h, ARCH, BLOCK_M, HEAD_DIM,
+        H_PACK, NUM_WARPS, HAS_LSE, BUFFER,
+    )  # fmt: skip

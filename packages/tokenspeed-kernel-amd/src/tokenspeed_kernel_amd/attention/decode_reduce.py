@@ -9,6 +9,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ._common import load, rows_layout, store
+from ._launch import optional_operands
 
 
 @gluon.jit
@@ -76,10 +77,9 @@ def launch_reduce(o_part, lse_part, out, lse, sinks, arch_code: int, buffer: boo
     """o_part [B, Q, Hq, S, D] / lse_part [B, Q, Hq, S] float32 -> out [B, Q, Hq, D] (and lse
     [B, Q, Hq] when given)."""
     num_seqs, q_len, num_q_heads, splits, head_dim = o_part.shape
-    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
+    lse_arg, sinks_arg, lse_strides = optional_operands(out, lse, sinks, 3)
     _reduce_kernel[(num_seqs * q_len * num_q_heads,)](
-        o_part, lse_part, out, lse if lse is not None else out,
-        sinks if sinks is not None else out, *out.stride()[:3], *lse_strides,
+        o_part, lse_part, out, lse_arg, sinks_arg, *out.stride()[:3], *lse_strides,
         ARCH=arch_code, HEAD_DIM=head_dim, NUM_Q_HEADS=num_q_heads, Q_LEN=q_len,
         SPLITS=splits, BLOCK_S=max(2, 1 << math.ceil(math.log2(splits))), NUM_WARPS=1,
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None, BUFFER=buffer, num_warps=1,

@@ -1,1 +1,1 @@
-"""MoE kernels (Gluon) for CDNA3/CDNA4; importable without tokenspeed_kernel."""
+"""Gluon MoE kernels for CDNA3/CDNA4: tiny-batch GEMVs and grouped GEMMs over MXFP4 weights."""

@@ -6,8 +6,8 @@ layouts (MFMA on CDNA, `mma_v2` on NVIDIA, which is how the same source is teste
 buffer loads (CDNA: a scalar base plus 32-bit offsets, no 64-bit address math per element), and
 the gfx950 scaled MFMA, which consumes the very byte/scale tiles the dequantizing path decodes.
 
-Host-side helpers here (padding, routing, grouping pairs by expert) are plain torch so the kernel
-modules import and run without tokenspeed_kernel installed.
+Host-side helpers here (padding, routing, grouping pairs by expert) are plain torch ops that
+never read device values back to the host.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from triton.experimental.gluon.language.amd import cdna3, cdna4
 from triton.experimental.gluon.language.amd._layouts import AMDMFMALayout
 from triton.experimental.gluon.language.nvidia import ampere
 
-ARCHS = ("gfx942", "gfx950", "nvidia")
 FP8_MAX = 448.0
 # The reference's dynamic-scale floor (amax clamps here before dividing by 448).
 AMAX_FLOOR = 1e-12
@@ -34,20 +33,14 @@ def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def device_arch(device: torch.device) -> str:
-    """ "gfx942"/"gfx950" on ROCm, "nvidia" on CUDA (the test instantiation)."""
-    props = torch.cuda.get_device_properties(device)
-    name = getattr(props, "gcnArchName", "") or ""
-    if torch.version.hip is not None:
-        arch = name.split(":")[0]
-        if arch not in ("gfx942", "gfx950"):
-            raise RuntimeError(f"tokenspeed_kernel_amd.moe: {arch} is not gfx942 or gfx950")
-        return arch
-    return "nvidia"
-
-
-def cu_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+# Activation operand modes (A_MODE) of both kernels.
+A_BF16 = 0  # bf16 as stored
+A_QUANT = 1  # float (bf16 x / fp32 intermediate) quantized to fp8 on load with per-row scales
+A_FP8 = 2  # fp8 codes as stored (GEMM1 wrote them with the static scale)
+A_SPLIT = 3  # float32 intermediate of the bf16 path, multiplied as bf16 hi + lo
+# GEMM1 output modes (OUT_MODE).
+OUT_FP8 = 1  # static per-tensor scale: requantized in the epilogue
+OUT_F32 = 2  # bf16 path, and dynamic fp8 (the row amax is known only after every N tile)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,10 +93,27 @@ def gemm_layouts(arch: str, block_m: int, block_n: int, num_warps: int, scaled: 
     return GemmLayouts(mma, dot_a, dot_b, load_a, load_w, scale_b)
 
 
+def layout_constexprs(layouts: GemmLayouts) -> dict:
+    """The grouped kernels' layout constexprs."""
+    return dict(
+        MMA=layouts.mma,
+        DOT_A=layouts.dot_a,
+        DOT_B=layouts.dot_b,
+        LOAD_A=layouts.load_a,
+        LOAD_W=layouts.load_w,
+        SCALE_B=layouts.scale_b,
+    )
+
+
 def gemv_layout(arch: str, num_warps: int):
     """[BLOCK_N, K bytes] weight tile for the tiny-batch GEMVs: 16 bytes along K per thread."""
     tpw = warp_size(arch)
     return gl.BlockedLayout([1, 16], [tpw // 4, 4], [num_warps, 1], [1, 0])
+
+
+def route_layout(arch: str, num_warps: int):
+    """[E_BLOCK] router logits of one token, spread over every lane."""
+    return gl.BlockedLayout([1], [warp_size(arch)], [num_warps], [0])
 
 
 # ----------------------------------------------------------------------------------------------

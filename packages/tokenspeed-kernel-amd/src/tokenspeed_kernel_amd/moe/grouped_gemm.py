@@ -18,7 +18,6 @@ from triton.experimental.gluon.language.amd import cdna4
 from ._common import (
     dequant_mxfp4,
     fp8_round,
-    gemm_layouts,
     load_even,
     load_tile,
     mma,
@@ -27,17 +26,7 @@ from ._common import (
     swiglu,
 )
 
-# Activation operand modes (A_MODE).
-A_BF16 = 0  # bf16 as stored
-A_QUANT = 1  # float (bf16 x / fp32 intermediate) quantized to fp8 on load with per-row scales
-A_FP8 = 2  # fp8 codes as stored (GEMM1 wrote them with the static scale)
-A_SPLIT = 3  # float32 intermediate of the bf16 path, multiplied as bf16 hi + lo
-# GEMM1 output modes (OUT_MODE).
-OUT_BF16 = 0  # (kept for engines that accept a bf16-rounded intermediate)
-OUT_FP8 = 1  # static per-tensor scale: requantized in the epilogue
-OUT_F32 = 2  # bf16 path, and dynamic fp8 (the row amax is known only after every N tile)
-
-BLOCK_K = 128  # elements per K step = 64 packed bytes = 4 e8m0 scales
+# A_MODE and OUT_MODE values are `_common`'s A_* and OUT_* constants.
 
 
 @gluon.jit
@@ -95,29 +84,11 @@ def _dequant_mma(
 
 @gluon.jit
 def _mainloop(
-    a_ptr,
-    row_off,
-    row_mask,
-    row_scale,
-    K_VALID,
-    w0,
-    w1,
-    s0,
-    s1,
-    K_BYTES,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    TWO: gl.constexpr,
-    ARCH: gl.constexpr,
-    A_MODE: gl.constexpr,
-    SCALED: gl.constexpr,
-    MMA: gl.constexpr,
-    DOT_A: gl.constexpr,
-    DOT_B: gl.constexpr,
-    LOAD_A: gl.constexpr,
-    LOAD_W: gl.constexpr,
-    SCALE_B: gl.constexpr,
-):
+    a_ptr, row_off, row_mask, row_scale, K_VALID, w0, w1, s0, s1, K_BYTES, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, TWO: gl.constexpr, ARCH: gl.constexpr, A_MODE: gl.constexpr,
+    SCALED: gl.constexpr, MMA: gl.constexpr, DOT_A: gl.constexpr, DOT_B: gl.constexpr,
+    LOAD_A: gl.constexpr, LOAD_W: gl.constexpr, SCALE_B: gl.constexpr,
+):  # fmt: skip
     """acc_p[m, n] = sum_k A[m, k] W_p[n, k] over the whole K for weight planes p = 0 (and 1)."""
     BKB: gl.constexpr = 64
     S_ROW = K_BYTES // 16
@@ -144,16 +115,9 @@ def _mainloop(
         if SCALED:
             offs_k = gl.arange(0, 2 * BKB, layout=gl.SliceLayout(0, LOAD_A))
             a = _load_a(
-                a_ptr,
-                row_off,
-                row_mask,
-                row_scale,
-                2 * kb0 + offs_k,
-                K_VALID,
-                ARCH,
-                A_MODE,
+                a_ptr, row_off, row_mask, row_scale, 2 * kb0 + offs_k, K_VALID, ARCH, A_MODE,
                 gl.float8e4nv,
-            )
+            )  # fmt: skip
             a = gl.convert_layout(a, DOT_A)
             acc0 = cdna4.mfma_scaled(
                 a, None, "e4m3", gl.convert_layout(p0, DOT_B), c0, "e2m1", acc0
@@ -200,37 +164,13 @@ def _block_rows(
 
 @gluon.jit
 def moe_gemm1_kernel(
-    x_ptr,
-    x_scale_ptr,
-    w_ptr,
-    ws_ptr,
-    bias_ptr,
-    rows_ptr,
-    block_expert_ptr,
-    out_ptr,
-    out_scale_ptr,
-    stride_xm,
-    x_scale_stride,
-    H,
-    K_BYTES,
-    I_PAD,
-    TOP_K,
-    alpha,
-    limit,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    ARCH: gl.constexpr,
-    A_MODE: gl.constexpr,
-    OUT_MODE: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    SCALED: gl.constexpr,
-    MMA: gl.constexpr,
-    DOT_A: gl.constexpr,
-    DOT_B: gl.constexpr,
-    LOAD_A: gl.constexpr,
-    LOAD_W: gl.constexpr,
+    x_ptr, x_scale_ptr, w_ptr, ws_ptr, bias_ptr, rows_ptr, block_expert_ptr, out_ptr,
+    out_scale_ptr, stride_xm, x_scale_stride, H, K_BYTES, I_PAD, TOP_K, alpha, limit,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ARCH: gl.constexpr, A_MODE: gl.constexpr,
+    OUT_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, SCALED: gl.constexpr, MMA: gl.constexpr,
+    DOT_A: gl.constexpr, DOT_B: gl.constexpr, LOAD_A: gl.constexpr, LOAD_W: gl.constexpr,
     SCALE_B: gl.constexpr,
-):
+):  # fmt: skip
     """inter[r, n] = swiglu(x[tok] . W13[e, gate/up, n] + b13) for block rows r of expert e.
 
     w [E, 2, I_PAD, H_PAD/2] packed e2m1, ws [E, 2, I_PAD, H_PAD/32] e8m0, bias [E, 2, I_PAD].
@@ -240,42 +180,16 @@ def moe_gemm1_kernel(
         return
     n0 = gl.program_id(1) * BLOCK_N
     _, valid, a_off, a_scale = _block_rows(
-        rows_ptr,
-        x_scale_ptr,
-        x_scale_stride,
-        True,
-        TOP_K,
-        stride_xm,
-        BLOCK_M,
+        rows_ptr, x_scale_ptr, x_scale_stride, True, TOP_K, stride_xm, BLOCK_M,
         gl.SliceLayout(1, LOAD_A),
-    )
+    )  # fmt: skip
     plane = I_PAD * K_BYTES
     w0 = w_ptr + e.to(gl.int64) * (2 * plane) + n0 * K_BYTES
     s0 = ws_ptr + e.to(gl.int64) * (2 * plane // 16) + n0 * (K_BYTES // 16)
     gate, up = _mainloop(
-        x_ptr,
-        a_off,
-        valid,
-        a_scale,
-        H,
-        w0,
-        w0 + plane,
-        s0,
-        s0 + plane // 16,
-        K_BYTES,
-        BLOCK_M,
-        BLOCK_N,
-        True,
-        ARCH,
-        A_MODE,
-        SCALED,
-        MMA,
-        DOT_A,
-        DOT_B,
-        LOAD_A,
-        LOAD_W,
-        SCALE_B,
-    )
+        x_ptr, a_off, valid, a_scale, H, w0, w0 + plane, s0, s0 + plane // 16, K_BYTES, BLOCK_M,
+        BLOCK_N, True, ARCH, A_MODE, SCALED, MMA, DOT_A, DOT_B, LOAD_A, LOAD_W, SCALE_B,
+    )  # fmt: skip
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
     if A_MODE == 1:
         row_scale = gl.convert_layout(a_scale, gl.SliceLayout(1, MMA))[:, None]
@@ -291,39 +205,17 @@ def moe_gemm1_kernel(
     offs = offs_m[:, None] * I_PAD + offs_n[None, :]
     if OUT_MODE == 1:
         act = fp8_round(act, gl.load(out_scale_ptr))
-    elif OUT_MODE == 0:
-        act = act.to(gl.bfloat16)
     store_tile(out_ptr, offs, act, mask, ARCH)
 
 
 @gluon.jit
 def moe_gemm2_kernel(
-    a_ptr,
-    a_scale_ptr,
-    w_ptr,
-    ws_ptr,
-    bias_ptr,
-    rows_ptr,
-    block_expert_ptr,
-    topk_w_ptr,
-    y_ptr,
-    a_scale_stride,
-    K_BYTES,
-    H_PAD,
-    TOP_K,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    ARCH: gl.constexpr,
-    A_MODE: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    SCALED: gl.constexpr,
-    MMA: gl.constexpr,
-    DOT_A: gl.constexpr,
-    DOT_B: gl.constexpr,
-    LOAD_A: gl.constexpr,
-    LOAD_W: gl.constexpr,
-    SCALE_B: gl.constexpr,
-):
+    a_ptr, a_scale_ptr, w_ptr, ws_ptr, bias_ptr, rows_ptr, block_expert_ptr, topk_w_ptr, y_ptr,
+    a_scale_stride, K_BYTES, H_PAD, TOP_K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    ARCH: gl.constexpr, A_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, SCALED: gl.constexpr,
+    MMA: gl.constexpr, DOT_A: gl.constexpr, DOT_B: gl.constexpr, LOAD_A: gl.constexpr,
+    LOAD_W: gl.constexpr, SCALE_B: gl.constexpr,
+):  # fmt: skip
     """y[pair, n] = r_pair * (inter[r] . W2[e, n] + b2[e, n]) for block rows r of expert e.
 
     w [E, H_PAD, I_PAD/2], ws [E, H_PAD, I_PAD/32], bias [E, H_PAD], y [M*k, H_PAD] float32.
@@ -333,41 +225,15 @@ def moe_gemm2_kernel(
         return
     n0 = gl.program_id(1) * BLOCK_N
     pair, valid, a_off, a_scale = _block_rows(
-        rows_ptr,
-        a_scale_ptr,
-        a_scale_stride,
-        False,
-        TOP_K,
-        2 * K_BYTES,
-        BLOCK_M,
+        rows_ptr, a_scale_ptr, a_scale_stride, False, TOP_K, 2 * K_BYTES, BLOCK_M,
         gl.SliceLayout(1, LOAD_A),
-    )
+    )  # fmt: skip
     w0 = w_ptr + e.to(gl.int64) * (H_PAD * K_BYTES) + n0 * K_BYTES
     s0 = ws_ptr + e.to(gl.int64) * (H_PAD * K_BYTES // 16) + n0 * (K_BYTES // 16)
     acc, _ = _mainloop(
-        a_ptr,
-        a_off,
-        valid,
-        a_scale,
-        2 * K_BYTES,
-        w0,
-        w0,
-        s0,
-        s0,
-        K_BYTES,
-        BLOCK_M,
-        BLOCK_N,
-        False,
-        ARCH,
-        A_MODE,
-        SCALED,
-        MMA,
-        DOT_A,
-        DOT_B,
-        LOAD_A,
-        LOAD_W,
-        SCALE_B,
-    )
+        a_ptr, a_off, valid, a_scale, 2 * K_BYTES, w0, w0, s0, s0, K_BYTES, BLOCK_M, BLOCK_N,
+        False, ARCH, A_MODE, SCALED, MMA, DOT_A, DOT_B, LOAD_A, LOAD_W, SCALE_B,
+    )  # fmt: skip
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
     if A_MODE == 1 or A_MODE == 2:
         acc = acc * gl.convert_layout(a_scale, gl.SliceLayout(1, MMA))[:, None]
@@ -378,115 +244,3 @@ def moe_gemm2_kernel(
     r = gl.load(topk_w_ptr + pair, mask=mask, other=0.0)
     offs = gl.where(mask, pair, 0)[:, None] * H_PAD + offs_n[None, :]
     store_tile(y_ptr, offs, acc * r[:, None], mask[:, None], ARCH)
-
-
-# GPT-OSS MoE: H = I = 2880 padded to 2944; k = 4 of E = 128.
-AOT_H, AOT_PAD = 2880, 2944
-# (label, GEMM1 A_MODE, OUT_MODE, GEMM2 A_MODE, fp8): the three activation flavours.
-AOT_FLAVOURS = (
-    ("bf16", A_BF16, OUT_F32, A_SPLIT, False),
-    ("fp8_static", A_QUANT, OUT_FP8, A_FP8, True),
-    ("fp8_dynamic", A_QUANT, OUT_F32, A_QUANT, True),
-)
-
-
-def aot_specs(arch: str) -> list:
-    """GPT-OSS grouped GEMM1/GEMM2 for every activation flavour at M = 128 and 2048 tokens."""
-    from ..aot import AotSpec
-    from .mxfp4_moe import grouped_config
-
-    code = "nvidia" if arch.startswith("sm_") else arch
-    inter_type = {OUT_BF16: "*bf16", OUT_FP8: "*fp8e4nv", OUT_F32: "*fp32"}
-    specs = []
-    for tokens in (128, 2048):
-        cfg = grouped_config(code, tokens * 4, 128)
-        for label, a1, out_mode, a2, fp8 in AOT_FLAVOURS:
-            scaled = fp8 and code == "gfx950"
-            lay = gemm_layouts(code, cfg.block_m, cfg.block_n, cfg.num_warps, scaled)
-            layouts = dict(
-                MMA=lay.mma,
-                DOT_A=lay.dot_a,
-                DOT_B=lay.dot_b,
-                LOAD_A=lay.load_a,
-                LOAD_W=lay.load_w,
-                SCALE_B=lay.scale_b,
-            )
-            common = dict(
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                ARCH=code,
-                HAS_BIAS=True,
-                SCALED=scaled,
-                **layouts,
-            )
-            g1 = dict(
-                x_ptr="*bf16",
-                x_scale_ptr="*fp32",
-                w_ptr="*u8",
-                ws_ptr="*u8",
-                bias_ptr="*fp32",
-                rows_ptr="*i32",
-                block_expert_ptr="*i32",
-                out_ptr=inter_type[out_mode],
-                out_scale_ptr="*fp32",
-                stride_xm="i32",
-                x_scale_stride="i32",
-                H="i32",
-                K_BYTES="i32",
-                I_PAD="i32",
-                TOP_K="i32",
-                alpha="fp32",
-                limit="fp32",
-            )
-            g2 = dict(
-                a_ptr="*u8" if a2 == A_FP8 else inter_type[out_mode],
-                a_scale_ptr="*fp32",
-                w_ptr="*u8",
-                ws_ptr="*u8",
-                bias_ptr="*fp32",
-                rows_ptr="*i32",
-                block_expert_ptr="*i32",
-                topk_w_ptr="*fp32",
-                y_ptr="*fp32",
-                a_scale_stride="i32",
-                K_BYTES="i32",
-                H_PAD="i32",
-                TOP_K="i32",
-            )
-            expect = ("mfma", "buffer_load", "buffer_store") if code != "nvidia" else ()
-            tag = f"m{tokens}_{label}{'_scaled' if scaled else ''}"
-            specs.append(
-                AotSpec(
-                    f"moe_gemm1_{tag}",
-                    moe_gemm1_kernel,
-                    g1,
-                    dict(A_MODE=a1, OUT_MODE=out_mode, **common),
-                    cfg.num_warps,
-                    expect,
-                    divisible=(
-                        *[n for n, t in g1.items() if t.startswith("*")],
-                        "stride_xm",
-                        "H",
-                        "K_BYTES",
-                        "I_PAD",
-                    ),
-                    extra=dict(scaled=scaled),
-                )
-            )
-            specs.append(
-                AotSpec(
-                    f"moe_gemm2_{tag}",
-                    moe_gemm2_kernel,
-                    g2,
-                    dict(A_MODE=a2, **common),
-                    cfg.num_warps,
-                    expect,
-                    divisible=(
-                        *[n for n, t in g2.items() if t.startswith("*")],
-                        "K_BYTES",
-                        "H_PAD",
-                    ),
-                    extra=dict(scaled=scaled),
-                )
-            )
-    return specs

@@ -68,37 +68,12 @@ def _gemv_step(w, s, offs_n, kb, a_e, a_o, acc, K_BYTES, ARCH: gl.constexpr):
 
 @gluon.jit
 def tiny_gemm1_kernel(
-    x_ptr,
-    logits_ptr,
-    topk_w_ptr,
-    topk_ids_ptr,
-    x_scale_ptr,
-    w_ptr,
-    ws_ptr,
-    bias_ptr,
-    out_ptr,
-    out_scale_ptr,
-    stride_xm,
-    stride_lm,
-    x_scale_stride,
-    E,
-    H,
-    K_BYTES,
-    I_PAD,
-    alpha,
-    limit,
-    TOP_K: gl.constexpr,
-    E_BLOCK: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    BLOCK_KB: gl.constexpr,
-    ARCH: gl.constexpr,
-    ROUTE: gl.constexpr,
-    A_MODE: gl.constexpr,
-    OUT_MODE: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    LW: gl.constexpr,
-    LE: gl.constexpr,
-):
+    x_ptr, logits_ptr, topk_w_ptr, topk_ids_ptr, x_scale_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
+    out_scale_ptr, stride_xm, stride_lm, x_scale_stride, E, H, K_BYTES, I_PAD, alpha, limit,
+    TOP_K: gl.constexpr, E_BLOCK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KB: gl.constexpr,
+    ARCH: gl.constexpr, ROUTE: gl.constexpr, A_MODE: gl.constexpr, OUT_MODE: gl.constexpr,
+    HAS_BIAS: gl.constexpr, LW: gl.constexpr, LE: gl.constexpr,
+):  # fmt: skip
     """inter[pair, n] = swiglu(W13[e] x[tok] + b13[e]) for pair = tok * k + slot, n in a tile.
 
     ROUTE: the expert comes from the logits (and programs of tile 0 write topk ids/weights);
@@ -141,33 +116,16 @@ def tiny_gemm1_kernel(
     act = swiglu(gate, up, alpha, limit)
     if OUT_MODE == 1:
         act = fp8_round(act, gl.load(out_scale_ptr))
-    elif OUT_MODE == 0:
-        act = act.to(gl.bfloat16)
     store_tile(out_ptr, pair * I_PAD + n0 + offs_n, act, offs_n < BLOCK_N, ARCH)
 
 
 @gluon.jit
 def tiny_gemm2_kernel(
-    a_ptr,
-    a_scale_ptr,
-    topk_w_ptr,
-    topk_ids_ptr,
-    w_ptr,
-    ws_ptr,
-    bias_ptr,
-    partial_ptr,
-    a_scale_stride,
-    K_BYTES,
-    H_PAD,
-    SPLIT_KB,
-    NUM_PAIRS,
-    BLOCK_N: gl.constexpr,
-    BLOCK_KB: gl.constexpr,
-    ARCH: gl.constexpr,
-    A_MODE: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
+    a_ptr, a_scale_ptr, topk_w_ptr, topk_ids_ptr, w_ptr, ws_ptr, bias_ptr, partial_ptr,
+    a_scale_stride, K_BYTES, H_PAD, SPLIT_KB, NUM_PAIRS, BLOCK_N: gl.constexpr,
+    BLOCK_KB: gl.constexpr, ARCH: gl.constexpr, A_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
     LW: gl.constexpr,
-):
+):  # fmt: skip
     """partial[split, pair, n] = r * (W2[e, n, K slice] . inter[pair, K slice] (+ b2 on split
     0)); w [E, H_PAD, I_PAD/2], ws [E, H_PAD, I_PAD/32], bias [E, H_PAD]."""
     n0 = gl.program_id(0) * BLOCK_N
@@ -196,102 +154,3 @@ def tiny_gemm2_kernel(
         y = y + gl.where(split == 0, gl.load(bias_ptr + e * H_PAD + n0 + offs_n), 0.0)
     offs = (split * NUM_PAIRS + pair) * H_PAD + n0 + offs_n
     store_tile(partial_ptr, offs, y * r, offs_n < BLOCK_N, ARCH)
-
-
-def aot_specs(arch: str) -> list:
-    """GPT-OSS tiny-batch launches (E = 128, k = 4, H = I = 2880 padded to 2944), M = 1."""
-    from ..aot import AotSpec
-    from ._common import warp_size
-    from .grouped_gemm import A_BF16, A_FP8, A_QUANT, A_SPLIT, OUT_F32, OUT_FP8
-    from .mxfp4_moe import tiny_config
-
-    code = "nvidia" if arch.startswith("sm_") else arch
-    cus = {"gfx942": 304, "gfx950": 256}.get(code, 132)
-    cfg = tiny_config(code, 4, 2944, 2944, cus)
-    lw = gl.BlockedLayout([1, 16], [warp_size(code) // 4, 4], [cfg.num_warps, 1], [1, 0])
-    le = gl.BlockedLayout([1], [warp_size(code)], [cfg.num_warps], [0])
-    expect = ("buffer_load", "buffer_store") if code != "nvidia" else ()
-    flavours = (  # label, route, GEMM1 A_MODE, OUT_MODE, GEMM1 out type, GEMM2 A_MODE, A type
-        ("bf16_routed", True, A_BF16, OUT_F32, "*fp32", A_SPLIT, "*fp32"),
-        ("fp8_static_routed", True, A_QUANT, OUT_FP8, "*fp8e4nv", A_FP8, "*u8"),
-        ("fp8_dynamic_precomputed", False, A_QUANT, OUT_F32, "*fp32", A_QUANT, "*fp32"),
-    )
-    specs = []
-    for label, route, a1, out_mode, out_t, a2, a_t in flavours:
-        g1 = dict(
-            x_ptr="*bf16",
-            logits_ptr="*fp32",
-            topk_w_ptr="*fp32",
-            topk_ids_ptr="*i32",
-            x_scale_ptr="*fp32",
-            w_ptr="*u8",
-            ws_ptr="*u8",
-            bias_ptr="*fp32",
-            out_ptr=out_t,
-            out_scale_ptr="*fp32",
-            stride_xm="i32",
-            stride_lm="i32",
-            x_scale_stride="i32",
-            E="i32",
-            H="i32",
-            K_BYTES="i32",
-            I_PAD="i32",
-            alpha="fp32",
-            limit="fp32",
-        )
-        c1 = dict(
-            TOP_K=4,
-            E_BLOCK=128,
-            BLOCK_N=cfg.block_n1,
-            BLOCK_KB=cfg.block_kb,
-            ARCH=code,
-            ROUTE=route,
-            A_MODE=a1,
-            OUT_MODE=out_mode,
-            HAS_BIAS=True,
-            LW=lw,
-            LE=le,
-        )
-        g2 = dict(
-            a_ptr=a_t,
-            a_scale_ptr="*fp32",
-            topk_w_ptr="*fp32",
-            topk_ids_ptr="*i32",
-            w_ptr="*u8",
-            ws_ptr="*u8",
-            bias_ptr="*fp32",
-            partial_ptr="*fp32",
-            a_scale_stride="i32",
-            K_BYTES="i32",
-            H_PAD="i32",
-            SPLIT_KB="i32",
-            NUM_PAIRS="i32",
-        )
-        c2 = dict(
-            BLOCK_N=cfg.block_n2, BLOCK_KB=cfg.block_kb, ARCH=code, A_MODE=a2, HAS_BIAS=True, LW=lw
-        )
-        ptrs1 = [n for n, t in g1.items() if t.startswith("*")]
-        ptrs2 = [n for n, t in g2.items() if t.startswith("*")]
-        specs.append(
-            AotSpec(
-                f"tiny_gemm1_{label}",
-                tiny_gemm1_kernel,
-                g1,
-                c1,
-                cfg.num_warps,
-                expect,
-                divisible=(*ptrs1, "stride_xm", "H", "K_BYTES", "I_PAD"),
-            )
-        )
-        specs.append(
-            AotSpec(
-                f"tiny_gemm2_{label}",
-                tiny_gemm2_kernel,
-                g2,
-                c2,
-                cfg.num_warps,
-                expect,
-                divisible=(*ptrs2, "K_BYTES", "H_PAD", "SPLIT_KB"),
-            )
-        )
-    return specs
