@@ -37,27 +37,37 @@ def _pad_fp8(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return _pad(t.view(torch.uint8), shape).view(t.dtype)
 
 
-def prepare_moe_weights(kernel: str, plan, weights, *, word_order: str) -> PreparedMoEWeights:
-    """A MoE kernel object's prepare_weights: `weights` (MoEWeights, never written) laid out
-    for `plan`'s config in `word_order`, with the static FP8 input scales as floats."""
-    config = plan.config
-    tensors = prepare_weights(
-        config.weight_format,
-        config.hidden_size,
-        config.intermediate_size,
-        w13=weights.w13,
-        w2=weights.w2,
-        w13_scale=weights.w13_scale,
-        w2_scale=weights.w2_scale,
-        w13_bias=weights.w13_bias,
-        w2_bias=weights.w2_bias,
-        word_order=word_order,
-        f16_intermediate=swiglu_fits_f16(config.activation.alpha, config.activation.limit),
-    )
-    for name in ("w13_input_scale", "w2_input_scale"):
-        value = getattr(weights, name)
-        tensors[name] = None if value is None else float(value)
-    return PreparedMoEWeights(kernel=kernel, config=config, tensors=tensors)
+class PaddedMoEKernel:
+    """What both Triton MoE kernel objects share (core's MoEKernel protocol less `apply`):
+    H and I padded to PAD_MULTIPLE, weights prepared in the subclass's `word_order`, with the
+    static FP8 input scales as floats."""
+
+    name: str
+    weight_layout: str
+    word_order: str
+
+    def padded_sizes(self, config) -> tuple[int, int]:
+        return padded_sizes(config.hidden_size, config.intermediate_size)
+
+    def prepare_weights(self, plan, weights) -> PreparedMoEWeights:
+        config = plan.config
+        tensors = prepare_weights(
+            config.weight_format,
+            config.hidden_size,
+            config.intermediate_size,
+            w13=weights.w13,
+            w2=weights.w2,
+            w13_scale=weights.w13_scale,
+            w2_scale=weights.w2_scale,
+            w13_bias=weights.w13_bias,
+            w2_bias=weights.w2_bias,
+            word_order=self.word_order,
+            f16_intermediate=swiglu_fits_f16(config.activation.alpha, config.activation.limit),
+        )
+        for name in ("w13_input_scale", "w2_input_scale"):
+            value = getattr(weights, name)
+            tensors[name] = None if value is None else float(value)
+        return PreparedMoEWeights(kernel=self.name, config=config, tensors=tensors)
 
 
 def prepare_weights(
@@ -117,15 +127,10 @@ def prepare_weights(
     if word_order == "fragment" and w13_bias is not None:
         tensors["w13_bias"] = group_gate_up(tensors["w13_bias"])
     tensors["w2_bias"] = None if w2_bias is None else _pad(w2_bias.float(), (E, Hp))
-    tensors.update(
-        weight_format=weight_format,
-        hidden_size=H,
-        intermediate_size=I,
-        padded_hidden_size=Hp,
-        padded_intermediate_size=Ip,
-        num_experts=E,
-        word_order=word_order,
+    sizes = dict(
+        hidden_size=H, intermediate_size=I, padded_hidden_size=Hp, padded_intermediate_size=Ip
     )
+    tensors.update(sizes, weight_format=weight_format, num_experts=E, word_order=word_order)
     return tensors
 
 

@@ -14,10 +14,10 @@ from tokenspeed_kernel.platform import interpreting, platform_of
 from tokenspeed_kernel.registry import Support, register_kernel
 from tokenspeed_kernel.tuning import first_match, pinned_config
 
-from ._common import WEIGHT_FORMAT_CODES, has_ptx_decode, padded_sizes, route_for_gemms
+from ._common import WEIGHT_FORMAT_CODES, has_ptx_decode, route_for_gemms
 from .combine import combine
 from .grouped_gemm import grouped_gemm
-from .layout import prepare_moe_weights
+from .layout import PaddedMoEKernel
 from .quant import quantize_rows
 
 KERNEL_NAME = "triton.moe_apply"
@@ -134,18 +134,13 @@ def _swiglu_rows(x, rows: int, prepared: dict, fp8: bool, w2_input_scale) -> tor
     return torch.empty(rows, Ip, dtype=torch.float32, device=x.device)
 
 
-class TritonMoE:
+class TritonMoE(PaddedMoEKernel):
     """The registered "moe_apply" kernel object: padded checkpoint layout, grouped GEMMs with
     in-kernel MXFP4/FP8 dequantization, bf16 or FP8 activations."""
 
     name = KERNEL_NAME
     weight_layout = WEIGHT_LAYOUT
-
-    def padded_sizes(self, config) -> tuple[int, int]:
-        return padded_sizes(config.hidden_size, config.intermediate_size)
-
-    def prepare_weights(self, plan, weights):
-        return prepare_moe_weights(KERNEL_NAME, plan, weights, word_order="natural")
+    word_order = "natural"
 
     def apply(
         self, plan, x, prepared, *, router_logits=None, topk_weights=None, topk_ids=None, out

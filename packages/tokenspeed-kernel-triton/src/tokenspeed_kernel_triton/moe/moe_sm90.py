@@ -11,10 +11,10 @@ import torch
 from tokenspeed_kernel.registry import Support, register_kernel
 from tokenspeed_kernel.tuning import first_match, pinned_config
 
-from ._common import padded_sizes, route_for_gemms, swiglu_fits_f16
+from ._common import route_for_gemms, swiglu_fits_f16
 from .combine import combine
 from .fragment_config_sm90 import CONFIGS, FragmentConfig, gemm2_splits, scaled_fragments
-from .layout import prepare_moe_weights
+from .layout import PaddedMoEKernel
 from .routing import max_tiles
 from .wgmma_gemm_sm90 import fragment_gemm
 
@@ -141,18 +141,13 @@ def _route(x, prepared, top_k, config, *routing_inputs):
     return routing, ready, prescale[2], prescale[1]
 
 
-class TritonMoESm90:
+class TritonMoESm90(PaddedMoEKernel):
     """The registered "moe_apply" kernel object for Hopper: MXFP4 words in fragment order,
     decoded in registers into wgmma's A operand; bf16 activations."""
 
     name = KERNEL_NAME
     weight_layout = WEIGHT_LAYOUT
-
-    def padded_sizes(self, config) -> tuple[int, int]:
-        return padded_sizes(config.hidden_size, config.intermediate_size)
-
-    def prepare_weights(self, plan, weights):
-        return prepare_moe_weights(KERNEL_NAME, plan, weights, word_order="fragment")
+    word_order = "fragment"
 
     def apply(
         self, plan, x, prepared, *, router_logits=None, topk_weights=None, topk_ids=None, out

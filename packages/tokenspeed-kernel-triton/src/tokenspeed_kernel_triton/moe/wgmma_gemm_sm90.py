@@ -223,18 +223,10 @@ def _fragment_gemm_kernel(
     # instead of following it (a few registers; 64-token tiles would hold 32 per thread).
     PRELOAD: gl.constexpr = BLOCK_T <= 8
     epilogue_ptrs = (sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be)
-    epilogue_src = (epilogue_ptrs, expert, tile, pid_w, row_end)
+    epilogue = (epilogue_ptrs, expert, tile, pid_w, row_end)
     if PRELOAD:
         operands = epilogue_operands(
-            epilogue_src,
-            TOPK,
-            SWIGLU,
-            HAS_BIAS,
-            POST_SCALE,
-            SCALE_BIAS,
-            BLOCK_W,
-            BLOCK_T,
-            out_layout,
+            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, BLOCK_W, BLOCK_T, out_layout
         )
 
     # Iteration `it` copies step `it` into the ring and computes step it - (STAGES - 1). A
@@ -267,15 +259,7 @@ def _fragment_gemm_kernel(
     acc = token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T)
     if not PRELOAD:
         operands = epilogue_operands(
-            epilogue_src,
-            TOPK,
-            SWIGLU,
-            HAS_BIAS,
-            POST_SCALE,
-            SCALE_BIAS,
-            BLOCK_W,
-            BLOCK_T,
-            out_layout,
+            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, BLOCK_W, BLOCK_T, out_layout
         )
     # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
     rows, cols, col_ok, col_pair, bias, col_factor = operands
