@@ -190,37 +190,13 @@ def kv_row_offsets(
 
 @gluon.jit
 def attend(
-    q,
-    q_pos,
-    k_lo,
-    k_hi,
-    qk_scale,
-    window_left,
-    k_ptr,
-    v_ptr,
-    k_base,
-    v_base,
-    page_row_ptr,
-    ks_a,
-    ks_b,
-    vs_a,
-    vs_b,
-    k_smem,
-    v_smem,
-    ARCH: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    INSTR_M: gl.constexpr,
-    NUM_WARPS: gl.constexpr,
-    PAGED: gl.constexpr,
-    PAGE_SIZE: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    HAS_WINDOW: gl.constexpr,
-    BUFFER: gl.constexpr,
-    ASYNC: gl.constexpr,
-    WIDE: gl.constexpr,
-):
+    q, q_pos, k_lo, k_hi, qk_scale, window_left, k_ptr, v_ptr, k_base, v_base, page_row_ptr,
+    ks_a, ks_b, vs_a, vs_b, k_smem, v_smem,
+    ARCH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    INSTR_M: gl.constexpr, NUM_WARPS: gl.constexpr, PAGED: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+    BUFFER: gl.constexpr, ASYNC: gl.constexpr, WIDE: gl.constexpr,
+):  # fmt: skip
     """Online softmax of the query rows `q` (MMA operand A, [BLOCK_M, HEAD_DIM]; row r at
     position q_pos[r]) over keys k_lo .. k_hi-1, in base 2 (qk_scale includes log2(e)).
 
@@ -246,26 +222,10 @@ def attend(
         v_rows = kv_row_offsets(
             kpos, kpos < k_hi, v_base, page_row_ptr, vs_a, vs_b, PAGED, PAGE_SIZE, WIDE
         )
-        copy_to_smem(
-            k_smem,
-            k_ptr,
-            gl.expand_dims(k_rows, 1) + gl.expand_dims(offs_d, 0),
-            key_ok,
-            ARCH,
-            BUFFER,
-            ASYNC,
-            DTYPE,
-        )
-        copy_to_smem(
-            v_smem,
-            v_ptr,
-            gl.expand_dims(v_rows, 1) + gl.expand_dims(offs_d, 0),
-            key_ok,
-            ARCH,
-            BUFFER,
-            ASYNC,
-            DTYPE,
-        )
+        k_offs = gl.expand_dims(k_rows, 1) + gl.expand_dims(offs_d, 0)
+        copy_to_smem(k_smem, k_ptr, k_offs, key_ok, ARCH, BUFFER, ASYNC, DTYPE)
+        v_offs = gl.expand_dims(v_rows, 1) + gl.expand_dims(offs_d, 0)
+        copy_to_smem(v_smem, v_ptr, v_offs, key_ok, ARCH, BUFFER, ASYNC, DTYPE)
         wait_copies(ARCH, ASYNC)
         kt = k_smem.permute((1, 0)).load(operand_layout(ARCH, MMA, 1))
         s = mma(q, kt, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA), ARCH) * qk_scale

@@ -26,18 +26,14 @@ FP8_DTYPE = torch.float8_e4m3fn
 BUFFER_LIMIT_BYTES = 1 << 31
 
 
+# Features every attention kernel here supports; each adds its kv dtypes and op traits.
+_COMMON_TRAITS = dict(
+    dtype=HALF_DTYPES, head_dim=HEAD_DIMS, gqa_ratio=ANY, window=True, sinks=True, lse=True
+)
+
+
 def attention_traits(kv_dtypes: tuple, **extra) -> dict:
-    """Traits every attention kernel here declares, plus the op-specific `extra`."""
-    return dict(
-        dtype=HALF_DTYPES,
-        kv_dtype=kv_dtypes,
-        head_dim=HEAD_DIMS,
-        gqa_ratio=ANY,
-        window=True,
-        sinks=True,
-        lse=True,
-        **extra,
-    )
+    return {**_COMMON_TRAITS, "kv_dtype": kv_dtypes, **extra}
 
 
 def launch_arch(device: torch.device, arch: str | None) -> tuple[int, Platform]:

@@ -14,7 +14,13 @@ from triton.experimental.gluon import language as gl
 
 from tokenspeed_kernel.registry import ANY, register_kernel
 
-from ._common import attend, finish_rows, kv_smem_layout, load_q, mma_layout
+from ._common import (
+    attend,
+    finish_rows,
+    kv_smem_layout,
+    load_q,
+    mma_layout,
+)
 from ._launch import (
     FP8_DTYPE,
     HALF_DTYPES,

@@ -150,16 +150,8 @@ def prepare_tensors(config, w, h_pad: int, i_pad: int) -> dict:
     def static(scale):
         return None if scale is None else torch.tensor([float(scale)], device=dev)
 
-    return dict(
-        w13=w13,
-        w13_scale=w13s,
-        w13_bias=b13,
-        w2=w2,
-        w2_scale=w2s,
-        w2_bias=b2,
-        x_scale=static(w.w13_input_scale),
-        a_scale=static(w.w2_input_scale),
-    )
+    tensors = dict(w13=w13, w13_scale=w13s, w13_bias=b13, w2=w2, w2_scale=w2s, w2_bias=b2)
+    return dict(tensors, x_scale=static(w.w13_input_scale), a_scale=static(w.w2_input_scale))
 
 
 def _empty_scale(device):
