@@ -18,7 +18,8 @@ from tokenspeed_kernel.testing import (
 )
 from tokenspeed_kernel.tuning import pin_config, pinned_config
 from tokenspeed_kernel_triton.attention import extend, prefill
-from tokenspeed_kernel_triton.attention._common import AttentionConfig, choose_config
+from tokenspeed_kernel_triton.attention._common import HEAD_DIMS
+from tokenspeed_kernel_triton.attention._tiles import AttentionConfig, choose_config
 
 OPS = ("mha_prefill", "mha_extend_with_kvcache")
 ON_GPU = torch.cuda.is_available()
@@ -159,7 +160,7 @@ def test_pin_config_is_scoped():
     ],
     ids=lambda platform: platform.arch,
 )
-@pytest.mark.parametrize("head_dim", prefill.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_configs_tile_the_head_dim(platform, head_dim):
     for window in (False, True):
         config = choose_config(platform, head_dim, window)

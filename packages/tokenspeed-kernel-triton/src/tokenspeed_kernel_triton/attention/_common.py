@@ -1,6 +1,5 @@
-"""Pieces shared by the Triton attention kernels: the online-softmax block update, the key loop
-of the prefill/extend tiles, the final normalization (sinks, lse), the tile config with its
-heuristic, and what the kernels' registrations have in common.
+"""What every Triton attention kernel shares: the log2-domain constants, the dtypes, head dims
+and traits they support, and their registration (platforms, support verdicts).
 
 Scores live in the log2 domain (`qk_scale` = softmax_scale * log2(e)) so the exponentials are
 `exp2`, one MUFU instruction each; the lse is converted back to the natural log at the end.
@@ -9,393 +8,45 @@ Scores live in the log2 domain (`qk_scale` = softmax_scale * log2(e)) so the exp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
-from tokenspeed_kernel.platform import Platform, arch_number, interpreting, platform_of
-from tokenspeed_kernel.registry import Support
-from tokenspeed_kernel.tuning import pinned_config
+from tokenspeed_kernel.platform import arch_number, interpreting
+from tokenspeed_kernel.registry import ANY, Support, register_kernel
 
 # constexprs, so kernels read them too (`.value` on the host).
 LOG2E = tl.constexpr(math.log2(math.e))
 LN2 = tl.constexpr(math.log(2.0))
 
-
-@triton.jit
-def attn_block_update(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k,
-    v,
-    qk_scale,
-    rows,
-    cols,
-    seq_k,
-    window_left,
-    MASK: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-):
-    """One key block of online softmax.
-
-    q [BLOCK_M, D], k [D, BLOCK_N] (already transposed), v [BLOCK_N, D]; rows/cols are the
-    absolute positions of the queries and keys. MASK=False is the fast path for blocks every
-    query sees entirely (no compare/select, no -inf guard).
-    """
-    s = tl.dot(q, k)
-    if MASK:
-        visible = cols[None, :] < seq_k
-        if IS_CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None])
-        if HAS_WINDOW:
-            visible = visible & (cols[None, :] >= rows[:, None] - window_left)
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-    else:
-        # qk_scale > 0, so max(s) * scale == max(s * scale); the scale folds into one FMA.
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_use = m_new
-        p = tl.math.exp2(s * qk_scale - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_new
-
-
-@triton.jit
-def _contiguous_key_block(keys, n0, cols, seq_k, MASK: tl.constexpr):
-    """K^T [D, BLOCK_N] and V [BLOCK_N, D] of keys n0.. of one sequence stored token-major."""
-    k_base, v_base, stride_kt, stride_vt, offs_n, offs_d = keys
-    # 64-bit block base, 32-bit offsets inside the block: no overflow at any length.
-    n0_64 = tl.cast(n0, tl.int64)
-    k_ptrs = k_base + n0_64 * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None]
-    v_ptrs = v_base + n0_64 * stride_vt + offs_n[:, None] * stride_vt + offs_d[None, :]
-    if MASK:
-        # Keys past the sequence end belong to the next sequence (or lie past the tensor).
-        k = tl.load(k_ptrs, mask=cols[None, :] < seq_k, other=0.0)
-        v = tl.load(v_ptrs, mask=cols[:, None] < seq_k, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    return k, v
-
-
-@triton.jit
-def _paged_key_block(
-    keys, n0, cols, seq_k, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """K^T and V of keys n0.. gathered from a paged cache, token p at page p // P, slot p % P."""
-    (
-        K,
-        V,
-        page_row,
-        kv_head_k,
-        kv_head_v,
-        stride_kp,
-        stride_kt,
-        stride_vp,
-        stride_vt,
-        offs_n,
-        offs_d,
-    ) = keys
-    in_seq = cols < seq_k
-    if PAGE_SIZE % BLOCK_N == 0:
-        # Loop bounds are BLOCK_N-aligned, so the block lies in one page: one page-table
-        # read, and contiguous rows the compiler can see as such.
-        page = tl.load(page_row + n0 // PAGE_SIZE).to(tl.int64)
-        slot_in_page = n0 % PAGE_SIZE + offs_n
-    else:
-        if MASK:
-            page = tl.load(page_row + cols // PAGE_SIZE, mask=in_seq, other=0)
-        else:
-            page = tl.load(page_row + cols // PAGE_SIZE)
-        page = page.to(tl.int64)
-        slot_in_page = cols % PAGE_SIZE
-    k_rows = page * stride_kp + slot_in_page * stride_kt
-    v_rows = page * stride_vp + slot_in_page * stride_vt
-    k_ptrs = K + kv_head_k + k_rows[None, :] + offs_d[:, None]
-    v_ptrs = V + kv_head_v + v_rows[:, None] + offs_d[None, :]
-    if MASK:
-        k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    return k, v
-
-
-@triton.jit
-def _attend_key_range(
-    state,
-    q,
-    tile,
-    keys,
-    lo,
-    hi,
-    MASK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-):
-    """Online softmax over the key blocks [lo, hi). PAGE_SIZE 0: keys stored token-major
-    (`keys` as `_contiguous_key_block` takes them); else a paged cache (`_paged_key_block`).
-    An FP8 cache's blocks are converted to q's dtype in registers."""
-    acc, l_i, m_i = state
-    rows, seq_k, window_left, qk_scale, offs_n = tile
-    for n0 in range(lo, hi, BLOCK_N):
-        cols = n0 + offs_n
-        if PAGE_SIZE == 0:
-            k, v = _contiguous_key_block(keys, n0, cols, seq_k, MASK)
-        else:
-            k, v = _paged_key_block(keys, n0, cols, seq_k, MASK, PAGE_SIZE, BLOCK_N)
-        acc, l_i, m_i = attn_block_update(
-            acc, l_i, m_i, q, k.to(q.dtype), v.to(q.dtype), qk_scale, rows, cols, seq_k,
-            window_left, MASK, IS_CAUSAL, HAS_WINDOW,
-        )  # fmt: skip
-    return acc, l_i, m_i
-
-
-@triton.jit
-def attend_key_ranges(
-    q,
-    tile,
-    keys,
-    lo,
-    full_lo,
-    full_hi,
-    hi,
-    BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SPLIT_MASK: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-):
-    """(acc, l, m) of a query tile over its visible keys (bounds from `key_block_bounds`):
-    one masked loop, or masked edges around an unmasked middle (SPLIT_MASK)."""
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    state = (acc, l_i, m_i)
-    if not SPLIT_MASK:
-        state = _attend_key_range(
-            state, q, tile, keys, lo, hi, True, BLOCK_N, IS_CAUSAL, HAS_WINDOW, PAGE_SIZE
-        )
-    else:
-        if HAS_WINDOW:
-            state = _attend_key_range(
-                state, q, tile, keys, lo, full_lo, True, BLOCK_N, IS_CAUSAL, HAS_WINDOW, PAGE_SIZE
-            )
-        state = _attend_key_range(
-            state, q, tile, keys, full_lo, full_hi, False, BLOCK_N, IS_CAUSAL, HAS_WINDOW, PAGE_SIZE
-        )
-        state = _attend_key_range(
-            state, q, tile, keys, full_hi, hi, True, BLOCK_N, IS_CAUSAL, HAS_WINDOW, PAGE_SIZE
-        )
-    return state
-
-
-@triton.jit
-def attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS: tl.constexpr):
-    """Divide by the softmax denominator (plus each row's head's sink term, added once, here, in the
-    log2 domain against the running max). Returns (out [BLOCK_M, D] fp32, lse natural log)."""
-    if HAS_SINKS:
-        sink = tl.load(Sinks + heads).to(tl.float32) * LOG2E
-        m_fin = tl.maximum(m_i, sink)
-        alpha = tl.math.exp2(m_i - m_fin)
-        l_fin = l_i * alpha + tl.math.exp2(sink - m_fin)
-        acc = acc * (alpha / l_fin)[:, None]
-    else:
-        m_fin = m_i
-        l_fin = l_i
-        # l = 0 only for a query that sees nothing and has no sink: its output is zeros.
-        acc = acc / tl.where(l_fin == 0.0, 1.0, l_fin)[:, None]
-    lse = (m_fin + tl.math.log2(l_fin)) * LN2
-    return acc, lse
-
-
-@triton.jit
-def load_q_tile(Q, tile0, local, heads, row_ok, offs_d, stride_qt, stride_qh):
-    """The tile's query rows (local token, head); tile0 is its int64 first token."""
-    return tl.load(
-        Q + tile0 * stride_qt + (local * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-
-
-@triton.jit
-def store_rows(
-    Out, Lse, acc, lse, tile0, local, heads, row_ok, offs_d, strides, HAS_LSE: tl.constexpr
-):
-    """Write the valid rows of one tile (Out [T, H, D], Lse [T, H]); tile0 as in `load_q_tile`."""
-    stride_ot, stride_oh, stride_lt = strides
-    Out = Out + tile0 * stride_ot
-    Lse = Lse + tile0 * stride_lt
-    out_rows = local * stride_ot + heads * stride_oh
-    lse_rows = local * stride_lt + heads
-    tl.store(
-        Out + out_rows[:, None] + offs_d[None, :],
-        acc.to(Out.dtype.element_ty),
-        mask=row_ok[:, None],
-    )
-    if HAS_LSE:
-        tl.store(Lse + lse_rows, lse, mask=row_ok)
-
-
-@triton.jit
-def packed_rows(t0, head_base, BLOCK_M: tl.constexpr, HEADS_PER_TILE: tl.constexpr):
-    """Tile row r holds token t0 + r // HEADS_PER_TILE of query head head_base + r % H.
-
-    Packing the query heads that share a KV head into one tile (GQA packing) loads each K/V
-    block once for all of them and shrinks the token span of a tile, which is what a sliding
-    window or a causal diagonal wastes work on.
-    """
-    offs_r = tl.arange(0, BLOCK_M)
-    return t0 + offs_r // HEADS_PER_TILE, head_base + offs_r % HEADS_PER_TILE
-
-
-@triton.jit
-def key_block_bounds(
-    first_row,
-    last_row,
-    seq_k,
-    window_left,
-    BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-):
-    """Key ranges of a query block whose rows sit at positions first_row..last_row.
-
-    Returns (lo, full_lo, full_hi, hi): [lo, hi) holds every key some row can see (the window
-    and causality bound it, so blocks outside are never visited); [full_lo, full_hi) is the
-    block-aligned middle every row sees entirely, run without masks.
-    """
-    if IS_CAUSAL:
-        hi = tl.minimum(seq_k, tl.maximum(last_row + 1, 0))
-    else:
-        hi = seq_k
-    lo = 0
-    full_lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(first_row - window_left, 0) // BLOCK_N * BLOCK_N
-        # First key every row (down to the last one) still sees: last_row - window_left.
-        full_lo = tl.cdiv(tl.maximum(last_row - window_left, 0), BLOCK_N) * BLOCK_N
-        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    if IS_CAUSAL:
-        full_hi = tl.maximum(first_row + 1, 0) // BLOCK_N * BLOCK_N
-    else:
-        full_hi = hi
-    full_hi = tl.maximum(tl.minimum(full_hi, seq_k // BLOCK_N * BLOCK_N), full_lo)
-    return lo, full_lo, full_hi, hi
-
-
-# ----------------------------------------------------------------------------- host side
-
-
-@dataclass(frozen=True)
-class AttentionConfig:
-    """Tile shape and launch parameters of the prefill/extend kernels."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    # Query heads of one KV head packed into a tile (GQA packing); capped by the GQA ratio.
-    heads_per_tile: int = 1
-    # Split the key range into masked edges and an unmasked middle (three pipelined loops).
-    # Off, one masked loop: better when a tile visits only a few key blocks (sliding window),
-    # where each extra loop would restart the load pipeline.
-    split_mask: bool = True
-
-    def packing(self, group: int) -> int:
-        """Heads per tile for GQA ratio `group`: a power of two dividing it, leaving at least
-        one token per tile."""
-        heads = 1
-        while heads * 2 <= min(self.heads_per_tile, self.block_m) and group % (heads * 2) == 0:
-            heads *= 2
-        return heads
-
-
-def choose_config(platform: Platform, head_dim: int, window: bool) -> AttentionConfig:
-    """Tile config of the prefill and extend kernels; each branch names the hardware reason."""
-    if platform.vendor == "cpu":
-        # The interpreter runs every block op in numpy: small tiles keep CPU tests fast while
-        # short sequences still cross several blocks and pages (masked and unmasked paths run).
-        return AttentionConfig(32, 16, 1, 1, heads_per_tile=2)
-    if platform.vendor == "amd":
-        # CDNA: 64-wide wavefronts, 4 warps fill a CU's SIMDs; K/V (gathered rows too) go
-        # through LDS, 64 KB on gfx942 (160 KB on gfx950), so hd 128 drops to single-buffered
-        # K/V there.
-        stages = 1 if head_dim > 64 and platform.arch == "gfx942" else 2
-        return AttentionConfig(128, 64, 4, stages, heads_per_tile=8)
-    if platform.sm == 90:
-        # Hopper: GQA packing puts 8 heads x 16 tokens in a 128-row tile over 8 warps (two
-        # warpgroups, wgmma m64 each); K/V load once per 8 heads; 3 cp.async stages of 64-key
-        # blocks (paged rows cannot use TMA) measured best (H100 prefill: 411-435 TFLOP/s
-        # causal hd 64, vs 329-368 with 128-key blocks). A sliding window (memory-bound: each
-        # tile visits ~5 key blocks) wants short tiles (8 tokens x 8 heads) on 32-key blocks in
-        # one masked loop: little masked waste, one pipeline warm-up per tile.
-        if window:
-            return AttentionConfig(64, 32, 4, 3, heads_per_tile=8, split_mask=False)
-        return AttentionConfig(128, 64, 8, 3, heads_per_tile=8)
-    # Ampere/Ada (mma.sync) and newer parts: 4 warps x 32 rows; 2-3 cp.async stages fit
-    # 100-164 KB of shared memory.
-    return AttentionConfig(128, 64, 4, 3 if head_dim <= 64 else 2, heads_per_tile=8)
-
-
-def plan_tiles(kernel_name, q, num_kv_heads, num_seqs, max_seqlen_q, window_left, sinks, lse):
-    """(grid, num_m_blocks, constexprs and launch options) of a prefill/extend launch, from
-    the config pinned for `kernel_name` or the platform's heuristic."""
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    has_window = window_left >= 0
-    config = pinned_config(kernel_name) or choose_config(
-        platform_of(q.device), head_dim, has_window
-    )
-    group = num_q_heads // num_kv_heads
-    heads_per_tile = config.packing(group)
-    num_m_blocks = triton.cdiv(max_seqlen_q, config.block_m // heads_per_tile)
-    grid = (num_m_blocks, num_q_heads // heads_per_tile, num_seqs)
-    meta = dict(
-        GROUP=group,
-        HEADS_PER_TILE=heads_per_tile,
-        HEAD_DIM=head_dim,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        HAS_WINDOW=has_window,
-        HAS_SINKS=sinks is not None,
-        HAS_LSE=lse is not None,
-        SPLIT_MASK=config.split_mask,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    return grid, num_m_blocks, meta
-
-
-# ----------------------------------------------------------------------------- registration
-
 FP8 = torch.float8_e4m3fn
 HALF = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 128)
+# What the prefill, extend and decode kernels all support.
+ATTENTION_TRAITS = dict(
+    dtype=HALF, head_dim=HEAD_DIMS, gqa_ratio=ANY, window=True, sinks=True, lse=True
+)
+# What the GPT-OSS calls the AOT cases model carry: head dim 64, a sink per head, the lse.
+GPT_OSS_AOT_CASE = dict(head_dim=64, sinks=0.0, lse=True)
 
 
-def attention_platforms() -> list[str]:
-    """Where the attention kernels run; the CPU only through the Triton interpreter (tests,
-    debugging)."""
+def register_attention_kernel(launcher, name, traits, supports, description, aot_cases):
+    """Registers `launcher` as kernel `name` ("triton.<op>") on NVIDIA sm_80+ and CDNA3/4, and
+    on the CPU when Triton interprets (tests, debugging)."""
     platforms = ["nvidia:sm_80+", "amd:gfx942,gfx950"]
     if interpreting():
         platforms.append("cpu")
-    return platforms
+    register_kernel(
+        name.split(".")[1],
+        name=name,
+        backend="triton",
+        platforms=platforms,
+        traits=traits,
+        priority=100,
+        supports=supports,
+        description=description,
+        aot_cases=aot_cases,
+    )(launcher)
 
 
 def interpreter_dot_verdict(request, platform) -> Support:

@@ -24,15 +24,22 @@ import triton
 import triton.language as tl
 
 from tokenspeed_kernel.platform import platform_of
-from tokenspeed_kernel.registry import ANY, register_kernel
 from tokenspeed_kernel.tuning import pinned_config
 
-from ._common import FP8, HALF, LN2, LOG2E, attention_platforms, supports_dot_and_fp8
+from ._common import (
+    ATTENTION_TRAITS,
+    FP8,
+    GPT_OSS_AOT_CASE,
+    HALF,
+    LN2,
+    LOG2E,
+    register_attention_kernel,
+    supports_dot_and_fp8,
+)
 from .decode_config import plan_decode
 from .decode_reduce import decode_reduce
 
 KERNEL_NAME = "triton.mha_decode_with_kvcache"
-HEAD_DIMS = (64, 128)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_Q_LEN = 64
 
@@ -232,20 +239,9 @@ def _split_scratch(device: torch.device, rows: int, splits: int, head_dim: int):
 
 
 def mha_decode_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    *,
-    page_table,
-    cache_seqlens,
-    window_left,
-    sinks,
-    softmax_scale,
-    k_scale,
-    v_scale,
-    out,
-    lse,
-):
+    q, k_cache, v_cache, *, page_table, cache_seqlens, window_left, sinks, softmax_scale, k_scale,
+    v_scale, out, lse,
+):  # fmt: skip
     """Decode attention over a paged cache (normalized arguments of the public op).
 
     q [B, Q, Hq, D]; k_cache/v_cache [num_pages, P, Hkv, D] (bf16/fp16, or float8_e4m3fn with
@@ -304,14 +300,7 @@ def mha_decode_with_kvcache(
 # a window); one sequence of 960 keys splits 16 ways (and runs the reduce), of 192 keys over an
 # FP8 cache 4 ways, of 448 keys at hd 128 in pages of one token 8 ways.
 _AOT_CASE = dict(
-    seqlens=(64,) * 64,
-    q_lens=(1,),
-    num_q_heads=64,
-    num_kv_heads=8,
-    head_dim=64,
-    page_size=64,
-    sinks=0.0,
-    lse=True,
+    GPT_OSS_AOT_CASE, seqlens=(64,) * 64, q_lens=(1,), num_q_heads=64, num_kv_heads=8, page_size=64
 )
 _ONE_SEQUENCE = dict(_AOT_CASE, num_q_heads=16, num_kv_heads=2)
 AOT_CASES = (
@@ -324,25 +313,13 @@ AOT_CASES = (
 
 
 def register() -> None:
-    register_kernel(
-        "mha_decode_with_kvcache",
-        name=KERNEL_NAME,
-        backend="triton",
-        platforms=attention_platforms(),
-        traits=dict(
-            dtype=HALF,
-            kv_dtype=(*HALF, FP8),
-            head_dim=HEAD_DIMS,
-            gqa_ratio=ANY,
-            page_size=PAGE_SIZES,
-            q_len=range(1, MAX_Q_LEN + 1),
-            window=True,
-            sinks=True,
-            lse=True,
-        ),
-        priority=100,
-        supports=supports_dot_and_fp8,
-        description="split-KV paged decode; GQA heads x Q tokens share each K/V tile (tl.dot), "
-        "window-bounded splits, sink added once in the reduce, FP8 KV",
-        aot_cases=AOT_CASES,
-    )(mha_decode_with_kvcache)
+    traits = dict(
+        ATTENTION_TRAITS, kv_dtype=(*HALF, FP8), page_size=PAGE_SIZES, q_len=range(1, MAX_Q_LEN + 1)
+    )
+    description = (
+        "split-KV paged decode; GQA heads x Q tokens share each K/V tile (tl.dot), "
+        "window-bounded splits, sink added once in the reduce, FP8 KV"
+    )
+    register_attention_kernel(
+        mha_decode_with_kvcache, KERNEL_NAME, traits, supports_dot_and_fp8, description, AOT_CASES
+    )

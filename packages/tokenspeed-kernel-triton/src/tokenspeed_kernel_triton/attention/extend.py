@@ -13,72 +13,42 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tokenspeed_kernel.registry import ANY, register_kernel
+from tokenspeed_kernel.registry import ANY
 
 from ._common import (
+    ATTENTION_TRAITS,
     FP8,
+    GPT_OSS_AOT_CASE,
     HALF,
     LOG2E,
+    register_attention_kernel,
+    supports_dot_and_fp8,
+)
+from ._tiles import (
     attend_key_ranges,
-    attention_platforms,
     attn_finalize,
     key_block_bounds,
-    load_q_tile,
-    packed_rows,
     plan_tiles,
+    query_tile,
     store_rows,
-    supports_dot_and_fp8,
+    tile_program,
 )
 
 KERNEL_NAME = "triton.mha_extend_with_kvcache"
-HEAD_DIMS = (64, 128)
 
 
 @triton.jit
 def _extend_kernel(
-    Q,
-    K,
-    V,
-    Out,
-    Lse,
-    Sinks,
-    CuSeqlensQ,
-    PageTable,
-    CacheSeqlens,
-    qk_scale,
-    v_scale,
-    window_left,
-    num_m_blocks,
-    stride_qt,
-    stride_qh,
-    stride_kp,
-    stride_kt,
-    stride_kh,
-    stride_vp,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_lt,
-    stride_pt,
-    GROUP: tl.constexpr,
-    HEADS_PER_TILE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    HAS_LSE: tl.constexpr,
-    SPLIT_MASK: tl.constexpr,
-):
+    Q, K, V, Out, Lse, Sinks, CuSeqlensQ, PageTable, CacheSeqlens,
+    qk_scale, v_scale, window_left, num_m_blocks,
+    stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_lt, stride_pt,
+    GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, SPLIT_MASK: tl.constexpr,
+):  # fmt: skip
     TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
-    pid_m = tl.program_id(0)
-    head_base = tl.program_id(1) * HEADS_PER_TILE
-    seq = tl.program_id(2)
-    if not HAS_WINDOW:
-        # Later query blocks see more keys: launch them first for load balance.
-        pid_m = num_m_blocks - 1 - pid_m
+    pid_m, head_base, seq = tile_program(num_m_blocks, HEADS_PER_TILE, not HAS_WINDOW)
     q_start = tl.load(CuSeqlensQ + seq)
     n_q = tl.load(CuSeqlensQ + seq + 1) - q_start
     t0 = pid_m * TOKENS
@@ -87,38 +57,20 @@ def _extend_kernel(
     seq_k = tl.load(CacheSeqlens + seq)
     pos0 = seq_k - n_q  # absolute position of query row 0
     kv_head = head_base // GROUP
-    tok0 = q_start.to(tl.int64)
-    toks, heads = packed_rows(t0, head_base, BLOCK_M, HEADS_PER_TILE)
-    row_ok = toks < n_q
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    tile0 = tok0 + t0  # int64 first token of the tile; in-tile offsets stay 32-bit
-    local = toks - t0
-    q = load_q_tile(Q, tile0, local, heads, row_ok, offs_d, stride_qt, stride_qh)
+    q, _, tile0, local, toks, heads, row_ok, offs_n, offs_d = query_tile(
+        Q, q_start, t0, head_base, n_q, stride_qt, stride_qh, BLOCK_M, HEADS_PER_TILE, BLOCK_N,
+        HEAD_DIM,
+    )  # fmt: skip
     page_row = PageTable + seq.to(tl.int64) * stride_pt
 
     last_row = pos0 + tl.minimum(t0 + TOKENS, n_q) - 1
-    lo, full_lo, full_hi, hi = key_block_bounds(
-        pos0 + t0, last_row, seq_k, window_left, BLOCK_N, True, HAS_WINDOW
-    )
-    rows = pos0 + toks
+    bounds = key_block_bounds(pos0 + t0, last_row, seq_k, window_left, BLOCK_N, True, HAS_WINDOW)
+    tile = (pos0 + toks, seq_k, window_left, qk_scale, offs_n)
     kh_k = kv_head * stride_kh
     kh_v = kv_head * stride_vh
+    keys = (K, V, page_row, kh_k, kh_v, stride_kp, stride_kt, stride_vp, stride_vt, offs_n, offs_d)
     acc, l_i, m_i = attend_key_ranges(
-        q,
-        (rows, seq_k, window_left, qk_scale, offs_n),
-        (K, V, page_row, kh_k, kh_v, stride_kp, stride_kt, stride_vp, stride_vt, offs_n, offs_d),
-        lo,
-        full_lo,
-        full_hi,
-        hi,
-        BLOCK_M,
-        HEAD_DIM,
-        BLOCK_N,
-        True,
-        HAS_WINDOW,
-        SPLIT_MASK,
-        PAGE_SIZE,
+        q, tile, keys, bounds, BLOCK_M, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, SPLIT_MASK, PAGE_SIZE
     )
     acc, lse = attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS)
     # FP8 caches: p @ v_fp8 used unscaled values; v_scale is linear in the output.
@@ -132,14 +84,7 @@ def _extend_kernel(
 # GPT-OSS-like engines (GQA 8, hd 64, sinks, lse): 64-token pages with and without a window,
 # 16-token pages (a block spans several pages on AMD and pre-Hopper tiles), an FP8 cache.
 _AOT_CASE = dict(
-    seqlens=(256,),
-    q_lens=(64,),
-    num_q_heads=16,
-    num_kv_heads=2,
-    head_dim=64,
-    page_size=64,
-    sinks=0.0,
-    lse=True,
+    GPT_OSS_AOT_CASE, seqlens=(256,), q_lens=(64,), num_q_heads=16, num_kv_heads=2, page_size=64
 )
 AOT_CASES = (
     _AOT_CASE,
@@ -150,22 +95,9 @@ AOT_CASES = (
 
 
 def mha_extend_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    *,
-    cu_seqlens_q,
-    page_table,
-    cache_seqlens,
-    max_seqlen_q,
-    window_left,
-    sinks,
-    softmax_scale,
-    k_scale,
-    v_scale,
-    out,
-    lse,
-):
+    q, k_cache, v_cache, *, cu_seqlens_q, page_table, cache_seqlens, max_seqlen_q, window_left,
+    sinks, softmax_scale, k_scale, v_scale, out, lse,
+):  # fmt: skip
     """Writes `out` (and `lse` unless None) for the new tokens of each sequence.
 
     q [T, Hq, D] bf16/fp16; k_cache/v_cache [num_pages, P, Hkv, D] (q's dtype or
@@ -179,48 +111,18 @@ def mha_extend_with_kvcache(
         KERNEL_NAME, q, k_cache.shape[2], num_seqs, max_seqlen_q, window_left, sinks, lse
     )
     _extend_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        out if lse is None else lse,
-        q if sinks is None else sinks,
-        cu_seqlens_q,
-        page_table,
-        cache_seqlens,
-        softmax_scale * k_scale * LOG2E.value,
-        v_scale,
-        window_left,
-        num_m_blocks,
-        *q.stride()[:2],
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        *out.stride()[:2],
-        0 if lse is None else lse.stride(0),
-        page_table.stride(0),
-        PAGE_SIZE=k_cache.shape[1],
-        **meta,
-    )
+        q, k_cache, v_cache, out, out if lse is None else lse, q if sinks is None else sinks,
+        cu_seqlens_q, page_table, cache_seqlens,
+        softmax_scale * k_scale * LOG2E.value, v_scale, window_left, num_m_blocks,
+        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2],
+        0 if lse is None else lse.stride(0), page_table.stride(0),
+        PAGE_SIZE=k_cache.shape[1], **meta,
+    )  # fmt: skip
 
 
 def register() -> None:
-    register_kernel(
-        "mha_extend_with_kvcache",
-        name=KERNEL_NAME,
-        backend="triton",
-        platforms=attention_platforms(),
-        traits=dict(
-            dtype=HALF,
-            kv_dtype=(*HALF, FP8),
-            head_dim=HEAD_DIMS,
-            gqa_ratio=ANY,
-            page_size=ANY,
-            window=True,
-            sinks=True,
-            lse=True,
-        ),
-        priority=100,
-        supports=supports_dot_and_fp8,
-        description="paged chunked prefill; per-token page gather (any page size), FP8 KV",
-        aot_cases=AOT_CASES,
-    )(mha_extend_with_kvcache)
+    traits = dict(ATTENTION_TRAITS, kv_dtype=(*HALF, FP8), page_size=ANY)
+    description = "paged chunked prefill; per-token page gather (any page size), FP8 KV"
+    register_attention_kernel(
+        mha_extend_with_kvcache, KERNEL_NAME, traits, supports_dot_and_fp8, description, AOT_CASES
+    )

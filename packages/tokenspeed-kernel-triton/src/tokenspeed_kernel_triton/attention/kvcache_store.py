@@ -11,9 +11,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tokenspeed_kernel.registry import ANY, Support, register_kernel
+from tokenspeed_kernel.registry import ANY, Support
 
-from ._common import FP8, HALF, attention_platforms, fp8_verdict
+from ._common import (
+    FP8,
+    HALF,
+    fp8_verdict,
+    register_attention_kernel,
+)
 
 KERNEL_NAME = "triton.kvcache_store"
 # Elements of one program's [heads, D] tile per tensor: 4096 fp32 values over 4 warps is 32
@@ -151,14 +156,6 @@ AOT_CASES = (_AOT_CASE, dict(_AOT_CASE, kv_dtype=FP8))
 
 
 def register() -> None:
-    register_kernel(
-        "kvcache_store",
-        name=KERNEL_NAME,
-        backend="triton",
-        platforms=attention_platforms(),
-        traits=dict(dtype=HALF, kv_dtype=(*HALF, FP8), head_dim=ANY, page_size=ANY),
-        priority=100,
-        supports=supports,
-        description="paged K/V store; negative slots skipped; FP8 saturating RNE quantization",
-        aot_cases=AOT_CASES,
-    )(kvcache_store)
+    traits = dict(dtype=HALF, kv_dtype=(*HALF, FP8), head_dim=ANY, page_size=ANY)
+    description = "paged K/V store; negative slots skipped; FP8 saturating RNE quantization"
+    register_attention_kernel(kvcache_store, KERNEL_NAME, traits, supports, description, AOT_CASES)

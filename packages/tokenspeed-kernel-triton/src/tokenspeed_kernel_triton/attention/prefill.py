@@ -13,102 +13,58 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed_kernel.registry import ANY, register_kernel
-
 from ._common import (
+    ATTENTION_TRAITS,
+    GPT_OSS_AOT_CASE,
     HALF,
     LOG2E,
-    attend_key_ranges,
-    attention_platforms,
-    attn_finalize,
     interpreter_dot_verdict,
+    register_attention_kernel,
+)
+from ._tiles import (
+    attend_key_ranges,
+    attn_finalize,
     key_block_bounds,
-    load_q_tile,
-    packed_rows,
     plan_tiles,
+    query_tile,
     store_rows,
+    tile_program,
 )
 
 KERNEL_NAME = "triton.mha_prefill"
-HEAD_DIMS = (64, 128)
 
 
 @triton.jit
 def _prefill_kernel(
-    Q,
-    K,
-    V,
-    Out,
-    Lse,
-    Sinks,
-    CuSeqlens,
-    qk_scale,
-    window_left,
-    num_m_blocks,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
+    Q, K, V, Out, Lse, Sinks, CuSeqlens,
+    qk_scale, window_left, num_m_blocks,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lt,
-    GROUP: tl.constexpr,
-    HEADS_PER_TILE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    HAS_LSE: tl.constexpr,
-    SPLIT_MASK: tl.constexpr,
-):
+    GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, SPLIT_MASK: tl.constexpr,
+):  # fmt: skip
     TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
-    pid_m = tl.program_id(0)
-    head_base = tl.program_id(1) * HEADS_PER_TILE
-    seq = tl.program_id(2)
-    if IS_CAUSAL and not HAS_WINDOW:
-        # Causal work grows with the block index: launch the heaviest blocks first so the
-        # last wave is made of short ones (load balance across SMs).
-        pid_m = num_m_blocks - 1 - pid_m
+    pid_m, head_base, seq = tile_program(num_m_blocks, HEADS_PER_TILE, IS_CAUSAL and not HAS_WINDOW)
     start = tl.load(CuSeqlens + seq)
     seqlen = tl.load(CuSeqlens + seq + 1) - start
     t0 = pid_m * TOKENS
     if t0 >= seqlen:
         return
     kv_head = head_base // GROUP
-    tok0 = start.to(tl.int64)
-    rows, heads = packed_rows(t0, head_base, BLOCK_M, HEADS_PER_TILE)
-    row_ok = rows < seqlen
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    tile0 = tok0 + t0  # int64 first token of the tile; in-tile offsets stay 32-bit
-    local = rows - t0
-    q = load_q_tile(Q, tile0, local, heads, row_ok, offs_d, stride_qt, stride_qh)
+    q, tok0, tile0, local, rows, heads, row_ok, offs_n, offs_d = query_tile(
+        Q, start, t0, head_base, seqlen, stride_qt, stride_qh, BLOCK_M, HEADS_PER_TILE, BLOCK_N,
+        HEAD_DIM,
+    )  # fmt: skip
     k_base = K + tok0 * stride_kt + kv_head * stride_kh
     v_base = V + tok0 * stride_vt + kv_head * stride_vh
 
     last_row = tl.minimum(t0 + TOKENS, seqlen) - 1
-    lo, full_lo, full_hi, hi = key_block_bounds(
-        t0, last_row, seqlen, window_left, BLOCK_N, IS_CAUSAL, HAS_WINDOW
-    )
+    bounds = key_block_bounds(t0, last_row, seqlen, window_left, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    tile = (rows, seqlen, window_left, qk_scale, offs_n)
+    keys = (k_base, v_base, stride_kt, stride_vt, offs_n, offs_d)
     acc, l_i, m_i = attend_key_ranges(
-        q,
-        (rows, seqlen, window_left, qk_scale, offs_n),
-        (k_base, v_base, stride_kt, stride_vt, offs_n, offs_d),
-        lo,
-        full_lo,
-        full_hi,
-        hi,
-        BLOCK_M,
-        HEAD_DIM,
-        BLOCK_N,
-        IS_CAUSAL,
-        HAS_WINDOW,
-        SPLIT_MASK,
-        0,
+        q, tile, keys, bounds, BLOCK_M, HEAD_DIM, BLOCK_N, IS_CAUSAL, HAS_WINDOW, SPLIT_MASK, 0
     )
     acc, lse = attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS)
     strides = (stride_ot, stride_oh, stride_lt)
@@ -119,7 +75,7 @@ def _prefill_kernel(
 
 # GPT-OSS-like structure (GQA 8, sinks, lse): bf16 with and without a window and at hd 128, and
 # fp16 once (same code, other dtype). The tile config depends on none of the lengths.
-_AOT_CASE = dict(seqlens=(128,), num_q_heads=16, num_kv_heads=2, head_dim=64, sinks=0.0, lse=True)
+_AOT_CASE = dict(GPT_OSS_AOT_CASE, seqlens=(128,), num_q_heads=16, num_kv_heads=2)
 AOT_CASES = (
     _AOT_CASE,
     dict(_AOT_CASE, window_left=127),
@@ -144,44 +100,17 @@ def mha_prefill(
         KERNEL_NAME, q, k.shape[1], num_seqs, max_seqlen, window_left, sinks, lse
     )
     _prefill_kernel[grid](
-        q,
-        k,
-        v,
-        out,
-        out if lse is None else lse,
-        q if sinks is None else sinks,
-        cu_seqlens,
-        softmax_scale * LOG2E.value,
-        window_left,
-        num_m_blocks,
-        *q.stride()[:2],
-        *k.stride()[:2],
-        *v.stride()[:2],
-        *out.stride()[:2],
+        q, k, v, out, out if lse is None else lse, q if sinks is None else sinks, cu_seqlens,
+        softmax_scale * LOG2E.value, window_left, num_m_blocks,
+        *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
         0 if lse is None else lse.stride(0),
-        IS_CAUSAL=causal,
-        **meta,
-    )
+        IS_CAUSAL=causal, **meta,
+    )  # fmt: skip
 
 
 def register() -> None:
-    register_kernel(
-        "mha_prefill",
-        name=KERNEL_NAME,
-        backend="triton",
-        platforms=attention_platforms(),
-        traits=dict(
-            dtype=HALF,
-            kv_dtype=HALF,
-            head_dim=HEAD_DIMS,
-            gqa_ratio=ANY,
-            window=True,
-            sinks=True,
-            lse=True,
-            non_causal=True,
-        ),
-        priority=100,
-        supports=interpreter_dot_verdict,
-        description="ragged flash attention; window-bounded key loop, unmasked interior blocks",
-        aot_cases=AOT_CASES,
-    )(mha_prefill)
+    traits = dict(ATTENTION_TRAITS, kv_dtype=HALF, non_causal=True)
+    description = "ragged flash attention; window-bounded key loop, unmasked interior blocks"
+    register_attention_kernel(
+        mha_prefill, KERNEL_NAME, traits, interpreter_dot_verdict, description, AOT_CASES
+    )
