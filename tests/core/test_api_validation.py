@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import enum
+
+import numpy as np
 import pytest
 import torch
 
@@ -216,6 +219,91 @@ def test_extend_own_errors():
         tk.mha_extend_with_kvcache(*args, **kwargs)
 
 
+class Window(enum.IntEnum):
+    GPT_OSS = 127
+
+
+# Valid calls, the unusual spellings included: each must pass the checker (one definition of
+# validity, which also serves the decode path) and reach the kernel.
+VALID_PAGED = [
+    dict(),
+    dict(window_left=3, sinks=torch.randn(8, dtype=BF16), softmax_scale=0.2, return_lse=True),
+    dict(softmax_scale=np.float64(0.1)),
+    dict(softmax_scale=np.float32(0.1)),
+    dict(softmax_scale=1),
+    dict(window_left=Window.GPT_OSS),
+    dict(window_left=np.int64(5)),
+    dict(out=torch.empty(3, 8, 64, dtype=BF16)),
+    dict(cache_dtype=FP8, k_scale=np.float64(0.5), v_scale=np.float32(2.0)),
+    dict(cache_dtype=FP8, k_scale=2, out=torch.empty(3, 8, 64, dtype=FP16)),
+    dict(q_shape=(3, 2, 8, 64)),
+]
+
+
+@pytest.mark.parametrize("over", VALID_PAGED)
+def test_valid_paged_calls_pass(over):
+    args, kwargs = paged_args(**over)
+    out = tk.mha_decode_with_kvcache(*args, **kwargs)
+    assert (out[0] if isinstance(out, tuple) else out).shape == args[0].shape
+    if len(args[0].shape) == 3:
+        kwargs.update(cu_seqlens_q=torch.tensor([0, 1, 2, 3], dtype=I32), max_seqlen_q=1)
+        tk.mha_extend_with_kvcache(*args, **kwargs)
+
+
+def test_options_reach_the_kernel_as_plain_python_numbers():
+    seen = {}
+
+    def spy(q, k_cache, v_cache, **kwargs):
+        seen.update(kwargs)
+
+    tk.register_kernel(
+        "mha_decode_with_kvcache",
+        name="spy.decode_options",
+        backend="spy",
+        platforms=["cpu"],
+        priority=1000,
+        traits={t: tk.ANY for t in ("dtype", "kv_dtype", "head_dim", "gqa_ratio", "page_size")}
+        | {"q_len": tk.ANY, "window": True},
+    )(spy)
+    try:
+        args, kwargs = paged_args(
+            cache_dtype=FP8, window_left=np.int64(5), softmax_scale=np.float32(0.5), k_scale=2
+        )
+        tk.mha_decode_with_kvcache(*args, **kwargs)
+    finally:
+        tk.registry.unregister_kernel("spy.decode_options")
+    for name, value in (("window_left", 5), ("softmax_scale", 0.5), ("k_scale", 2.0)):
+        assert type(seen[name]) is type(value) and seen[name] == value, name
+
+
+def test_a_tensor_on_another_device_type_is_refused():
+    # The meta device has no index, like the CPU: comparing device indices alone would pass it.
+    args, kwargs = paged_args(page_table=torch.empty(3, 2, dtype=I32, device="meta"))
+    with pytest.raises(ValueError, match="page_table is on meta, expected cpu"):
+        tk.mha_decode_with_kvcache(*args, **kwargs)
+    args, kwargs = store_args(v=torch.empty(3, 2, 64, dtype=BF16, device="meta"))
+    with pytest.raises(ValueError, match="v is on meta, expected cpu"):
+        tk.kvcache_store(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "over, exc, match",
+    [
+        (dict(softmax_scale=np.bool_(True)), TypeError, "softmax_scale is bool, expected a float"),
+        (dict(window_left=1.0), TypeError, "window_left is float, expected int"),
+        (dict(window_left=np.int64(-2)), ValueError, "window_left is -2"),
+        (dict(q=[[1.0]]), TypeError, "q is list, expected a torch.Tensor"),
+        (dict(k_cache=None), TypeError, "k_cache is NoneType, expected a torch.Tensor"),
+        (dict(sinks=[0.0] * 8), TypeError, "sinks is list, expected a torch.Tensor"),
+        (dict(out=object()), TypeError, "out is object, expected a torch.Tensor"),
+    ],
+)
+def test_odd_arguments_get_named_errors_never_assertion_errors(over, exc, match):
+    args, kwargs = paged_args(**over)
+    with pytest.raises(exc, match="mha_decode_with_kvcache: " + match):
+        tk.mha_decode_with_kvcache(*args, **kwargs)
+
+
 def store_args(**over):
     cache = torch.zeros(4, 16, 2, 64, dtype=BF16)
     args = dict(
@@ -269,6 +357,13 @@ def test_kvcache_store_errors(over, exc, match):
     args, kwargs = store_args(**over)
     with pytest.raises(exc, match="kvcache_store: " + match):
         tk.kvcache_store(*args, **kwargs)
+
+
+def test_valid_store_calls_pass():
+    tk.kvcache_store(*store_args()[0], **store_args()[1])
+    fp8 = torch.zeros(4, 16, 2, 64, dtype=FP8)
+    args, kwargs = store_args(k_cache=fp8, v_cache=fp8.clone(), k_scale=np.float64(0.5), v_scale=1)
+    tk.kvcache_store(*args, **kwargs)
 
 
 def test_moe_config_errors():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +40,16 @@ def describe(name: str, value: Any) -> Any:
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
     return repr(value)
+
+
+def recording(op: str, kernel: str, fn: Callable, positional: Sequence[str]) -> Callable:
+    """`fn`, recording each call's arguments first (`positional` names its positional ones)."""
+
+    def call(*args, **kwargs):
+        record(op, kernel, {**dict(zip(positional, args, strict=True)), **kwargs})
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def record(op: str, kernel: str, args: dict[str, Any]) -> None:

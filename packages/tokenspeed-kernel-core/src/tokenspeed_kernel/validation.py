@@ -1,11 +1,15 @@
 """Input validation shared by the public operators.
 
-Every message names the op and the argument, what was expected and what was received.
-These run on every call, so they only touch tensor metadata (never values on the device).
+Every message names the op and the argument, what was expected and what was received. The
+`*_error` functions build those messages and are called only once a check has failed, so a
+checker on the decode path can test conditions inline and still raise the same errors as
+`check_tensor`. Checks only touch tensor metadata, never values on the device.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Collection, Sequence
 
 import torch
@@ -25,6 +29,53 @@ def describe_dtypes(dtypes: Collection[torch.dtype]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
+def type_error(op: str, name: str, value: object, expected: str) -> TypeError:
+    return TypeError(f"{op}: {name} is {type(value).__name__}, expected {expected}")
+
+
+def ndim_error(op: str, name: str, x: torch.Tensor, ndims: Collection[int]) -> ValueError:
+    want = " or ".join(f"{n}-D" for n in sorted(ndims))
+    return ValueError(f"{op}: {name} has shape {list(x.shape)}, expected {want}")
+
+
+def shape_error(op: str, name: str, x: torch.Tensor, shape: Sequence[int | None]) -> ValueError:
+    expected = ", ".join("*" if s is None else str(s) for s in shape)
+    return ValueError(f"{op}: {name} has shape {list(x.shape)}, expected [{expected}]")
+
+
+def dtype_error(op: str, name: str, x: torch.Tensor, dtypes: Collection[torch.dtype]):
+    return ValueError(
+        f"{op}: {name} has dtype {dtype_name(x.dtype)}, expected {describe_dtypes(dtypes)}"
+    )
+
+
+def device_error(op: str, name: str, x: torch.Tensor, device: torch.device) -> ValueError:
+    return ValueError(f"{op}: {name} is on {x.device}, expected {device} (the device of q)")
+
+
+def stride_error(op: str, name: str, x: torch.Tensor) -> ValueError:
+    return ValueError(
+        f"{op}: {name} has stride {x.stride(-1)} in its last dim, expected 1 (contiguous)"
+    )
+
+
+def dense_last_dim(x: torch.Tensor) -> bool:
+    # Kernels vectorize loads along the last dim; a strided one would silently need a copy.
+    # is_contiguous() is a cached flag, cheaper than reading the stride.
+    return x.is_contiguous() or x.stride(-1) == 1
+
+
+def shape_matches(actual: Sequence[int], shape: Sequence[int | None]) -> bool:
+    """`None` entries of `shape` accept any size."""
+    if len(actual) != len(shape):
+        return False
+    # A plain loop: any(<genexpr>) costs ~2x on a path that runs on every op call.
+    for got, want in zip(actual, shape, strict=True):
+        if want is not None and got != want:
+            return False
+    return True
+
+
 def check_tensor(
     op: str,
     name: str,
@@ -36,60 +87,57 @@ def check_tensor(
 ) -> torch.Tensor:
     """Check a tensor argument; `None` entries in `shape` accept any size."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: {name} is {type(x).__name__}, expected a torch.Tensor")
-    if shape is not None:
-        actual = x.shape
-        # A plain loop: this runs several times per op call and any(<genexpr>) costs ~2x.
-        mismatch = len(actual) != len(shape)
-        if not mismatch:
-            for got, want in zip(actual, shape, strict=True):
-                if want is not None and got != want:
-                    mismatch = True
-                    break
-        if mismatch:
-            expected = ", ".join("*" if s is None else str(s) for s in shape)
-            raise ValueError(f"{op}: {name} has shape {list(actual)}, expected [{expected}]")
+        raise type_error(op, name, x, "a torch.Tensor")
+    if shape is not None and not shape_matches(x.shape, shape):
+        raise shape_error(op, name, x, shape)
     if dtypes is not None and x.dtype not in dtypes:
-        raise ValueError(
-            f"{op}: {name} has dtype {dtype_name(x.dtype)}, expected {describe_dtypes(dtypes)}"
-        )
+        raise dtype_error(op, name, x, dtypes)
     if device is not None and x.device != device:
-        raise ValueError(f"{op}: {name} is on {x.device}, expected {device} (the device of q)")
+        raise device_error(op, name, x, device)
     return x
 
 
 def check_ndim(op: str, name: str, x: object, ndims: Collection[int]) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: {name} is {type(x).__name__}, expected a torch.Tensor")
+        raise type_error(op, name, x, "a torch.Tensor")
     if x.dim() not in ndims:
-        want = " or ".join(f"{n}-D" for n in sorted(ndims))
-        raise ValueError(f"{op}: {name} has shape {list(x.shape)}, expected {want}")
+        raise ndim_error(op, name, x, ndims)
     return x
 
 
 def check_contiguous_last_dim(op: str, name: str, x: torch.Tensor) -> None:
-    # Kernels vectorize loads along the head dim; a strided last dim would silently need a copy.
-    if x.stride(-1) != 1:
-        raise ValueError(
-            f"{op}: {name} has stride {x.stride(-1)} in its last dim, expected 1 (contiguous)"
-        )
+    if not dense_last_dim(x):
+        raise stride_error(op, name, x)
+
+
+def as_int(op: str, name: str, value: object) -> int:
+    """Any integer but bool (numpy's included), as a plain int."""
+    if type(value) is not int and (
+        isinstance(value, bool) or not isinstance(value, numbers.Integral)
+    ):
+        raise type_error(op, name, value, "int")
+    return int(value)
 
 
 def check_int(op: str, name: str, value: object, *, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{op}: {name} is {type(value).__name__}, expected int")
+    value = as_int(op, name, value)
     if value < minimum:
         raise ValueError(f"{op}: {name} is {value}, expected an int >= {minimum}")
     return value
 
 
-def check_scale(op: str, name: str, value: object) -> float:
-    """Per-tensor dequantization scale: None means 1.0."""
-    if value is None:
-        return 1.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{op}: {name} is {type(value).__name__}, expected a float")
+def check_positive_float(op: str, name: str, value: object) -> float:
+    """Any finite real > 0 but bool (numpy scalars included), returned as a plain float."""
+    if type(value) is not float and (
+        isinstance(value, bool) or not isinstance(value, numbers.Real)
+    ):
+        raise type_error(op, name, value, "a float")
     value = float(value)
-    if not (value > 0.0 and value != float("inf")):
+    if not 0.0 < value < math.inf:
         raise ValueError(f"{op}: {name} is {value}, expected a finite float > 0")
     return value
+
+
+def check_scale(op: str, name: str, value: object) -> float:
+    """Per-tensor dequantization scale: None means 1.0."""
+    return 1.0 if value is None else check_positive_float(op, name, value)

@@ -109,7 +109,7 @@ def case_from_record(record: dict, index: int) -> Case:
         window_left=a["window_left"],
         sinks=None if a.get("sinks") is None else 0.0,
         sinks_dtype=_dtype(a["sinks"]) if a.get("sinks") else torch.float32,
-        lse=bool(a["return_lse"]),
+        lse=a.get("lse") is not None,
     )
     if op == "mha_prefill":
         offsets = a["cu_seqlens"].get("values") or _even(q[0], a["cu_seqlens"]["shape"][0] - 1)
@@ -174,9 +174,6 @@ def public_call(record: dict, case: Case, inputs, device, weights: dict) -> Any:
         public.update(
             k_scale=public["k_scale"] if fp8 else None, v_scale=public["v_scale"] if fp8 else None
         )
-    if op == "mha_decode_with_kvcache" and len(a["q"]["shape"]) == 3:
-        args = (args[0].squeeze(1), *args[1:])
-        public["out"] = public["out"].squeeze(1)
     return lambda: fn(*args, **public)
 
 
