@@ -223,28 +223,14 @@ def make_weights(case: Case, gen: torch.Generator) -> MoEWeights:
 
 
 def make_config(case: Case) -> MoEConfig:
-    return MoEConfig(
-        num_experts=case.e,
-        top_k=case.top_k,
-        hidden_size=case.h,
-        intermediate_size=case.i,
-        weight_format=case.weight_format,
-        activation_format=case.activation_format,
-        has_bias=case.has_bias,
-    )
+    formats = (case.weight_format, case.activation_format)
+    return MoEConfig(case.e, case.top_k, case.h, case.i, *formats, has_bias=case.has_bias)
 
 
 def make_plan(config: MoEConfig, m: int) -> MoEPlan:
-    return MoEPlan(
-        config=config,
-        kernel="reference.moe_apply",
-        reason="test",
-        weight_layout="checkpoint",
-        padded_hidden_size=config.hidden_size,
-        padded_intermediate_size=config.intermediate_size,
-        max_num_tokens=m,
-        device=torch.device("cpu"),
-    )
+    sizes = (config.hidden_size, config.intermediate_size)
+    cpu = torch.device("cpu")
+    return MoEPlan(config, "reference.moe_apply", "test", "checkpoint", *sizes, m, cpu)
 
 
 def make_logits(case: Case, gen: torch.Generator) -> torch.Tensor:
@@ -294,10 +280,6 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
             f"{err.pow(2).mean().sqrt():.3e}, max |expected| {expected.abs().max():.3e}; "
             f"first offending coordinates {worst}"
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# Tests
 
 
 def run_case(case: Case, device: str = "cpu"):
@@ -394,8 +376,7 @@ def test_tied_logits_pick_lower_index():
         weights, ids = topk_softmax(logits.to(dtype), 2)
         assert ids.dtype == torch.int32 and weights.dtype == torch.float32
         assert ids.tolist() == [[1, 2], [0, 1], [6, 3]]
-        assert torch.allclose(weights[0], torch.tensor([0.5, 0.5]))
-        assert torch.allclose(weights[1], torch.tensor([0.5, 0.5]))
+        assert torch.allclose(weights[:2], torch.full((2, 2), 0.5))
     _, ids = topk_softmax(logits, 4)
     assert ids.tolist() == [[1, 2, 4, 7], [0, 1, 2, 3], [6, 3, 5, 0]]
 

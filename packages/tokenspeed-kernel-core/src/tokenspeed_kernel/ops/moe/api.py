@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ... import capture
@@ -153,16 +155,30 @@ def moe_apply(plan, x, weights, router_logits=None, *, topk_weights=None, topk_i
             f"{op}: weights were prepared for {weights.kernel}, expected weights "
             f"prepared with this plan ({plan.kernel})"
         )
-    config = plan.config
-    device = plan.device
+    config, device = plan.config, plan.device
     check_tensor(op, "x", x, shape=(None, config.hidden_size), dtypes=_X_DTYPES, device=device)
     check_contiguous_last_dim(op, "x", x)
-    num_tokens = x.shape[0]
-    if num_tokens > plan.max_num_tokens:
+    if x.shape[0] > plan.max_num_tokens:
         raise ValueError(
-            f"{op}: x has {num_tokens} tokens, expected at most the plan's "
+            f"{op}: x has {x.shape[0]} tokens, expected at most the plan's "
             f"max_num_tokens ({plan.max_num_tokens})"
         )
+    routing = dict(router_logits=router_logits, topk_weights=topk_weights, topk_ids=topk_ids)
+    _check_routing(op, config, device, x.shape[0], **routing)
+    if out is None:
+        out = torch.empty_like(x)
+    else:
+        check_tensor(op, "out", out, shape=x.shape, dtypes=_X_DTYPES, device=device)
+        check_contiguous_last_dim(op, "out", out)
+    if capture.active():
+        capture.record(op, plan.kernel, {"x": x, **routing, **dataclasses.asdict(config)})
+    plan.impl.apply(plan, x, weights, **routing, out=out)
+    return out
+
+
+def _check_routing(op, config, device, num_tokens, router_logits, topk_weights, topk_ids):
+    """Exactly one routing input: router_logits [M, E], or topk_weights [M, k] float32 with
+    topk_ids [M, k] int32, both contiguous (kernels index them by token * top_k + j)."""
     routed = (topk_weights is not None, topk_ids is not None)
     if router_logits is not None:
         if any(routed):
@@ -170,68 +186,21 @@ def moe_apply(plan, x, weights, router_logits=None, *, topk_weights=None, topk_i
                 f"{op}: router_logits and topk_weights/topk_ids are both given, "
                 "expected exactly one routing input"
             )
+        shape = (num_tokens, config.num_experts)
         check_tensor(
-            op,
-            "router_logits",
-            router_logits,
-            shape=(num_tokens, config.num_experts),
-            dtypes=_ROUTER_DTYPES,
-            device=device,
+            op, "router_logits", router_logits, shape=shape, dtypes=_ROUTER_DTYPES, device=device
         )
         check_contiguous_last_dim(op, "router_logits", router_logits)
-    elif not all(routed):
+        return
+    if not all(routed):
         raise ValueError(
             f"{op}: router_logits is None, expected router_logits or both topk_weights and topk_ids"
         )
-    else:
-        k = config.top_k
-        check_tensor(
-            op,
-            "topk_weights",
-            topk_weights,
-            shape=(num_tokens, k),
-            dtypes=(torch.float32,),
-            device=device,
-        )
-        check_tensor(
-            op, "topk_ids", topk_ids, shape=(num_tokens, k), dtypes=(torch.int32,), device=device
-        )
-        # Kernels index them by pair (token * top_k + j).
-        for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-            if not t.is_contiguous():
-                raise ValueError(
-                    f"{op}: {name} has strides {list(t.stride())}, expected contiguous"
-                )
-    if out is None:
-        out = torch.empty_like(x)
-    else:
-        check_tensor(op, "out", out, shape=x.shape, dtypes=_X_DTYPES, device=device)
-        check_contiguous_last_dim(op, "out", out)
-    if capture.active():
-        capture.record(
-            "moe_apply",
-            plan.kernel,
-            dict(
-                x=x,
-                router_logits=router_logits,
-                topk_weights=topk_weights,
-                topk_ids=topk_ids,
-                num_experts=config.num_experts,
-                top_k=config.top_k,
-                hidden_size=config.hidden_size,
-                intermediate_size=config.intermediate_size,
-                weight_format=config.weight_format,
-                activation_format=config.activation_format,
-                has_bias=config.has_bias,
-            ),
-        )
-    plan.impl.apply(
-        plan,
-        x,
-        weights,
-        router_logits=router_logits,
-        topk_weights=topk_weights,
-        topk_ids=topk_ids,
-        out=out,
-    )
-    return out
+    shape = (num_tokens, config.top_k)
+    for name, t, dtype in (
+        ("topk_weights", topk_weights, torch.float32),
+        ("topk_ids", topk_ids, torch.int32),
+    ):
+        check_tensor(op, name, t, shape=shape, dtypes=(dtype,), device=device)
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {name} has strides {list(t.stride())}, expected contiguous")
