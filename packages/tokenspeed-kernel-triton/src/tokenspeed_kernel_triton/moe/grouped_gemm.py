@@ -18,6 +18,8 @@ when a static scale is given, float32 for a dynamic per-row FP8 scale quantized 
 GEMM2: A rows are the sorted rows of `a` (hi and lo make two MMAs on the one dequantized weight
 tile); the epilogue adds the bias, multiplies by the routing weight and writes fp32 rows indexed
 by pair for the combine.
+
+One kernel body over 80 lines: its K loop and both GEMMs' epilogues share the tile's row state.
 """
 
 from __future__ import annotations

@@ -268,11 +268,9 @@ def route(
     with programmatic dependent launch start early; ready, int32 [>= max_tiles], is zeroed for
     the GEMMs' per-tile counters; prescale = (x [M, H] bf16, scaled [M, H] bf16, exponents [M]
     int32) also writes `_prescale_row` of each row of x into scaled and exponents.
-
     router_logits [M, E] (or None with precomputed topk_weights [M, k] float32 and topk_ids
     [M, k] int32). Returns (topk_weights, topk_ids, sorted_pairs [max_tiles * block_m] int32,
-    tiles [max_tiles, 2] int32 (expert, row_end), num_tiles [1] int32, max_tiles).
-    """
+    tiles [max_tiles, 2] int32 (expert, row_end), num_tiles [1] int32, max_tiles)."""
     has_logits = router_logits is not None
     M = router_logits.shape[0] if has_logits else topk_ids.shape[0]
     device = router_logits.device if has_logits else topk_ids.device
@@ -291,15 +289,7 @@ def route(
     # The tile table is written TILE_CHUNK tiles at a time, each against every expert: no wider
     # than the table itself (a decode step has a handful of tiles).
     tile_chunk = min(_TILE_CHUNK, triton.next_power_of_2(n_tiles))
-    if ready is not None and (
-        num_pairs > FUSED_MAX_PAIRS or ready.numel() < n_tiles or ready.dtype != torch.int32
-    ):
-        raise ValueError(
-            f"route: `ready` needs at most {FUSED_MAX_PAIRS} pairs (got {num_pairs}) and "
-            f"{n_tiles} int32 counters (got {ready.numel()} {ready.dtype})"
-        )
-    if prescale is not None and num_pairs > FUSED_MAX_PAIRS:
-        raise ValueError(f"route: prescale needs at most {FUSED_MAX_PAIRS} pairs, got {num_pairs}")
+    _check_one_program_options(num_pairs, n_tiles, ready, prescale)
     if num_pairs <= FUSED_MAX_PAIRS:
         block_t = triton.next_power_of_2(M)
         x, scaled, exponents = prescale if prescale is not None else (logits, logits, num_tiles)
@@ -338,6 +328,35 @@ def route(
             num_warps=1 if num_pairs <= ONE_WARP_MAX_PAIRS else 4,
         )
         return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
+    grouping = (sorted_pairs, tiles, num_tiles, n_tiles, tile_chunk)
+    _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m, num_experts)
+    return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
+
+
+def _check_one_program_options(num_pairs: int, n_tiles: int, ready, prescale) -> None:
+    """route's options that only the one-program router implements, checked before a launch."""
+    if ready is not None and (
+        num_pairs > FUSED_MAX_PAIRS or ready.numel() < n_tiles or ready.dtype != torch.int32
+    ):
+        raise ValueError(
+            f"route: `ready` needs at most {FUSED_MAX_PAIRS} pairs (got {num_pairs}) and "
+            f"{n_tiles} int32 counters (got {ready.numel()} {ready.dtype})"
+        )
+    if prescale is not None and num_pairs > FUSED_MAX_PAIRS:
+        raise ValueError(f"route: prescale needs at most {FUSED_MAX_PAIRS} pairs, got {num_pairs}")
+
+
+def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m, num_experts):
+    """route beyond FUSED_MAX_PAIRS pairs: top-k over token blocks (with logits), then the
+    one-program histogram/align kernel and the scatter. grouping: (sorted_pairs, tiles,
+    num_tiles, tile-count bound, TILE_CHUNK)."""
+    sorted_pairs, tiles, num_tiles, n_tiles, tile_chunk = grouping
+    has_logits = router_logits is not None
+    M, num_pairs = topk_ids.shape[0], topk_ids.shape[0] * top_k
+    block_e = triton.next_power_of_2(num_experts)
+    block_k = triton.next_power_of_2(top_k)
+    stride = router_logits.stride(0) if has_logits else 0
+    device = topk_ids.device
     if has_logits:
         # Keep one program's [BLOCK_T, BLOCK_E] logits tile near 4K elements.
         block_t = max(1, min(64, 4096 // block_e))
@@ -370,4 +389,3 @@ def route(
     _scatter_kernel[(triton.cdiv(num_pairs, _CHUNK),)](
         topk_ids, num_pairs, cursor, sorted_pairs, CHUNK=_CHUNK
     )
-    return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
