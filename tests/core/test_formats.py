@@ -143,7 +143,7 @@ def test_e2m1_errors():
         e2m1_to_float(torch.tensor([200], dtype=torch.uint8))
     with pytest.raises(ValueError, match="unpack_e2m1: packed has dtype int8, expected uint8"):
         unpack_e2m1(torch.tensor([1], dtype=torch.int8))
-    with pytest.raises(TypeError, match="float_to_e2m1: x must be a torch.Tensor"):
+    with pytest.raises(TypeError, match="float_to_e2m1: x is list, expected a torch.Tensor"):
         float_to_e2m1([1.0])
     for bad in (float("nan"), float("inf"), -float("inf")):
         with pytest.raises(ValueError, match="float_to_e2m1: x contains NaN or inf"):
@@ -267,7 +267,7 @@ def test_mxfp4_errors():
         quantize_mxfp4(torch.randn(2, 48))
     with pytest.raises(ValueError, match="quantize_mxfp4: x contains NaN or inf"):
         quantize_mxfp4(torch.tensor([float("nan")] + [1.0] * 31))
-    with pytest.raises(ValueError, match="quantize_mxfp4: x has dtype int32, expected float16"):
+    with pytest.raises(ValueError, match="quantize_mxfp4: x has dtype int32, expected bfloat16"):
         quantize_mxfp4(torch.ones(32, dtype=torch.int32))
     with pytest.raises(ValueError, match="quantize_mxfp4: x has shape \\[\\]"):
         quantize_mxfp4(torch.tensor(1.0))
@@ -373,7 +373,7 @@ def test_fp8_errors():
         quantize_fp8(x, scale=torch.ones(2))
     with pytest.raises(ValueError, match="quantize_fp8: x contains NaN or inf"):
         quantize_fp8(torch.tensor([1.0, float("inf")]))
-    with pytest.raises(ValueError, match="quantize_fp8: x has dtype int64, expected float16"):
+    with pytest.raises(ValueError, match="quantize_fp8: x has dtype int64, expected bfloat16"):
         quantize_fp8(torch.ones(3, dtype=torch.int64))
     q = x.to(FP8_DTYPE)
     with pytest.raises(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..validation import check_tensor, dtype_name
+
 __all__ = ["FP8_DTYPE", "FP8_E4M3_MAX", "dequantize_fp8", "quantize_fp8"]
 
 FP8_E4M3_MAX = 448.0
@@ -24,22 +26,10 @@ _AMAX_FLOOR = 1e-12
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _check_granularity(fn: str, granularity: str) -> None:
     if granularity not in GRANULARITIES:
         allowed = ", ".join(repr(g) for g in GRANULARITIES)
         raise ValueError(f"{fn}: granularity is {granularity!r}, expected one of {allowed}")
-
-
-def _check_tensor(fn: str, name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        expected = " or ".join(_dtype_name(d) for d in dtypes)
-        raise ValueError(f"{fn}: {name} has dtype {_dtype_name(t.dtype)}, expected {expected}")
 
 
 def _static_scale(fn: str, scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
@@ -74,7 +64,7 @@ def quantize_fp8(
     """
     fn = "quantize_fp8"
     _check_granularity(fn, granularity)
-    _check_tensor(fn, "x", x, _FLOAT_DTYPES)
+    check_tensor(fn, "x", x, dtypes=_FLOAT_DTYPES)
     if granularity != "tensor":
         if scale is not None:
             raise ValueError(
@@ -122,14 +112,14 @@ def dequantize_fp8(
     """
     fn = "dequantize_fp8"
     _check_granularity(fn, granularity)
-    _check_tensor(fn, "q", q, (FP8_DTYPE,))
+    check_tensor(fn, "q", q, dtypes=(FP8_DTYPE,))
     if dtype not in _FLOAT_DTYPES:
-        expected = ", ".join(_dtype_name(d) for d in _FLOAT_DTYPES)
-        raise ValueError(f"{fn}: dtype is {_dtype_name(dtype)}, expected one of {expected}")
+        expected = ", ".join(dtype_name(d) for d in _FLOAT_DTYPES)
+        raise ValueError(f"{fn}: dtype is {dtype_name(dtype)}, expected one of {expected}")
     work_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     if not isinstance(scale, torch.Tensor):
         scale = torch.tensor(float(scale), dtype=torch.float32, device=q.device)
-    _check_tensor(fn, "scale", scale, _FLOAT_DTYPES)
+    check_tensor(fn, "scale", scale, dtypes=_FLOAT_DTYPES)
     if scale.device != q.device:
         raise ValueError(f"{fn}: scale is on {scale.device}, expected {q.device} (q's)")
     if granularity == "tensor":

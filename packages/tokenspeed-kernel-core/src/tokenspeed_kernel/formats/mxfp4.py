@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..validation import check_tensor, dtype_name
+
 __all__ = [
     "E2M1_VALUES",
     "MXFP4_BLOCK",
@@ -39,16 +41,8 @@ _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _check_tensor(fn: str, name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        expected = " or ".join(_dtype_name(d) for d in dtypes)
-        raise ValueError(f"{fn}: {name} has dtype {_dtype_name(t.dtype)}, expected {expected}")
+    check_tensor(fn, name, t, dtypes=dtypes)
     if t.dim() == 0:
         raise ValueError(f"{fn}: {name} has shape [], expected at least one dimension")
 
@@ -187,8 +181,8 @@ def dequantize_mxfp4(
     _check_tensor(fn, "packed", packed, (torch.uint8,))
     _check_tensor(fn, "scales", scales, (torch.uint8,))
     if dtype not in _FLOAT_DTYPES:
-        expected = ", ".join(_dtype_name(d) for d in _FLOAT_DTYPES)
-        raise ValueError(f"{fn}: dtype is {_dtype_name(dtype)}, expected one of {expected}")
+        expected = ", ".join(dtype_name(d) for d in _FLOAT_DTYPES)
+        raise ValueError(f"{fn}: dtype is {dtype_name(dtype)}, expected one of {expected}")
     half_block = MXFP4_BLOCK // 2
     if packed.shape[-1] % half_block:
         raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from ..platform import default_device, platform_of
+from ..presets import PRESETS
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -120,3 +122,20 @@ def format_table(
 
 def fmt(value: float | None, spec: str = ".3g") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def tool_parser(sub, name: str, doc: str | None, *, summary: str, preset: str):
+    """A tool's subcommand with the options every tool has: --preset (`preset` says what its
+    shapes are for) and --device."""
+    p = sub.add_parser(
+        name, help=summary, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", dest="tool_preset", choices=sorted(PRESETS), help=preset)
+    p.add_argument("--device", help="torch device (default: the current GPU, else cpu)")
+    return p
+
+
+def add_out_option(p, default: str, what: str) -> None:
+    p.add_argument(
+        "--out", default=default, metavar="DIR", help=f"where {what} (default: ./{default})"
+    )

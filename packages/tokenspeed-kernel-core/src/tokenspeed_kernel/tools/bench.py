@@ -17,15 +17,16 @@ from typing import Any
 
 import torch
 
-from ..presets import PRESETS
 from ..registry import op_names
 from ..testing.conformance import case_support, select_kernels
 from ._common import (
     Progress,
+    add_out_option,
     fmt,
     format_table,
     resolve_device,
     run_metadata,
+    tool_parser,
     write_json,
 )
 from .peers import peer_calls
@@ -38,30 +39,20 @@ GRAPH_OPS = ("mha_decode_with_kvcache",)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
+    p = tool_parser(
+        sub,
         "bench",
-        help="time every eligible kernel on a preset's shapes",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        __doc__,
+        summary="time every eligible kernel on a preset's shapes",
+        preset="shapes to time (default: gpt-oss-120b on a GPU, tiny on the CPU)",
     )
     p.add_argument("--op", choices=op_names(), help="only this op (default: every op)")
-    p.add_argument(
-        "--preset",
-        dest="tool_preset",
-        choices=sorted(PRESETS),
-        help="shapes to time (default: gpt-oss-120b on a GPU, tiny on the CPU)",
-    )
     p.add_argument("--kernels", metavar="GLOB", help="kernel name glob (default: all eligible)")
+    add_out_option(p, "bench-results", "results.json and the PNGs go")
     p.add_argument(
         "--peers",
         action="store_true",
         help="add FA3 / torch SDPA reference points where importable",
-    )
-    p.add_argument(
-        "--out",
-        default="bench-results",
-        metavar="DIR",
-        help="where results.json and the PNGs go (default: ./bench-results)",
     )
     p.add_argument(
         "--replay",
@@ -85,7 +76,6 @@ def add_parser(sub) -> None:
         action="store_true",
         help="re-measure the roofline instead of using the cached figures",
     )
-    p.add_argument("--device", help="torch device (default: the current GPU, else cpu)")
     p.set_defaults(run=run)
 
 

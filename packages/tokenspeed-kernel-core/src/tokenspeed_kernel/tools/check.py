@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..platform import platform_of
-from ..presets import PRESETS
 from ..registry import kernels, op_names
 from ..testing import case_support, conformance_cases, run_case
 from ._common import (
@@ -25,6 +24,7 @@ from ._common import (
     format_table,
     resolve_device,
     run_metadata,
+    tool_parser,
     write_json,
 )
 
@@ -32,11 +32,12 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
+    p = tool_parser(
+        sub,
         "check",
-        help="every kernel against the reference on the shared cases",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        __doc__,
+        summary="every kernel against the reference on the shared cases",
+        preset="also check the preset's model shapes",
     )
     p.add_argument("--op", choices=op_names(), help="only this op (default: every op)")
     p.add_argument(
@@ -46,19 +47,12 @@ def add_parser(sub) -> None:
         "a glob that names reference kernels checks them too)",
     )
     p.add_argument(
-        "--preset",
-        dest="tool_preset",
-        choices=sorted(PRESETS),
-        help="also check the preset's model shapes",
-    )
-    p.add_argument(
         "--dtype",
         choices=sorted(_DTYPES),
         action="append",
         help="only cases with this activation dtype (repeatable)",
     )
     p.add_argument("--case", metavar="GLOB", help="only cases whose name matches")
-    p.add_argument("--device", help="torch device (default: the current GPU, else cpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write every result as JSON")
     p.set_defaults(run=run)

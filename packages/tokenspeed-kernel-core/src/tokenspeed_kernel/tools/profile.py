@@ -13,37 +13,25 @@ from pathlib import Path
 import torch
 
 from ..platform import platform_of
-from ..presets import PRESETS
 from ..registry import get_kernel, op_names
 from ..selector import select
-from ._common import format_table, resolve_device, write_json
+from ._common import add_out_option, format_table, resolve_device, tool_parser, write_json
 from .workloads import MoEWeightsCache, bench_points, build_inputs, kernel_call
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
+    p = tool_parser(
+        sub,
         "profile",
-        help="one op under torch.profiler: trace + kernel times",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        __doc__,
+        summary="one op under torch.profiler: trace + kernel times",
+        preset="shapes to run (default: gpt-oss-120b on a GPU, tiny on the CPU)",
     )
     p.add_argument("--op", required=True, choices=op_names())
-    p.add_argument(
-        "--preset",
-        dest="tool_preset",
-        choices=sorted(PRESETS),
-        help="shapes to run (default: gpt-oss-120b on a GPU, tiny on the CPU)",
-    )
     p.add_argument("--kernel", metavar="NAME", help="profile this kernel (default: selected)")
-    p.add_argument(
-        "--out",
-        default="profile-results",
-        metavar="DIR",
-        help="where trace.json goes (default: ./profile-results)",
-    )
+    add_out_option(p, "profile-results", "trace.json goes")
     p.add_argument("--iters", type=int, default=3, help="profiled calls per shape")
     p.add_argument("--top", type=int, default=25, help="rows of the kernel table")
-    p.add_argument("--device", help="torch device (default: the current GPU, else cpu)")
     p.set_defaults(run=run)
 
 

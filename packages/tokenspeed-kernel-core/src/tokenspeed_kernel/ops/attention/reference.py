@@ -142,88 +142,63 @@ def reference_prefill(
         )
 
 
+def _attend_sequences(
+    q, k_cache, v_cache, page_table, cache_seqlens, rows, *, sinks, out, lse, **kw
+):
+    """`rows[b]` indexes the query (and output) rows of sequence b; `kw` holds window_left,
+    softmax_scale, k_scale and v_scale."""
+    sinks = _sinks_f32(sinks)
+    for b, (seqlen, r) in enumerate(zip(cache_seqlens.tolist(), rows, strict=True)):
+        if q[r].shape[0] == 0:
+            continue
+        rows_lse = None if lse is None else lse[r]
+        _attend_paged(
+            q[r],
+            k_cache,
+            v_cache,
+            page_table[b],
+            seqlen,
+            sinks=sinks,
+            out=out[r],
+            lse=rows_lse,
+            **kw,
+        )
+
+
 def reference_extend(
-    q,
-    k_cache,
-    v_cache,
-    *,
-    cu_seqlens_q,
-    page_table,
-    cache_seqlens,
-    max_seqlen_q,
-    window_left,
-    sinks,
-    softmax_scale,
-    k_scale,
-    v_scale,
-    out,
-    lse,
-) -> None:
+    q, k_cache, v_cache, *, cu_seqlens_q, page_table, cache_seqlens, max_seqlen_q,
+    window_left, sinks, softmax_scale, k_scale, v_scale, out, lse,
+) -> None:  # fmt: skip
     """Chunked prefill against a paged cache that already holds the new tokens.
 
     q [T, Hq, D] ragged by cu_seqlens_q [B+1]; k_cache/v_cache [num_pages, P, Hkv, D];
     page_table [B, max_pages] int32; cache_seqlens [B] int32 (including the new tokens);
     out [T, Hq, D]; lse [T, Hq] float32 or None. max_seqlen_q is unused (see prefill).
     """
-    sinks = _sinks_f32(sinks)
     bounds = cu_seqlens_q.tolist()
-    for b, seqlen in enumerate(cache_seqlens.tolist()):
-        s, e = bounds[b], bounds[b + 1]
-        if e == s:
-            continue
-        _attend_paged(
-            q[s:e],
-            k_cache,
-            v_cache,
-            page_table[b],
-            seqlen,
-            window_left=window_left,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            sinks=sinks,
-            softmax_scale=softmax_scale,
-            out=out[s:e],
-            lse=None if lse is None else lse[s:e],
-        )
+    rows = [slice(s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    _attend_sequences(
+        q, k_cache, v_cache, page_table, cache_seqlens, rows, window_left=window_left,
+        sinks=sinks, softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale,
+        out=out, lse=lse,
+    )  # fmt: skip
 
 
 def reference_decode(
-    q,
-    k_cache,
-    v_cache,
-    *,
-    page_table,
-    cache_seqlens,
-    window_left,
-    sinks,
-    softmax_scale,
-    k_scale,
-    v_scale,
-    out,
-    lse,
-) -> None:
+    q, k_cache, v_cache, *, page_table, cache_seqlens,
+    window_left, sinks, softmax_scale, k_scale, v_scale, out, lse,
+) -> None:  # fmt: skip
     """Decode: extend with exactly Q new tokens per sequence.
 
     q [B, Q, Hq, D]; out [B, Q, Hq, D]; lse [B, Q, Hq] float32 or None; cache as for extend.
     A sequence shorter than Q (cache_seqlens 0 for a padded batch slot) puts its first queries
     at negative positions, which see no key: zeros, or the sink alone.
     """
-    sinks = _sinks_f32(sinks)
-    for b, seqlen in enumerate(cache_seqlens.tolist()):
-        _attend_paged(
-            q[b],
-            k_cache,
-            v_cache,
-            page_table[b],
-            seqlen,
-            window_left=window_left,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            sinks=sinks,
-            softmax_scale=softmax_scale,
-            out=out[b],
-            lse=None if lse is None else lse[b],
-        )
+    _attend_sequences(
+        q, k_cache, v_cache, page_table, cache_seqlens, range(q.shape[0]),
+        window_left=window_left, sinks=sinks, softmax_scale=softmax_scale, k_scale=k_scale,
+        v_scale=v_scale, out=out, lse=lse,
+    )  # fmt: skip
 
 
 def _quantize(x, dtype, scale):
@@ -247,44 +222,28 @@ def reference_kvcache_store(k, v, k_cache, v_cache, *, slot_mapping, k_scale, v_
     v_cache[pages, offsets] = _quantize(v[keep], v_cache.dtype, v_scale)
 
 
-# Lowest priority: the numerics oracle, and the fallback that makes every op run anywhere.
-_ATTENTION_TRAITS = {
+_PAGED_TRAITS = {
     "dtype": FLOAT16_DTYPES,
     "kv_dtype": KV_CACHE_DTYPES,
     "head_dim": ANY,
-    "gqa_ratio": ANY,
     "page_size": ANY,
+}
+_ATTENTION_TRAITS = _PAGED_TRAITS | {
+    "gqa_ratio": ANY,
     "q_len": ANY,
     "non_causal": True,
     "window": True,
     "sinks": True,
     "lse": True,
 }
-for _op, _fn in (
-    (MHA_PREFILL, reference_prefill),
-    (MHA_EXTEND, reference_extend),
-    (MHA_DECODE, reference_decode),
+# Lowest priority: the numerics oracle, and the fallback that makes every op run anywhere.
+for _op, _fn, _traits in (
+    (MHA_PREFILL, reference_prefill, _ATTENTION_TRAITS),
+    (MHA_EXTEND, reference_extend, _ATTENTION_TRAITS),
+    (MHA_DECODE, reference_decode, _ATTENTION_TRAITS),
+    (KVCACHE_STORE, reference_kvcache_store, _PAGED_TRAITS),
 ):
     register_kernel(
-        _op,
-        name=f"reference.{_op}",
-        backend="reference",
-        platforms=["*"],
-        traits=_ATTENTION_TRAITS,
-        priority=0,
-        description="pure torch, float32 accumulation",
-    )(_fn)
-register_kernel(
-    KVCACHE_STORE,
-    name="reference.kvcache_store",
-    backend="reference",
-    platforms=["*"],
-    traits={
-        "dtype": FLOAT16_DTYPES,
-        "kv_dtype": KV_CACHE_DTYPES,
-        "head_dim": ANY,
-        "page_size": ANY,
-    },
-    priority=0,
-    description="pure torch",
-)(reference_kvcache_store)
+        _op, name=f"reference.{_op}", backend="reference", platforms=["*"], traits=_traits,
+        priority=0, description="pure torch, float32 math",
+    )(_fn)  # fmt: skip

@@ -11,6 +11,7 @@ import torch
 
 from tokenspeed_kernel.formats.fp8 import dequantize_fp8, quantize_fp8
 from tokenspeed_kernel.formats.mxfp4 import dequantize_mxfp4
+from tokenspeed_kernel.ops.moe.request import MOE_APPLY
 from tokenspeed_kernel.ops.moe.types import (
     ACTIVATION_FORMATS,
     ROUTINGS,
@@ -20,7 +21,6 @@ from tokenspeed_kernel.ops.moe.types import (
     MoEWeights,
     PreparedMoEWeights,
 )
-from tokenspeed_kernel.ops.moe.request import MOE_APPLY
 from tokenspeed_kernel.registry import register_kernel
 
 KERNEL_NAME = "reference.moe_apply"
