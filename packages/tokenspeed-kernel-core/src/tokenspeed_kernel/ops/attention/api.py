@@ -36,19 +36,9 @@ def _outputs(q, out, kv_dtype, return_lse):
 
 
 def mha_prefill(
-    q,
-    k,
-    v,
-    *,
-    cu_seqlens,
-    max_seqlen,
-    causal=True,
-    window_left=-1,
-    sinks=None,
-    softmax_scale=None,
-    return_lse=False,
-    out=None,
-):
+    q, k, v, *, cu_seqlens, max_seqlen, causal=True,
+    window_left=-1, sinks=None, softmax_scale=None, return_lse=False, out=None,
+):  # fmt: skip
     """Ragged self-attention without a cache.
 
     q [T, Hq, D], k/v [T, Hkv, D] bf16/fp16; cu_seqlens [B+1] int32; max_seqlen int.
@@ -60,38 +50,17 @@ def mha_prefill(
     )
     out, lse = _outputs(q, out, q.dtype, return_lse)
     _kernel("mha_prefill", request, q.device, ("q", "k", "v"))(
-        q,
-        k,
-        v,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-        causal=causal,
-        window_left=request.window_left,
-        sinks=sinks,
-        softmax_scale=scale,
-        out=out,
-        lse=lse,
-    )
+        q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=causal,
+        window_left=request.window_left, sinks=sinks, softmax_scale=scale, out=out, lse=lse,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
 def mha_extend_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    *,
-    cu_seqlens_q,
-    page_table,
-    cache_seqlens,
-    max_seqlen_q,
-    window_left=-1,
-    sinks=None,
-    softmax_scale=None,
-    return_lse=False,
-    out=None,
-    k_scale=None,
-    v_scale=None,
-):
+    q, k_cache, v_cache, *, cu_seqlens_q, page_table, cache_seqlens, max_seqlen_q,
+    window_left=-1, sinks=None, softmax_scale=None, return_lse=False, out=None,
+    k_scale=None, v_scale=None,
+):  # fmt: skip
     """Chunked prefill over the paged cache (the new tokens are already stored).
 
     q [T, Hq, D] ragged by cu_seqlens_q [B+1] int32; caches [num_pages, P, Hkv, D];
@@ -105,39 +74,18 @@ def mha_extend_with_kvcache(
     )
     out, lse = _outputs(q, out, k_cache.dtype, return_lse)
     _kernel("mha_extend_with_kvcache", request, q.device, ("q", "k_cache", "v_cache"))(
-        q,
-        k_cache,
-        v_cache,
-        cu_seqlens_q=cu_seqlens_q,
-        page_table=page_table,
-        cache_seqlens=cache_seqlens,
-        max_seqlen_q=max_seqlen_q,
-        window_left=request.window_left,
-        sinks=sinks,
-        softmax_scale=scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        out=out,
-        lse=lse,
-    )
+        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, page_table=page_table,
+        cache_seqlens=cache_seqlens, max_seqlen_q=max_seqlen_q, window_left=request.window_left,
+        sinks=sinks, softmax_scale=scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
 def mha_decode_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    *,
-    page_table,
-    cache_seqlens,
-    window_left=-1,
-    sinks=None,
-    softmax_scale=None,
-    return_lse=False,
-    out=None,
-    k_scale=None,
-    v_scale=None,
-):
+    q, k_cache, v_cache, *, page_table, cache_seqlens,
+    window_left=-1, sinks=None, softmax_scale=None, return_lse=False, out=None,
+    k_scale=None, v_scale=None,
+):  # fmt: skip
     """Decode Q new tokens per sequence over the paged cache.
 
     q [B, Hq, D] (one token each) or [B, Q, Hq, D] (causal among themselves); caches
@@ -153,19 +101,10 @@ def mha_decode_with_kvcache(
         q4, out4 = q.unsqueeze(1), out.unsqueeze(1)
         lse4 = None if lse is None else lse.unsqueeze(1)
     _kernel("mha_decode_with_kvcache", request, q.device, ("q", "k_cache", "v_cache"))(
-        q4,
-        k_cache,
-        v_cache,
-        page_table=page_table,
-        cache_seqlens=cache_seqlens,
-        window_left=request.window_left,
-        sinks=sinks,
-        softmax_scale=scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        out=out4,
-        lse=lse4,
-    )
+        q4, k_cache, v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
+        window_left=request.window_left, sinks=sinks, softmax_scale=scale,
+        k_scale=k_scale, v_scale=v_scale, out=out4, lse=lse4,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
