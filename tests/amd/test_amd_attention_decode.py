@@ -1,7 +1,6 @@
-"""amd.mha_decode_with_kvcache: the shared Gluon body instantiated for NVIDIA (mma_v2)
-against the core
-reference on the shared conformance cases and GPT-OSS-120B shapes (GPU-marked), and the CPU
-checks of its launcher that need no GPU."""
+"""amd.mha_decode_with_kvcache: the shared Gluon body instantiated for NVIDIA (mma_v2) against
+the core reference on the shared conformance cases and GPT-OSS-120B shapes (GPU-marked), forced
+split counts pinned through `tuning.pin_config`, and the CPU checks of the split heuristic."""
 
 from __future__ import annotations
 
