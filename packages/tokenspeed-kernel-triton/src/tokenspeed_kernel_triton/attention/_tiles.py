@@ -381,9 +381,12 @@ def choose_config(platform: Platform, head_dim: int, window: bool) -> AttentionC
     return AttentionConfig(128, 64, 4, 3 if head_dim <= 64 else 2, heads_per_tile=8)
 
 
-def plan_tiles(kernel_name, q, num_kv_heads, num_seqs, max_seqlen_q, window_left, sinks, lse):
+def plan_tiles(kernel_name, q, num_kv_heads, cu_seqlens_q, max_seqlen_q, window_left, sinks, lse):
     """(grid, num_m_blocks, constexprs and launch options) of a prefill/extend launch, from
-    the config pinned for `kernel_name` or the platform's heuristic."""
+    the config pinned for `kernel_name` or the platform's heuristic; None: nothing to compute."""
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if q.shape[0] == 0 or num_seqs == 0 or max_seqlen_q == 0:
+        return None
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     has_window = window_left >= 0
     config = pinned_config(kernel_name) or choose_config(

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from tokenspeed_kernel.registry import ANY
 
+from . import _tiles
 from ._common import (
     ATTENTION_TRAITS,
     FP8,
@@ -23,15 +24,6 @@ from ._common import (
     LOG2E,
     register_attention_kernel,
     supports_dot_and_fp8,
-)
-from ._tiles import (
-    attend_key_ranges,
-    attn_finalize,
-    key_block_bounds,
-    plan_tiles,
-    query_tile,
-    store_rows,
-    tile_program,
 )
 
 KERNEL_NAME = "triton.mha_extend_with_kvcache"
@@ -48,7 +40,7 @@ def _extend_kernel(
     HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, SPLIT_MASK: tl.constexpr,
 ):  # fmt: skip
     TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
-    pid_m, head_base, seq = tile_program(num_m_blocks, HEADS_PER_TILE, not HAS_WINDOW)
+    pid_m, head_base, seq = _tiles.tile_program(num_m_blocks, HEADS_PER_TILE, not HAS_WINDOW)
     q_start = tl.load(CuSeqlensQ + seq)
     n_q = tl.load(CuSeqlensQ + seq + 1) - q_start
     t0 = pid_m * TOKENS
@@ -57,26 +49,28 @@ def _extend_kernel(
     seq_k = tl.load(CacheSeqlens + seq)
     pos0 = seq_k - n_q  # absolute position of query row 0
     kv_head = head_base // GROUP
-    q, _, tile0, local, toks, heads, row_ok, offs_n, offs_d = query_tile(
+    q, _, tile0, local, toks, heads, row_ok, offs_n, offs_d = _tiles.query_tile(
         Q, q_start, t0, head_base, n_q, stride_qt, stride_qh, BLOCK_M, HEADS_PER_TILE, BLOCK_N,
         HEAD_DIM,
     )  # fmt: skip
     page_row = PageTable + seq.to(tl.int64) * stride_pt
 
     last_row = pos0 + tl.minimum(t0 + TOKENS, n_q) - 1
-    bounds = key_block_bounds(pos0 + t0, last_row, seq_k, window_left, BLOCK_N, True, HAS_WINDOW)
+    bounds = _tiles.key_block_bounds(
+        pos0 + t0, last_row, seq_k, window_left, BLOCK_N, True, HAS_WINDOW
+    )
     tile = (pos0 + toks, seq_k, window_left, qk_scale, offs_n)
     kh_k = kv_head * stride_kh
     kh_v = kv_head * stride_vh
     keys = (K, V, page_row, kh_k, kh_v, stride_kp, stride_kt, stride_vp, stride_vt, offs_n, offs_d)
-    acc, l_i, m_i = attend_key_ranges(
+    acc, l_i, m_i = _tiles.attend_key_ranges(
         q, tile, keys, bounds, BLOCK_M, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, SPLIT_MASK, PAGE_SIZE
     )
-    acc, lse = attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS)
+    acc, lse = _tiles.attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS)
     # FP8 caches: p @ v_fp8 used unscaled values; v_scale is linear in the output.
     acc = acc * v_scale
     strides = (stride_ot, stride_oh, stride_lt)
-    store_rows(Out, Lse, acc, lse, tile0, local, heads, row_ok, offs_d, strides, HAS_LSE)
+    _tiles.store_rows(Out, Lse, acc, lse, tile0, local, heads, row_ok, offs_d, strides, HAS_LSE)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -104,12 +98,13 @@ def mha_extend_with_kvcache(
     float8_e4m3fn); cu_seqlens_q [B+1] int32; page_table [B, max_pages] int32;
     cache_seqlens [B] int32; max_seqlen_q >= every n_b; out [T, Hq, D]; lse [T, Hq] float32.
     """
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    if q.shape[0] == 0 or num_seqs == 0 or max_seqlen_q == 0:
-        return
-    grid, num_m_blocks, meta = plan_tiles(
-        KERNEL_NAME, q, k_cache.shape[2], num_seqs, max_seqlen_q, window_left, sinks, lse
+    num_kv_heads = k_cache.shape[2]
+    plan = _tiles.plan_tiles(
+        KERNEL_NAME, q, num_kv_heads, cu_seqlens_q, max_seqlen_q, window_left, sinks, lse
     )
+    if plan is None:
+        return
+    grid, num_m_blocks, meta = plan
     _extend_kernel[grid](
         q, k_cache, v_cache, out, out if lse is None else lse, q if sinks is None else sinks,
         cu_seqlens_q, page_table, cache_seqlens,

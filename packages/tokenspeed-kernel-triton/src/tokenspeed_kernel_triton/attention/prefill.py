@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _tiles
 from ._common import (
     ATTENTION_TRAITS,
     GPT_OSS_AOT_CASE,
@@ -20,15 +21,6 @@ from ._common import (
     LOG2E,
     interpreter_dot_verdict,
     register_attention_kernel,
-)
-from ._tiles import (
-    attend_key_ranges,
-    attn_finalize,
-    key_block_bounds,
-    plan_tiles,
-    query_tile,
-    store_rows,
-    tile_program,
 )
 
 KERNEL_NAME = "triton.mha_prefill"
@@ -45,14 +37,16 @@ def _prefill_kernel(
     HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, SPLIT_MASK: tl.constexpr,
 ):  # fmt: skip
     TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
-    pid_m, head_base, seq = tile_program(num_m_blocks, HEADS_PER_TILE, IS_CAUSAL and not HAS_WINDOW)
+    pid_m, head_base, seq = _tiles.tile_program(
+        num_m_blocks, HEADS_PER_TILE, IS_CAUSAL and not HAS_WINDOW
+    )
     start = tl.load(CuSeqlens + seq)
     seqlen = tl.load(CuSeqlens + seq + 1) - start
     t0 = pid_m * TOKENS
     if t0 >= seqlen:
         return
     kv_head = head_base // GROUP
-    q, tok0, tile0, local, rows, heads, row_ok, offs_n, offs_d = query_tile(
+    q, tok0, tile0, local, rows, heads, row_ok, offs_n, offs_d = _tiles.query_tile(
         Q, start, t0, head_base, seqlen, stride_qt, stride_qh, BLOCK_M, HEADS_PER_TILE, BLOCK_N,
         HEAD_DIM,
     )  # fmt: skip
@@ -60,15 +54,17 @@ def _prefill_kernel(
     v_base = V + tok0 * stride_vt + kv_head * stride_vh
 
     last_row = tl.minimum(t0 + TOKENS, seqlen) - 1
-    bounds = key_block_bounds(t0, last_row, seqlen, window_left, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    bounds = _tiles.key_block_bounds(
+        t0, last_row, seqlen, window_left, BLOCK_N, IS_CAUSAL, HAS_WINDOW
+    )
     tile = (rows, seqlen, window_left, qk_scale, offs_n)
     keys = (k_base, v_base, stride_kt, stride_vt, offs_n, offs_d)
-    acc, l_i, m_i = attend_key_ranges(
+    acc, l_i, m_i = _tiles.attend_key_ranges(
         q, tile, keys, bounds, BLOCK_M, HEAD_DIM, BLOCK_N, IS_CAUSAL, HAS_WINDOW, SPLIT_MASK, 0
     )
-    acc, lse = attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS)
+    acc, lse = _tiles.attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS)
     strides = (stride_ot, stride_oh, stride_lt)
-    store_rows(Out, Lse, acc, lse, tile0, local, heads, row_ok, offs_d, strides, HAS_LSE)
+    _tiles.store_rows(Out, Lse, acc, lse, tile0, local, heads, row_ok, offs_d, strides, HAS_LSE)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -93,12 +89,12 @@ def mha_prefill(
     max_seqlen >= every sequence length; sinks [Hq] float32/bfloat16 or None;
     out [T, Hq, D]; lse [T, Hq] float32 or None. Arguments arrive validated.
     """
-    num_seqs = cu_seqlens.shape[0] - 1
-    if q.shape[0] == 0 or num_seqs == 0 or max_seqlen == 0:
-        return
-    grid, num_m_blocks, meta = plan_tiles(
-        KERNEL_NAME, q, k.shape[1], num_seqs, max_seqlen, window_left, sinks, lse
+    plan = _tiles.plan_tiles(
+        KERNEL_NAME, q, k.shape[1], cu_seqlens, max_seqlen, window_left, sinks, lse
     )
+    if plan is None:
+        return
+    grid, num_m_blocks, meta = plan
     _prefill_kernel[grid](
         q, k, v, out, out if lse is None else lse, q if sinks is None else sinks, cu_seqlens,
         softmax_scale * LOG2E.value, window_left, num_m_blocks,
