@@ -23,6 +23,7 @@ import fnmatch
 import hashlib
 import json
 import re
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -183,8 +184,18 @@ def summarize(launch: Launch, target: str, asm: Mapping[str, Any]) -> dict[str, 
         hash=hashlib.sha256(normalized_assembly(asm).encode()).hexdigest()[:16],
     )
     row.update(_ptx_stats(text) if "ptx" in asm else _amdgcn_stats(text))
-    row["ok"] = row["shared"] <= row["shared_limit"]
+    row["missing"] = [f for f in expected_features(launch.fn) if not row.get(f)]
+    row["ok"] = row["shared"] <= row["shared_limit"] and not row["missing"]
+    if row["missing"]:
+        row["error"] = f"lacks {', '.join(row['missing'])}, which its module's AOT_EXPECT lists"
     return row
+
+
+def expected_features(fn) -> tuple[str, ...]:
+    """What the jit function's design relies on (`mfma`, `wgmma`, `buffer_load`, ... as row
+    keys), from `AOT_EXPECT = {jit function name: features}` in the module defining it."""
+    module = sys.modules.get(getattr(fn, "__module__", ""))
+    return tuple(getattr(module, "AOT_EXPECT", {}).get(fn.__name__, ()))
 
 
 def _ptx_stats(ptx: str) -> dict[str, Any]:
