@@ -151,8 +151,8 @@ def compile_launch(launch: Launch, target: str) -> dict[str, Any]:
 
 
 def normalized_assembly(asm: Mapping[str, Any]) -> str:
-    """PTX or AMDGCN without debug info (`.loc`, `.file`, comments, debug sections), so two
-    builds of the same kernel from edited sources compare equal."""
+    """PTX or AMDGCN without debug info (`.loc`, `.file`, comments, debug sections and scope
+    labels), so two builds of the same kernel from edited sources compare equal."""
     text = asm.get("ptx") or asm.get("amdgcn") or ""
     lines = []
     for line in text.splitlines():
@@ -162,6 +162,9 @@ def normalized_assembly(asm: Mapping[str, Any]) -> str:
         if stripped.startswith((".loc", ".file", "//", ";")):
             continue
         if stripped.startswith("$L__") and "debug" in stripped:
+            continue
+        # Debug scope labels: referenced only from the debug sections dropped above.
+        if re.fullmatch(r"(\$L__tmp|\.Ltmp)\d+:", stripped):
             continue
         lines.append(line)
     return "\n".join(lines)
