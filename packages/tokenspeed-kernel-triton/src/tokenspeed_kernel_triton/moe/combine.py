@@ -59,5 +59,6 @@ def combine(y, out, *, top_k: int, pdl: bool = False) -> None:
         INTERPRETED=interpreting(),
         WAIT_PRIOR=pdl,
         num_warps=4,
-        launch_pdl=pdl,
+        # Only CUDA's launcher knows the option (HIP's rejects it).
+        **({"launch_pdl": True} if pdl else {}),
     )
