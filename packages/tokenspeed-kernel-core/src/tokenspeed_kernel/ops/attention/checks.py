@@ -38,12 +38,16 @@ _FP8_OUT = (torch.bfloat16, torch.float16)
 
 
 def _tensor(op, name, x, ndims) -> torch.Size:
-    if not isinstance(x, _Tensor):
-        raise type_error(op, name, x, "a torch.Tensor")
-    shape = x.shape
+    shape = x.shape if isinstance(x, _Tensor) else ()
     if len(shape) not in ndims:
-        raise ndim_error(op, name, x, ndims)
+        raise _ndim_error(op, name, x, ndims)
     return shape
+
+
+def _ndim_error(op, name, x, ndims) -> Exception:
+    if not isinstance(x, _Tensor):
+        return type_error(op, name, x, "a torch.Tensor")
+    return ndim_error(op, name, x, ndims)
 
 
 def _like(op, name, x, device, dtypes, shape=None, dense=True) -> None:
@@ -94,7 +98,9 @@ def _paged(op, q, shape, num_seqs, q_len, cache, options, out, k_scale, v_scale)
     # the ~3 µs this takes, and decode runs it on every step.
     k_cache, v_cache, page_table, cache_seqlens = cache
     device, q_dtype, head_dim = q.device, q.dtype, shape[-1]
-    ks = _tensor(op, "k_cache", k_cache, (4,))
+    ks = k_cache.shape if isinstance(k_cache, _Tensor) else ()
+    if len(ks) != 4:
+        raise _ndim_error(op, "k_cache", k_cache, (4,))
     kv_dtype = k_cache.dtype
     if ks[3] != head_dim:
         raise shape_error(op, "k_cache", k_cache, (None, None, None, head_dim))
@@ -114,14 +120,18 @@ def _paged(op, q, shape, num_seqs, q_len, cache, options, out, k_scale, v_scale)
         raise stride_error(op, "k_cache", k_cache)
     if not dense_last_dim(v_cache):
         raise stride_error(op, "v_cache", v_cache)
-    pts = _tensor(op, "page_table", page_table, (2,))
+    pts = page_table.shape if isinstance(page_table, _Tensor) else ()
+    if len(pts) != 2:
+        raise _ndim_error(op, "page_table", page_table, (2,))
     if pts[0] != num_seqs:
         raise shape_error(op, "page_table", page_table, (num_seqs, None))
     if page_table.dtype is not _INT32:
         raise dtype_error(op, "page_table", page_table, (_INT32,))
     if page_table.device != device:
         raise device_error(op, "page_table", page_table, device)
-    lens = _tensor(op, "cache_seqlens", cache_seqlens, (1,))
+    lens = cache_seqlens.shape if isinstance(cache_seqlens, _Tensor) else ()
+    if len(lens) != 1:
+        raise _ndim_error(op, "cache_seqlens", cache_seqlens, (1,))
     if lens[0] != num_seqs:
         raise shape_error(op, "cache_seqlens", cache_seqlens, (num_seqs,))
     if cache_seqlens.dtype is not _INT32:
@@ -139,15 +149,13 @@ def _paged(op, q, shape, num_seqs, q_len, cache, options, out, k_scale, v_scale)
     return request, scale, k_scale, v_scale
 
 
-def _request(op, device, options, *features):
-    """GQA and the options shared by the three ops. `features` = the request's fields up to
-    `causal`; `options` = (window_left, sinks, softmax_scale, return_lse).
-    Returns (request, softmax scale)."""
-    _, _, head_dim, num_q_heads, num_kv_heads, _, _, causal = features
+def _request(op, device, options, dtype, kv_dtype, head_dim, hq, hkv, page_size, q_len, causal):
+    """GQA and the options shared by the three ops; `options` = (window_left, sinks,
+    softmax_scale, return_lse). Returns (request, softmax scale)."""
     window_left, sinks, softmax_scale, return_lse = options
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+    if hkv < 1 or hq % hkv:
         raise ValueError(
-            f"{op}: q has {num_q_heads} heads and the keys {num_kv_heads}, "
+            f"{op}: q has {hq} heads and the keys {hkv}, "
             "expected the query heads to be a multiple of the KV heads"
         )
     if type(window_left) is not int:
@@ -160,7 +168,7 @@ def _request(op, device, options, *features):
             "causal=True (a window counts keys to the left of each query)"
         )
     if sinks is not None:
-        _like(op, "sinks", sinks, device, SINK_DTYPES, (num_q_heads,), dense=False)
+        _like(op, "sinks", sinks, device, SINK_DTYPES, (hq,), False)
     if softmax_scale is None:
         scale = head_dim**-0.5
     else:
@@ -168,7 +176,10 @@ def _request(op, device, options, *features):
     if type(return_lse) is not bool:
         raise type_error(op, "return_lse", return_lse, "bool")
     # tuple.__new__ skips the NamedTuple's Python-level __new__ (~0.1 µs on the decode path).
-    request = tuple.__new__(Request, (*features, window_left, sinks is not None, return_lse))
+    request = tuple.__new__(Request, (
+        dtype, kv_dtype, head_dim, hq, hkv, page_size, q_len, causal, window_left,
+        sinks is not None, return_lse,
+    ))  # fmt: skip
     return request, scale
 
 
@@ -189,7 +200,7 @@ def check_prefill(q, k, v, cu_seqlens, max_seqlen, causal, options, out):
     _like(op, "k", k, device, (q.dtype,))
     _like(op, "v", v, device, (q.dtype,), ks)
     _tensor(op, "cu_seqlens", cu_seqlens, (1,))
-    _like(op, "cu_seqlens", cu_seqlens, device, (_INT32,), dense=False)
+    _like(op, "cu_seqlens", cu_seqlens, device, (_INT32,), None, False)
     if cu_seqlens.shape[0] < 1:
         raise ValueError(f"{op}: cu_seqlens has shape [0], expected [B+1] with B >= 0")
     max_seqlen = check_int(op, "max_seqlen", max_seqlen, minimum=0)
@@ -208,7 +219,7 @@ def check_extend(q, cu_seqlens_q, max_seqlen_q, cache, options, out, k_scale, v_
     op = MHA_EXTEND
     shape = _q(op, q, (3,))
     _tensor(op, "cu_seqlens_q", cu_seqlens_q, (1,))
-    _like(op, "cu_seqlens_q", cu_seqlens_q, q.device, (_INT32,), dense=False)
+    _like(op, "cu_seqlens_q", cu_seqlens_q, q.device, (_INT32,), None, False)
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_seqs < 0:
         raise ValueError(f"{op}: cu_seqlens_q has shape [0], expected [B+1] with B >= 0")
