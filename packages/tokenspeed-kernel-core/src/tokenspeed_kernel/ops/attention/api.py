@@ -27,12 +27,13 @@ def _kernel(op, request, device, positional):
     return kernel.fn
 
 
-def _outputs(q, out, kv_dtype, return_lse):
-    """`out` (allocated unless given) and `lse` [q.shape[:-1]] float32 or None."""
-    if out is None:
-        out = torch.empty(q.shape, dtype=out_dtype(q.dtype, kv_dtype), device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=_FLOAT32, device=q.device) if return_lse else None
-    return out, lse
+# Allocations only when needed: on the decode path a helper call costs ~0.1 µs of ~8.
+def _new_out(q, kv_dtype):
+    return torch.empty(q.shape, dtype=out_dtype(q.dtype, kv_dtype), device=q.device)
+
+
+def _new_lse(q):
+    return torch.empty(q.shape[:-1], dtype=_FLOAT32, device=q.device)
 
 
 def mha_prefill(
@@ -48,7 +49,8 @@ def mha_prefill(
     request, scale, max_seqlen = check_prefill(
         q, k, v, cu_seqlens, max_seqlen, causal, options, out
     )
-    out, lse = _outputs(q, out, q.dtype, return_lse)
+    out = _new_out(q, q.dtype) if out is None else out
+    lse = _new_lse(q) if return_lse else None
     _kernel("mha_prefill", request, q.device, ("q", "k", "v"))(
         q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=causal,
         window_left=request.window_left, sinks=sinks, softmax_scale=scale, out=out, lse=lse,
@@ -72,7 +74,8 @@ def mha_extend_with_kvcache(
     request, scale, k_scale, v_scale, max_seqlen_q = check_extend(
         q, cu_seqlens_q, max_seqlen_q, cache, options, out, k_scale, v_scale
     )
-    out, lse = _outputs(q, out, k_cache.dtype, return_lse)
+    out = _new_out(q, k_cache.dtype) if out is None else out
+    lse = _new_lse(q) if return_lse else None
     _kernel("mha_extend_with_kvcache", request, q.device, ("q", "k_cache", "v_cache"))(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, page_table=page_table,
         cache_seqlens=cache_seqlens, max_seqlen_q=max_seqlen_q, window_left=request.window_left,
@@ -95,7 +98,8 @@ def mha_decode_with_kvcache(
     cache = (k_cache, v_cache, page_table, cache_seqlens)
     options = (window_left, sinks, softmax_scale, return_lse)
     request, scale, k_scale, v_scale = check_decode(q, cache, options, out, k_scale, v_scale)
-    out, lse = _outputs(q, out, k_cache.dtype, return_lse)
+    out = _new_out(q, k_cache.dtype) if out is None else out
+    lse = _new_lse(q) if return_lse else None
     q4, out4, lse4 = q, out, lse
     if q.dim() == 3:
         q4, out4 = q.unsqueeze(1), out.unsqueeze(1)
