@@ -2,7 +2,7 @@
 
 Each checker is straight-line code over tensor metadata: decode and store run it thousands of
 times a second, where one generic `check_tensor` call per argument would cost ~13 µs a call
-instead of ~3 µs. A failed condition raises through the message builders of `validation`, so
+instead of ~4 µs. A failed condition raises through the message builders of `validation`, so
 each error names the op, the argument, the expectation and the value received. A checker
 returns the selection request and the normalized options.
 """
@@ -95,7 +95,7 @@ def _paged(op, q, shape, num_seqs, q_len, cache, options, out, k_scale, v_scale)
     of q's dtype or FP8, page_table [B, *] and cache_seqlens [B] int32; `shape` is q's.
     Returns (request, softmax scale, k_scale, v_scale)."""
     # Inline conditions rather than one helper call per tensor: each call costs ~0.1 µs of
-    # the ~3 µs this takes, and decode runs it on every step.
+    # the ~4 µs this takes, and decode runs it on every step.
     k_cache, v_cache, page_table, cache_seqlens = cache
     device, q_dtype, head_dim = q.device, q.dtype, shape[-1]
     ks = k_cache.shape if isinstance(k_cache, _Tensor) else ()
