@@ -1,13 +1,10 @@
-"""Entry point of the `tokenspeed_kernel.plugins` group: registers the AMD Gluon kernels."""
+"""Entry point `tokenspeed_kernel.plugins: amd`: every module of this package that ends with a
+`register()` is a kernel module, and registers itself."""
 
 from __future__ import annotations
 
-from .attention import decode, extend, prefill
-from .moe import mxfp4_moe
-
-KERNEL_MODULES = (prefill, extend, decode, mxfp4_moe)
+from tokenspeed_kernel.plugins import register_kernel_modules
 
 
 def register() -> None:
-    for module in KERNEL_MODULES:
-        module.register()
+    register_kernel_modules(__package__)

@@ -7,8 +7,10 @@ of the registry; each load is isolated so that a broken plugin is recorded and t
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+import pkgutil
 import traceback
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -32,6 +34,18 @@ class PluginResult:
 
 
 _results: list[PluginResult] | None = None
+
+
+def register_kernel_modules(package: str) -> None:
+    """A backend's plugin entry point: import every module of `package` and call the
+    `register()` each kernel module ends with. Adding a kernel is adding its module."""
+    root = importlib.import_module(package)
+    for info in sorted(pkgutil.walk_packages(root.__path__, package + "."), key=lambda i: i.name):
+        if info.ispkg or info.name == f"{package}.registration":
+            continue
+        register = getattr(importlib.import_module(info.name), "register", None)
+        if callable(register):
+            register()
 
 
 def load_plugins() -> list[PluginResult]:

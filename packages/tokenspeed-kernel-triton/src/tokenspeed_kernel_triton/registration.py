@@ -1,16 +1,10 @@
-"""Entry point `tokenspeed_kernel.plugins: triton`: registers every Triton kernel with core.
-
-Each kernel module ends with its own `register()`; this module only lists them.
-"""
+"""Entry point `tokenspeed_kernel.plugins: triton`: every module of this package that ends with a
+`register()` is a kernel module, and registers itself."""
 
 from __future__ import annotations
 
-from .attention import decode, extend, kvcache_store, prefill
-from .moe import moe, moe_sm90
-
-KERNEL_MODULES = (prefill, extend, decode, kvcache_store, moe, moe_sm90)
+from tokenspeed_kernel.plugins import register_kernel_modules
 
 
 def register() -> None:
-    for module in KERNEL_MODULES:
-        module.register()
+    register_kernel_modules(__package__)
