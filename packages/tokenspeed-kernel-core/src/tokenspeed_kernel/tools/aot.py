@@ -259,29 +259,17 @@ def check_target(target: str, pattern: str = "*", dump: Path | None = None) -> l
     return rows
 
 
+def _failure(kernel: str, name: str, target: str, error: str) -> dict:
+    return dict(kernel=kernel, name=name, target=target, ok=False, error=error[:2000])
+
+
 def _check_case(spec, case, target, seen: set[str], dump: Path | None) -> list[dict]:
     try:
         launches = run_case_launches(spec, case, target)
     except Exception as exc:  # noqa: BLE001 - reported per case
-        return [
-            dict(
-                kernel=spec.name,
-                name=str(dict(case)),
-                target=target,
-                ok=False,
-                error=f"{type(exc).__name__}: {exc}"[:2000],
-            )
-        ]
+        return [_failure(spec.name, str(dict(case)), target, f"{type(exc).__name__}: {exc}")]
     if not launches:
-        return [
-            dict(
-                kernel=spec.name,
-                name=str(dict(case)),
-                target=target,
-                ok=False,
-                error="the case launched no Triton kernel",
-            )
-        ]
+        return [_failure(spec.name, str(dict(case)), target, "the case launched no Triton kernel")]
     rows = []
     for launch in launches:
         if launch.key in seen:
@@ -290,15 +278,7 @@ def _check_case(spec, case, target, seen: set[str], dump: Path | None) -> list[d
         try:
             asm = compile_launch(launch, target)
         except Exception as exc:  # noqa: BLE001 - reported per specialization
-            rows.append(
-                dict(
-                    kernel=spec.name,
-                    name=launch.name,
-                    target=target,
-                    ok=False,
-                    error=f"{type(exc).__name__}: {exc}"[:2000],
-                )
-            )
+            rows.append(_failure(spec.name, launch.name, target, f"{type(exc).__name__}: {exc}"))
             continue
         rows.append(summarize(launch, target, asm))
         if dump is not None:
