@@ -16,13 +16,13 @@ import torch
 from record import table
 
 from tokenspeed_kernel.ops.attention.reference import reference_decode, reference_kvcache_store
+from tokenspeed_kernel.platform import Platform, platform_of
 from tokenspeed_kernel.testing import compare
-from tokenspeed_kernel_triton.attention.decode import (
+from tokenspeed_kernel.tuning import pin_config
+from tokenspeed_kernel_triton.attention.decode import KERNEL_NAME, mha_decode_with_kvcache
+from tokenspeed_kernel_triton.attention.decode_config import (
     DecodeConfig,
-    device_info,
     heuristic_config,
-    mha_decode,
-    pin_decode_config,
     plan_decode,
 )
 from tokenspeed_kernel_triton.attention.kvcache_store import kvcache_store
@@ -136,7 +136,7 @@ def check(k_cache, v_cache, s, seqlens, sinks, window, fa3) -> dict:
     reference_decode(q, k_cache, v_cache, out=want, lse=want_lse, **kw)
     out = torch.full_like(q, float("nan"))
     lse = torch.full_like(want_lse, float("nan"))
-    mha_decode(q, k_cache, v_cache, out=out, lse=lse, **kw)
+    mha_decode_with_kvcache(q, k_cache, v_cache, out=out, lse=lse, **kw)
     result = {
         "triton_out": compare(out, want, dtype=torch.bfloat16, name="out"),
         "triton_lse": compare(lse, want_lse, dtype=torch.float32, name="lse"),
@@ -200,7 +200,7 @@ def bench_store_case(tokens: int, cache_dtype: torch.dtype, bw: float) -> dict:
     )
 
 
-def run_decode_case(case, l2: int, bw: float, device, sweep: bool, gen) -> list[dict]:
+def run_decode_case(case, l2: int, bw: float, platform: Platform, sweep: bool, gen) -> list[dict]:
     """Rows (heuristic config, then the pinned sweep configs) of one decode case."""
     batch, ctx, window, *kv = case
     kv_dtype = kv[0] if kv else torch.bfloat16
@@ -222,23 +222,24 @@ def run_decode_case(case, l2: int, bw: float, device, sweep: bool, gen) -> list[
 
     def ours(i):
         s = sets[i]
-        mha_decode(s["q"], k_cache, v_cache, page_table=s["page_table"], out=outs[i], **kw)
+        mha_decode_with_kvcache(
+            s["q"], k_cache, v_cache, page_table=s["page_table"], out=outs[i], **kw
+        )
 
     numerics = check(k_cache, v_cache, sets[0], seqlens, sinks, window, fa3)
     configs = {"heuristic": None}
     if sweep and (batch, ctx, window) in SWEEP_CASES:
         configs.update(SWEEP)
     fa3_us = time_calls(fa3, len(sets)) if fa3 is not None else float("nan")
-    arch, sms, smem = device
     rows = []
     for label, config in configs.items():
         if config is None:
             us = time_calls(ours, len(sets))
         else:
-            with pin_decode_config(config):
+            with pin_config(KERNEL_NAME, config):
                 us = time_calls(ours, len(sets))
         shape = (batch, 1, HQ, HKV, D, P, -(-ctx // P), window)
-        plan = plan_decode(arch, sms, smem, k_cache.element_size(), *shape, config)
+        plan = plan_decode(platform, k_cache.element_size(), *shape, config)
         rows.append(
             dict(
                 batch=batch,
@@ -282,7 +283,7 @@ def decode_lines(rows: list[dict]) -> list[str]:
     )
     swept = [r for r in rows if r["config"] != "heuristic"]
     if swept:
-        lines += ["", "Pinned configs (`pin_decode_config`):", ""]
+        lines += ["", f"Pinned configs (`tuning.pin_config({KERNEL_NAME!r}, ...)`):", ""]
         lines += table(columns + ["config", "µs"], (_cells(r, True) for r in swept))
     return lines
 
@@ -313,24 +314,24 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
     bw = copy_bandwidth()
-    device = device_info(torch.device("cuda", 0))
+    platform = platform_of(torch.device("cuda", 0))
     fa3_version = record.package_version("tokenspeed-fa3", "flash-attn-3", "flash_attn_3")
     lines = record.header(
         f"Decode attention and kvcache_store against FlashAttention-3, {props.name}",
-        f"{props.name} ({device[1]} SMs, {l2 >> 20} MiB L2)",
+        f"{props.name} ({platform.sm_count} SMs, {l2 >> 20} MiB L2)",
         {"FA3": fa3_version},
     )
     lines += [
         METHOD,
         "",
         f"Copy bandwidth (elementwise bf16 kernel over 1 GiB, read + written): {bw:.2f} TB/s. "
-        f"Heuristic config: {heuristic_config(device[0], D)}.",
+        f"Heuristic config: {heuristic_config(platform, D)}.",
         "",
     ]
     gen = torch.Generator().manual_seed(0)
     rows = []
     for case in CASES:
-        rows += run_decode_case(case, l2, bw, device, args.sweep, gen)
+        rows += run_decode_case(case, l2, bw, platform, args.sweep, gen)
         torch.cuda.empty_cache()
     lines += decode_lines(rows) + store_lines(bw)
     record.write("decode", lines, device=props.name, record=not args.no_record)

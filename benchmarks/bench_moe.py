@@ -21,10 +21,11 @@ import record
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from tokenspeed_kernel_triton.moe._common import MoETileConfig, pin_config
-from tokenspeed_kernel_triton.moe.fragment_config import FRAGMENT_PIN, FragmentConfig
-from tokenspeed_kernel_triton.moe.kernel import moe_forward
+from tokenspeed_kernel.tuning import pin_config
+from tokenspeed_kernel_triton.moe import moe, moe_sm90
+from tokenspeed_kernel_triton.moe.fragment_config_sm90 import FragmentConfig
 from tokenspeed_kernel_triton.moe.layout import prepare_weights
+from tokenspeed_kernel_triton.moe.moe import MoETileConfig
 
 E, TOP_K, H, I = 128, 4, 2880, 2880  # noqa: E741
 EXPERT_BYTES = (2 * I * H // 2 + 2 * I * H // 32) + (H * I // 2 + H * I // 32)
@@ -93,6 +94,25 @@ def token_inputs(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, logits, torch.empty_like(x)
 
 
+def layer_forward(x, prepared: dict, logits, out, act: str = "bf16", scales=(None, None)):
+    """One layer's forward through the kernel its weights were prepared for: fragment word
+    order is triton.moe_apply.sm90's layout (bf16 activations only), natural order
+    triton.moe_apply's."""
+    if prepared["word_order"] == "fragment":
+        moe_sm90.moe_forward_sm90(x, prepared, top_k=TOP_K, out=out, router_logits=logits)
+        return
+    moe.moe_forward(
+        x,
+        prepared,
+        top_k=TOP_K,
+        out=out,
+        router_logits=logits,
+        activation_format=act,
+        w13_input_scale=scales[0],
+        w2_input_scale=scales[1],
+    )
+
+
 def run_case(layers, m, act, scales, *, graph: bool, config=None):
     """Microseconds per layer for M tokens through `layers` (a list of prepared weights, each
     layer's forward in turn), and the number of distinct selected experts."""
@@ -100,16 +120,7 @@ def run_case(layers, m, act, scales, *, graph: bool, config=None):
 
     def fn():
         for prepared in layers:
-            moe_forward(
-                x,
-                prepared,
-                top_k=TOP_K,
-                out=out,
-                router_logits=logits,
-                activation_format=act,
-                w13_input_scale=scales[0],
-                w2_input_scale=scales[1],
-            )
+            layer_forward(x, prepared, logits, out, act, scales)
 
     def timed():
         fn()
@@ -117,8 +128,8 @@ def run_case(layers, m, act, scales, *, graph: bool, config=None):
         return ms * 1e3 / len(layers)
 
     if config is not None:
-        pin = FRAGMENT_PIN.pin if isinstance(config, FragmentConfig) else pin_config
-        with pin(config):
+        kernel = moe_sm90 if isinstance(config, FragmentConfig) else moe
+        with pin_config(kernel.KERNEL_NAME, config):
             us = timed()
     else:
         us = timed()
@@ -165,7 +176,7 @@ def profile_case(prepared, m: int) -> list[str]:
     calls = 20
 
     def fn():
-        moe_forward(x, prepared, top_k=TOP_K, out=out, router_logits=logits)
+        layer_forward(x, prepared, logits, out)
 
     fn()
     torch.cuda.synchronize()

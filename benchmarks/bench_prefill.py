@@ -16,8 +16,9 @@ import triton
 from record import table
 
 from tokenspeed_kernel.ops.attention.reference import reference_extend, reference_prefill
+from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_triton.attention import extend, prefill
-from tokenspeed_kernel_triton.attention._common import AttentionConfig
+from tokenspeed_kernel_triton.attention._tiles import AttentionConfig
 
 HQ, HKV, D = 64, 8, 64
 SCALE = 1.0 / math.sqrt(D)
@@ -89,7 +90,7 @@ def peer_ms(run_fa3, ref, check: dict) -> float:
     return bench(run_fa3)
 
 
-def case_rows(label, flops, run, out, ref, check, fa3_ms, configs, pin) -> list[dict]:
+def case_rows(label, flops, run, out, ref, check, fa3_ms, configs, kernel_name) -> list[dict]:
     """The heuristic row beside FA3, then one row per pinned config (errors reported)."""
     ms = bench(run)
     rows = [
@@ -105,7 +106,7 @@ def case_rows(label, flops, run, out, ref, check, fa3_ms, configs, pin) -> list[
     ]
     for config in configs:
         try:
-            with pin(config):
+            with pin_config(kernel_name, config):
                 run()
                 err = rel_err(out, ref)
                 ms = bench(run)
@@ -166,7 +167,7 @@ def run_prefill_case(seqlen, batch, window, fa3, sweep) -> list[dict]:
         prefill.mha_prefill(q, k, v, out=out, lse=None, **kwargs)
 
     configs = sweep[window >= 0] if sweep else ()
-    return case_rows(label, flops, run, out, ref, check, fa3_ms, configs, prefill.pin_config)
+    return case_rows(label, flops, run, out, ref, check, fa3_ms, configs, prefill.KERNEL_NAME)
 
 
 def run_extend_case(ctx, new, batch, window, page, fa3, sweep) -> list[dict]:
@@ -228,7 +229,7 @@ def run_extend_case(ctx, new, batch, window, page, fa3, sweep) -> list[dict]:
     )
     flops = 4 * HQ * D * batch * (visible_keys(ctx, window) - visible_keys(ctx - new, window))
     configs = sweep[window >= 0] if sweep else ()
-    return case_rows(label, flops, run, out, ref, check, fa3_ms, configs, extend.pin_config)
+    return case_rows(label, flops, run, out, ref, check, fa3_ms, configs, extend.KERNEL_NAME)
 
 
 def _cells(r: dict) -> list[object]:
@@ -253,7 +254,7 @@ def prefill_lines(rows: list[dict]) -> list[str]:
     lines = table(columns, (_cells(r) for r in rows if r["config"] == "heuristic"))
     swept = [r for r in rows if r["config"] != "heuristic"]
     if swept:
-        lines += ["", "Pinned configs (`pin_config`):", ""]
+        lines += ["", "Pinned configs (`tuning.pin_config(<kernel name>, config)`):", ""]
         lines += table(columns, (_cells(r) for r in swept))
     return lines
 

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, "benchmarks")
 from bench_moe import TOP_K, gpt_oss_tensors, token_inputs, weight_copies  # noqa: E402
 
-from tokenspeed_kernel_triton.moe.kernel import moe_forward  # noqa: E402
+from tokenspeed_kernel_triton.moe.moe_sm90 import moe_forward_sm90  # noqa: E402
 
 LAYERS = 4
 
@@ -27,7 +27,7 @@ def timeline(layers: list[dict], m: int) -> list[str]:
 
     def forward():
         for prepared in layers:
-            moe_forward(x, prepared, top_k=TOP_K, out=out, router_logits=logits)
+            moe_forward_sm90(x, prepared, top_k=TOP_K, out=out, router_logits=logits)
 
     forward()
     graph = torch.cuda.CUDAGraph()

@@ -1,4 +1,5 @@
-"""Exhaustive search for the bit placements of the Triton MoE's shift_words LAYOUTS.
+"""Exhaustive search for the bit placements of the Triton MoE's shift-decode LAYOUTS
+(packages/tokenspeed-kernel-triton/src/tokenspeed_kernel_triton/moe/shift_words_sm90.py).
 
 A 32-bit word holds 8 e2m1 codes; output register k (two halves) needs its two 3-bit magnitudes
 at bits field..field+2 and field+16..field+18 and its two signs at bits 15 and 31. Register k
