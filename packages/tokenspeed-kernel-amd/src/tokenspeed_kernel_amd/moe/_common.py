@@ -12,7 +12,7 @@ never read device values back to the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from triton.experimental import gluon
@@ -94,15 +94,8 @@ def gemm_layouts(arch: str, block_m: int, block_n: int, num_warps: int, scaled: 
 
 
 def layout_constexprs(layouts: GemmLayouts) -> dict:
-    """The grouped kernels' layout constexprs."""
-    return dict(
-        MMA=layouts.mma,
-        DOT_A=layouts.dot_a,
-        DOT_B=layouts.dot_b,
-        LOAD_A=layouts.load_a,
-        LOAD_W=layouts.load_w,
-        SCALE_B=layouts.scale_b,
-    )
+    """The grouped kernels' layout constexprs: each GemmLayouts field, named in capitals."""
+    return {field.name.upper(): getattr(layouts, field.name) for field in fields(layouts)}
 
 
 def gemv_layout(arch: str, num_warps: int):

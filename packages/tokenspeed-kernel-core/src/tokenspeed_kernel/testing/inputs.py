@@ -25,8 +25,16 @@ _FP8_KV_GAIN = 2.0  # fp8 cache entries ~N(0, 2): well inside +-448, many expone
 _GARBAGE_GAIN = 10.0  # unowned cache slots: large enough that reading one shows
 
 
+class _CacheDtype:
+    """The KV cache's dtype of a shape with `dtype` and an optional `kv_dtype`."""
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
+
+
 @dataclass(frozen=True)
-class AttentionShape:
+class AttentionShape(_CacheDtype):
     """Shapes and options of one attention call.
 
     seqlens: keys per sequence (the cache_seqlens of paged ops). q_lens: new tokens per sequence
@@ -52,17 +60,13 @@ class AttentionShape:
     q_gain: float = 1.0
 
     @property
-    def cache_dtype(self) -> torch.dtype:
-        return self.kv_dtype or self.dtype
-
-    @property
     def out_dtype(self) -> torch.dtype:
         # The contract: an FP8 cache's output is bfloat16 unless `out` is given.
         return torch.bfloat16 if self.cache_dtype == FP8_DTYPE else self.dtype
 
 
 @dataclass(frozen=True)
-class StoreShape:
+class StoreShape(_CacheDtype):
     """kvcache_store: num_tokens new tokens into num_pages pages; `skip` of them padded (-1)."""
 
     num_tokens: int
@@ -76,41 +80,36 @@ class StoreShape:
     k_scale: float = 1.0
     v_scale: float = 1.0
 
-    @property
-    def cache_dtype(self) -> torch.dtype:
-        return self.kv_dtype or self.dtype
+
+# MoEShape's layer fields are MoEConfig's, so that they cannot drift apart: all but its
+# `activation` (the default SwiGLU) and `routing` (here, how the inputs route).
+_MOE_CONFIG_FIELDS = tuple(
+    f for f in dataclasses.fields(MoEConfig) if f.name not in ("activation", "routing")
+)
+_MoEShapeFields = dataclasses.make_dataclass(
+    "_MoEShapeFields",
+    [
+        ("num_tokens", int),
+        *((f.name, f.type, dataclasses.field(default=f.default)) for f in _MOE_CONFIG_FIELDS),
+        ("bias_dtype", torch.dtype, dataclasses.field(default=torch.float32)),
+        ("routing", str, dataclasses.field(default="logits")),
+        ("logits_dtype", torch.dtype, dataclasses.field(default=torch.float32)),
+        ("static_scales", bool, dataclasses.field(default=False)),
+        ("gain", float, dataclasses.field(default=1.0)),
+    ],
+    frozen=True,
+)
 
 
-@dataclass(frozen=True)
-class MoEShape:
-    """One MoE layer call. routing: "logits", "ties" (integer logits, many equal) or
-    "precomputed" (topk_weights/topk_ids). gain multiplies the weights: 4 pushes many
-    pre-activations past the SwiGLU clamp (limit 7)."""
-
-    num_tokens: int
-    num_experts: int
-    top_k: int
-    hidden_size: int
-    intermediate_size: int
-    weight_format: str = "mxfp4"
-    activation_format: str = "bf16"
-    has_bias: bool = True
-    bias_dtype: torch.dtype = torch.float32
-    routing: str = "logits"
-    logits_dtype: torch.dtype = torch.float32
-    static_scales: bool = False
-    gain: float = 1.0
+class MoEShape(_MoEShapeFields):
+    """One MoE layer call: num_tokens, then MoEConfig's num_experts, top_k, hidden_size,
+    intermediate_size, weight_format, activation_format and has_bias, then the input options.
+    routing: "logits", "ties" (integer logits, many equal) or "precomputed"
+    (topk_weights/topk_ids). gain multiplies the weights: 4 pushes many pre-activations past
+    the SwiGLU clamp (limit 7)."""
 
     def config(self) -> MoEConfig:
-        return MoEConfig(
-            self.num_experts,
-            self.top_k,
-            self.hidden_size,
-            self.intermediate_size,
-            self.weight_format,
-            self.activation_format,
-            has_bias=self.has_bias,
-        )
+        return MoEConfig(**{f.name: getattr(self, f.name) for f in _MOE_CONFIG_FIELDS})
 
 
 def generator(*parts: object) -> torch.Generator:

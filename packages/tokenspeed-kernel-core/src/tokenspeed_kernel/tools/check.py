@@ -39,13 +39,13 @@ def add_parser(sub) -> None:
         summary="every kernel against the reference on the shared cases",
         preset="also check the preset's model shapes",
     )
-    p.add_argument("--op", choices=op_names(), help="only this op (default: every op)")
     p.add_argument(
         "--kernel",
         metavar="GLOB",
         help="kernel name glob, e.g. 'triton.*' (default: every non-reference kernel; "
         "a glob that names reference kernels checks them too)",
     )
+    p.add_argument("--op", choices=op_names(), help="only this op (default: every op)")
     p.add_argument(
         "--dtype",
         choices=sorted(_DTYPES),

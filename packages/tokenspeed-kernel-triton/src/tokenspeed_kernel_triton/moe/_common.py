@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 
+import torch
 import triton
 import triton.language as tl
 
@@ -82,13 +83,23 @@ def swiglu_fits_f16(alpha: float, limit: float) -> bool:
 
 
 def route_for_gemms(
-    prepared: dict, top_k: int, block_m: int, routing_inputs: tuple, **options
+    prepared: dict,
+    top_k: int,
+    block_m: int,
+    *,
+    router_logits: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    topk_ids: torch.Tensor | None = None,
+    **options,
 ) -> tuple:
     """routing.route for the grouped GEMMs: (weights, sorted pairs, tiles, tile count on the
-    device, tile-count bound, top_k). routing_inputs: (router_logits, topk_weights, topk_ids);
+    device, tile-count bound, top_k). The forwards pass their routing keywords through: either
+    router_logits [M, E] or precomputed topk_weights [M, k] float32 + topk_ids [M, k] int32.
     options: route's launch_dependents, ready and prescale."""
     weights, _, sorted_pairs, tiles, num_tiles, max_tiles = route(
-        *routing_inputs,
+        router_logits,
+        topk_weights,
+        topk_ids,
         top_k=top_k,
         num_experts=prepared["num_experts"],
         block_m=block_m,

@@ -12,6 +12,8 @@ never written and never aliased.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tokenspeed_kernel.ops.moe.types import PreparedMoEWeights
@@ -24,6 +26,8 @@ from .mxfp4_words import encode_words
 # e8m0 bytes above this would overflow the kernel's 2^(scale - 113) float32 factor (elements of
 # 2^114 and beyond, far outside any trained weight); 255 is NaN in the format.
 MAX_SCALE_BYTE = 240
+# The MoEWeights fields prepare_weights takes, under the same names.
+CHECKPOINT_TENSORS = ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")
 
 
 def _pad(t: torch.Tensor, shape: tuple[int, ...], fill: int | float = 0) -> torch.Tensor:
@@ -38,29 +42,48 @@ def _pad_fp8(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 class PaddedMoEKernel:
-    """What both Triton MoE kernel objects share (core's MoEKernel protocol less `apply`):
-    H and I padded to PAD_MULTIPLE, weights prepared in the subclass's `word_order`, with the
-    static FP8 input scales as floats."""
+    """What both Triton MoE kernel objects share (core's MoEKernel protocol): H and I padded to
+    PAD_MULTIPLE, weights prepared in the subclass's `word_order`, with the static FP8 input
+    scales as floats; `apply` calls the subclass's `forward` (moe_forward's keywords) with the
+    routing, the layer's SwiGLU and `forward_options`."""
 
     name: str
     weight_layout: str
     word_order: str
+    forward: Callable[..., torch.Tensor]
+
+    def forward_options(self, config, tensors: dict) -> dict:
+        """`forward`'s keywords beyond routing, top_k, out, alpha and limit."""
+        return {}
+
+    def apply(
+        self, plan, x, prepared, *, router_logits=None, topk_weights=None, topk_ids=None, out
+    ) -> None:
+        config, tensors = plan.config, prepared.tensors
+        self.forward(
+            x,
+            tensors,
+            top_k=config.top_k,
+            out=out,
+            router_logits=router_logits,
+            topk_weights=topk_weights,
+            topk_ids=topk_ids,
+            alpha=config.activation.alpha,
+            limit=config.activation.limit,
+            **self.forward_options(config, tensors),
+        )
 
     def padded_sizes(self, config) -> tuple[int, int]:
         return padded_sizes(config.hidden_size, config.intermediate_size)
 
     def prepare_weights(self, plan, weights) -> PreparedMoEWeights:
         config = plan.config
+        checkpoint = {name: getattr(weights, name) for name in CHECKPOINT_TENSORS}
         tensors = prepare_weights(
             config.weight_format,
             config.hidden_size,
             config.intermediate_size,
-            w13=weights.w13,
-            w2=weights.w2,
-            w13_scale=weights.w13_scale,
-            w2_scale=weights.w2_scale,
-            w13_bias=weights.w13_bias,
-            w2_bias=weights.w2_bias,
+            **checkpoint,
             word_order=self.word_order,
             f16_intermediate=swiglu_fits_f16(config.activation.alpha, config.activation.limit),
         )

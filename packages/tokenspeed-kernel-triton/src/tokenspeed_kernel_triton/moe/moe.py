@@ -76,19 +76,17 @@ def moe_forward(
     *,
     top_k: int,
     out: torch.Tensor,
-    router_logits: torch.Tensor | None = None,
-    topk_weights: torch.Tensor | None = None,
-    topk_ids: torch.Tensor | None = None,
     activation_format: str = "bf16",
     w13_input_scale: float | None = None,
     w2_input_scale: float | None = None,
     alpha: float = 1.702,
     limit: float = 7.0,
+    **routing_inputs,
 ) -> torch.Tensor:
     """out [M, H] = sum_e r_e (W2[e] swiglu(W13[e] x + b13[e]) + b2[e]) for x [M, H] bf16.
 
-    Routing from router_logits [M, E] (top-k, ties to the lower index, softmax over the k) or
-    precomputed topk_weights [M, k] float32 + topk_ids [M, k] int32. FP8 activations: static
+    routing_inputs: router_logits= [M, E] (top-k, ties to the lower index, softmax over the k) or
+    precomputed topk_weights= [M, k] float32 + topk_ids= [M, k] int32. FP8 activations: static
     per-tensor input scales when given, else dynamic per-token (per pair for the second GEMM).
     """
     M = x.shape[0]
@@ -96,8 +94,7 @@ def moe_forward(
         return out
     platform = platform_of(x.device)
     config = pick_config(M * top_k, platform.vendor)
-    routing_inputs = (router_logits, topk_weights, topk_ids)
-    routing = route_for_gemms(prepared, top_k, config.block_m, routing_inputs)
+    routing = route_for_gemms(prepared, top_k, config.block_m, **routing_inputs)
     fp8 = activation_format == "fp8"
     a_in, a_in_scale = quantize_rows(x, w13_input_scale) if fp8 else (x, None)
     common = dict(
@@ -141,24 +138,13 @@ class TritonMoE(PaddedMoEKernel):
     name = KERNEL_NAME
     weight_layout = WEIGHT_LAYOUT
     word_order = "natural"
+    forward = staticmethod(moe_forward)
 
-    def apply(
-        self, plan, x, prepared, *, router_logits=None, topk_weights=None, topk_ids=None, out
-    ) -> None:
-        config, t = plan.config, prepared.tensors
-        moe_forward(
-            x,
-            t,
-            top_k=config.top_k,
-            out=out,
-            router_logits=router_logits,
-            topk_weights=topk_weights,
-            topk_ids=topk_ids,
+    def forward_options(self, config, tensors: dict) -> dict:
+        return dict(
             activation_format=config.activation_format,
-            w13_input_scale=t["w13_input_scale"],
-            w2_input_scale=t["w2_input_scale"],
-            alpha=config.activation.alpha,
-            limit=config.activation.limit,
+            w13_input_scale=tensors["w13_input_scale"],
+            w2_input_scale=tensors["w2_input_scale"],
         )
 
 

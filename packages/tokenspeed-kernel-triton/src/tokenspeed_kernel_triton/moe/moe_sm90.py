@@ -41,14 +41,12 @@ def moe_forward_sm90(
     *,
     top_k: int,
     out: torch.Tensor,
-    router_logits: torch.Tensor | None = None,
-    topk_weights: torch.Tensor | None = None,
-    topk_ids: torch.Tensor | None = None,
     alpha: float = 1.702,
     limit: float = 7.0,
+    **routing_inputs,
 ) -> torch.Tensor:
-    """moe_forward (moe.py) on Hopper for x [M, H] bf16 and weights prepared in fragment order
-    (layout.prepare_weights(..., word_order="fragment"))."""
+    """moe_forward (moe.py, the same routing_inputs) on Hopper for x [M, H] bf16 and weights
+    prepared in fragment order (layout.prepare_weights(..., word_order="fragment"))."""
     # The SwiGLU intermediate: fp16 where prepare_weights laid w2 out to decode to fp16 (one MMA
     # per K step, and as accurate as bf16 hi + lo); else bf16 [hi | lo] halves.
     M = x.shape[0]
@@ -64,9 +62,7 @@ def moe_forward_sm90(
     # Post-scaling needs raw shift-decoded halves in both GEMMs.
     post_scalable = prepared["w13_decode"] == "bf16" and f16_intermediate
     config = pick_config(M * top_k, post_scalable)
-    routing, ready, x_exp, x_in = _route(
-        x, prepared, top_k, config, router_logits, topk_weights, topk_ids
-    )
+    routing, ready, x_exp, x_in = _route(x, prepared, top_k, config, routing_inputs)
     H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
     Ip = prepared["padded_intermediate_size"]
     rows = routing[4] * config.block_t  # the tile-count bound
@@ -113,7 +109,7 @@ def moe_forward_sm90(
     return out
 
 
-def _route(x, prepared, top_k, config, *routing_inputs):
+def _route(x, prepared, top_k, config, routing_inputs: dict):
     """Routing for the fragment GEMMs: (routing, ready, x exponents, GEMM1's x). With
     config.post_scale the router also writes x's rows scaled up by powers of two (GEMM1's x)
     and their exponents; with config.tile_ready it zeroes the per-tile counters `ready` that
@@ -131,7 +127,7 @@ def _route(x, prepared, top_k, config, *routing_inputs):
         prepared,
         top_k,
         config.block_t,
-        routing_inputs,
+        **routing_inputs,
         launch_dependents=config.pdl,
         ready=ready,
         prescale=prescale,
@@ -148,14 +144,7 @@ class TritonMoESm90(PaddedMoEKernel):
     name = KERNEL_NAME
     weight_layout = WEIGHT_LAYOUT
     word_order = "fragment"
-
-    def apply(
-        self, plan, x, prepared, *, router_logits=None, topk_weights=None, topk_ids=None, out
-    ) -> None:
-        config = plan.config
-        routing = dict(router_logits=router_logits, topk_weights=topk_weights, topk_ids=topk_ids)
-        activation = dict(alpha=config.activation.alpha, limit=config.activation.limit)
-        moe_forward_sm90(x, prepared.tensors, top_k=config.top_k, out=out, **routing, **activation)
+    forward = staticmethod(moe_forward_sm90)
 
 
 def supports(request, platform) -> Support:

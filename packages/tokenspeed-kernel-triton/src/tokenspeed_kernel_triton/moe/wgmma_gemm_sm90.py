@@ -330,22 +330,18 @@ def fragment_gemm(
     K / 128, 4] uint8 (or [E, N, K / 32] with row-major words), a row's 16 words (4 bytes) of
     a chunk contiguous; bias [E, N] float32 or None. Outputs as grouped_gemm.grouped_gemm,
     except that GEMM2 with split_k > 1 (gemm2_splits) writes split_k partial rows per pair: row
-    pair * split_k + split of `out` [pairs * split_k, H], for the combine to sum. Only the row
-    blocks holding the first n_valid rows are computed (GEMM1's zero-padded rows past 2I are
-    skipped: GEMM2 then takes k_valid = I, and its copies zero-fill the columns GEMM1 did not
-    write).
+    pair * split_k + split of `out` [pairs * split_k, H], for the combine to sum. Only row
+    blocks below n_valid are computed (GEMM1 skips its zero-padded rows past 2I; GEMM2 then
+    takes k_valid = I, its copies zero-filling the columns GEMM1 did not write).
 
     With config.tile_ready, ready [tile-count bound] int32, zero before GEMM1 (the router
-    clears it):
-    GEMM1's CTAs count themselves in per tile when their rows are stored, and GEMM2's CTAs
-    start a tile once its count reaches ready_target (GEMM1's CTAs per tile)."""
+    clears it): GEMM1's CTAs count themselves in per tile when their rows are stored, and
+    GEMM2's CTAs start a tile once its count reaches ready_target (GEMM1's CTAs per tile)."""
     if w.dim() == 3:
         w, w_scale = panel_view(w), panel_view(w_scale)
-    operand = _check_operands(a, w, w_scale, gemm1, decode, split_k, config, ready, x_exp)
+    operand = _check_operands(a, w, w_scale, gemm1, decode, split_k, config, routing, ready, x_exp)
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
-    if config.tile_ready and ready.numel() < max_tiles:
-        raise ValueError("fragment_gemm: tile_ready needs `ready`, one zeroed int32 per tile")
     # A row's four e8m0 bytes of one 128-element K chunk, as one int32: [E, N / 64, 64, K / 128].
     scale_words = w_scale.view(torch.int32)[..., 0]
     grid = (max_tiles * -(-n_valid // config.block_w) * split_k,)
@@ -367,14 +363,8 @@ def fragment_gemm(
         k_valid,
         n_valid,
         a.stride(0),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
-        w.stride(3),
-        scale_words.stride(0),
-        scale_words.stride(1),
-        scale_words.stride(2),
-        scale_words.stride(3),
+        *w.stride()[:4],
+        *scale_words.stride(),
         bias.stride(0) if bias is not None else 0,
         out.stride(0),
         ready_target,
@@ -384,24 +374,32 @@ def fragment_gemm(
         SWIGLU=gemm1,
         SPLIT_A=not gemm1 and a.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None,
+        SPLIT_K=split_k,
+        SHIFT_DECODE=decode != "prmt",
+        SCALE_BIAS=POST_SCALE_BIAS[operand],
+        **_config_constexprs(config),
+    )
+
+
+def _config_constexprs(config) -> dict:
+    """The kernel's compile-time arguments and launch options that come from its
+    FragmentConfig alone."""
+    return dict(
         BLOCK_W=config.block_w,
         BLOCK_T=config.block_t,
         STAGES=config.stages,
         CHUNKS=config.chunks,
-        SPLIT_K=split_k,
-        SHIFT_DECODE=decode != "prmt",
         PDL=config.pdl,
         TILE_READY=config.tile_ready,
         MMA_IN_FLIGHT=config.in_flight,
         POST_SCALE=config.post_scale,
-        SCALE_BIAS=POST_SCALE_BIAS[operand],
         num_warps=config.num_warps,
         launch_pdl=config.pdl,
         **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
     )
 
 
-def _check_operands(a, w, w_scale, gemm1, decode, split_k, config, ready, x_exp) -> str:
+def _check_operands(a, w, w_scale, gemm1, decode, split_k, config, routing, ready, x_exp) -> str:
     """fragment_gemm's checks of what its caller passed; returns the A operand's half type."""
     if w.stride(4) != 1 or w_scale.stride(4) != 1:
         raise ValueError("fragment_gemm: a chunk's words (scale bytes) of a row must be contiguous")
@@ -419,7 +417,10 @@ def _check_operands(a, w, w_scale, gemm1, decode, split_k, config, ready, x_exp)
                 f"fragment_gemm: GEMM2 rows are {a.dtype} x {a.shape[1]}, expected fp16 x {K} "
                 f"or bf16 x {2 * K} ([hi | lo])"
             )
-    if config.tile_ready and (ready is None or ready.dtype != torch.int32):
+    tile_bound = routing[4]
+    if config.tile_ready and (
+        ready is None or ready.dtype != torch.int32 or ready.numel() < tile_bound
+    ):
         raise ValueError("fragment_gemm: tile_ready needs `ready`, one zeroed int32 per tile")
     # Post-scaling needs raw halves that multiply exactly: shift-decoded fp16 weights, or
     # bf16 weights against x rows scaled up by 2^(126 - x_exp) (routing's _prescale_row).
