@@ -92,9 +92,11 @@ def route_for_gemms(
     topk_ids: torch.Tensor | None = None,
     **options,
 ) -> tuple:
-    """routing.route for the grouped GEMMs: (weights, sorted pairs, tiles, tile count on the
-    device, tile-count bound, top_k). The forwards pass their routing keywords through: either
-    router_logits [M, E] or precomputed topk_weights [M, k] float32 + topk_ids [M, k] int32.
+    """routing.route for the grouped GEMMs: ((weights, sorted pairs, tiles, tile count on the
+    device, tile-count bound, top_k), the ids the combine checks). The forwards pass their
+    routing keywords through: either router_logits [M, E] or precomputed topk_weights [M, k]
+    float32 + topk_ids [M, k] int32. Ids the router picks are always in range (None to check);
+    precomputed ones go to the combine, which skips the pairs routing left out.
     options: route's launch_dependents, ready and prescale."""
     weights, _, sorted_pairs, tiles, num_tiles, max_tiles = route(
         router_logits,
@@ -105,4 +107,5 @@ def route_for_gemms(
         block_m=block_m,
         **options,
     )
-    return weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k
+    routing = (weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k)
+    return routing, (topk_ids if router_logits is None else None)

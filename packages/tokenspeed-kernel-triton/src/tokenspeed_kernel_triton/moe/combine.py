@@ -2,6 +2,8 @@
 
 GEMM2 already added the second bias and multiplied by the routing weight (bias first, as the
 contract says); this sums the k fp32 rows in a fixed order (deterministic) and rounds once.
+With precomputed ids, the rows of pairs whose id is outside [0, E) were never written (routing
+leaves them out): their rows are skipped, a compare on k ids per program.
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ from ._common import round_to_bf16
 def _combine_kernel(
     y_ptr,
     out_ptr,
+    ids_ptr,
+    E,
     H,
     stride_y,
     stride_o,
     TOPK: tl.constexpr,
+    SPLITS: tl.constexpr,
+    CHECK_IDS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INTERPRETED: tl.constexpr,
     WAIT_PRIOR: tl.constexpr,
@@ -34,14 +40,23 @@ def _combine_kernel(
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
     acc = tl.zeros((BLOCK_H,), tl.float32)
-    for j in tl.static_range(TOPK):
-        acc += tl.load(y_ptr + (token * TOPK + j) * stride_y + offs, mask=mask, other=0.0)
+    for j in tl.static_range(TOPK * SPLITS):
+        row_ok = mask
+        if CHECK_IDS:
+            expert = tl.load(ids_ptr + token * TOPK + j // SPLITS)
+            row_ok = mask & (expert >= 0) & (expert < E)
+        row = token * (TOPK * SPLITS) + j
+        acc += tl.load(y_ptr + row * stride_y + offs, mask=row_ok, other=0.0)
     tl.store(out_ptr + token * stride_o + offs, round_to_bf16(acc, INTERPRETED), mask=mask)
 
 
-def combine(y, out, *, top_k: int, pdl: bool = False) -> None:
-    """y [M * top_k, H] float32 -> out [M, H] bfloat16. pdl: launch with programmatic
-    dependent launch (CUDA sm_90+), behind a kernel that triggers it (wgmma_gemm_sm90's PDL)."""
+def combine(
+    y, out, *, top_k: int, splits: int = 1, topk_ids=None, num_experts: int = 0, pdl=False
+) -> None:
+    """y [M * top_k * splits, H] float32 (`splits` consecutive partial rows per pair) -> out
+    [M, H] bfloat16. topk_ids [M, top_k] (precomputed ids): skip the pairs whose id is outside
+    [0, num_experts). pdl: launch with programmatic dependent launch (CUDA sm_90+), behind a
+    kernel that triggers it (wgmma_gemm_sm90's PDL)."""
     M, H = out.shape
     if M == 0:
         return
@@ -51,10 +66,14 @@ def combine(y, out, *, top_k: int, pdl: bool = False) -> None:
     _combine_kernel[(M, triton.cdiv(H, block_h))](
         y,
         out,
+        topk_ids if topk_ids is not None else y,
+        num_experts,
         H,
         y.stride(0),
         out.stride(0),
         TOPK=top_k,
+        SPLITS=splits,
+        CHECK_IDS=topk_ids is not None,
         BLOCK_H=block_h,
         INTERPRETED=interpreting(),
         WAIT_PRIOR=pdl,

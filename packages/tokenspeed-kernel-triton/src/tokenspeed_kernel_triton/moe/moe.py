@@ -86,7 +86,8 @@ def moe_forward(
     """out [M, H] = sum_e r_e (W2[e] swiglu(W13[e] x + b13[e]) + b2[e]) for x [M, H] bf16.
 
     routing_inputs: router_logits= [M, E] (top-k, ties to the lower index, softmax over the k) or
-    precomputed topk_weights= [M, k] float32 + topk_ids= [M, k] int32. FP8 activations: static
+    precomputed topk_weights= [M, k] float32 + topk_ids= [M, k] int32 (a pair whose id is
+    outside [0, E) contributes nothing: routing.py's module doc). FP8 activations: static
     per-tensor input scales when given, else dynamic per-token (per pair for the second GEMM).
     """
     M = x.shape[0]
@@ -94,7 +95,7 @@ def moe_forward(
         return out
     platform = platform_of(x.device)
     config = pick_config(M * top_k, platform.vendor)
-    routing = route_for_gemms(prepared, top_k, config.block_m, **routing_inputs)
+    routing, ids_to_check = route_for_gemms(prepared, top_k, config.block_m, **routing_inputs)
     fp8 = activation_format == "fp8"
     a_in, a_in_scale = quantize_rows(x, w13_input_scale) if fp8 else (x, None)
     common = dict(
@@ -115,7 +116,7 @@ def moe_forward(
     y = torch.empty(M * top_k, H, dtype=torch.float32, device=x.device)
     w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
     grouped_gemm(act, act_scale, *w2, y, routing, gemm1=False, k_valid=Ip, n_valid=H, **common)
-    combine(y, out, top_k=top_k)
+    combine(y, out, top_k=top_k, topk_ids=ids_to_check, num_experts=prepared["num_experts"])
     return out
 
 

@@ -62,7 +62,7 @@ def moe_forward_sm90(
     # Post-scaling needs raw shift-decoded halves in both GEMMs.
     post_scalable = prepared["w13_decode"] == "bf16" and f16_intermediate
     config = pick_config(M * top_k, post_scalable)
-    routing, ready, x_exp, x_in = _route(x, prepared, top_k, config, routing_inputs)
+    routing, ids_to_check, ready, x_exp, x_in = _route(x, prepared, top_k, config, routing_inputs)
     H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
     Ip = prepared["padded_intermediate_size"]
     rows = routing[4] * config.block_t  # the tile-count bound
@@ -105,12 +105,16 @@ def moe_forward_sm90(
         **common,
     )
     # A token's rows: its top_k pairs, each in `splits` consecutive partial rows.
-    combine(y, out, top_k=top_k * splits, pdl=config.pdl)
+    combine(
+        y, out, top_k=top_k, splits=splits, topk_ids=ids_to_check,
+        num_experts=prepared["num_experts"], pdl=config.pdl,
+    )  # fmt: skip
     return out
 
 
 def _route(x, prepared, top_k, config, routing_inputs: dict):
-    """Routing for the fragment GEMMs: (routing, ready, x exponents, GEMM1's x). With
+    """Routing for the fragment GEMMs: (routing, ids the combine checks, ready, x exponents,
+    GEMM1's x). With
     config.post_scale the router also writes x's rows scaled up by powers of two (GEMM1's x)
     and their exponents; with config.tile_ready it zeroes the per-tile counters `ready` that
     GEMM2 waits on (programmatic dependent launch: each kernel after the router starts its
@@ -123,7 +127,7 @@ def _route(x, prepared, top_k, config, routing_inputs: dict):
     if config.tile_ready:
         bound = max_tiles(M * top_k, prepared["num_experts"], config.block_t)
         ready = torch.empty(bound, dtype=torch.int32, device=x.device)
-    routing = route_for_gemms(
+    routing, ids_to_check = route_for_gemms(
         prepared,
         top_k,
         config.block_t,
@@ -133,8 +137,8 @@ def _route(x, prepared, top_k, config, routing_inputs: dict):
         prescale=prescale,
     )
     if prescale is None:
-        return routing, ready, None, x
-    return routing, ready, prescale[2], prescale[1]
+        return routing, ids_to_check, ready, None, x
+    return routing, ids_to_check, ready, prescale[2], prescale[1]
 
 
 class TritonMoESm90(PaddedMoEKernel):

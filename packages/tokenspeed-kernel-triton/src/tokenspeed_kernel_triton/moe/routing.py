@@ -10,6 +10,13 @@ Small batches (decode) run everything in one program, with a deterministic stabl
 batches use a top-k kernel over token blocks, a one-program histogram/align kernel and a scatter
 kernel whose atomics order rows within an expert arbitrarily (every GEMM row is computed
 independently of its neighbours, so results do not depend on that order).
+
+Out-of-range ids: a precomputed topk_ids entry outside [0, E) (-1 included) is left out of the
+counts and the sorted rows, so no GEMM reads an expert's weights for it and its pair
+contributes nothing (the combine skips it). The cost is an integer compare per pair where the
+pairs are counted and sorted. NaN router logits rank as +inf (as torch.topk ranks NaN above
+every number): the picked ids stay in [0, E), and a token with a NaN among its top-k gets NaN
+weights, as the reference softmax gives; one compare per logit.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ def _topk_softmax(
     vals = tl.load(
         logits_ptr + rows[:, None] * stride_lm + cols[None, :], mask=mask, other=float("-inf")
     ).to(tl.float32)
+    # NaN ranks as +inf: max() and `>=` below then always pick an index < E.
+    vals = tl.where(vals == vals, vals, float("inf"))
     avail = mask
     top_v = tl.full([rows.shape[0], BLOCK_K], float("-inf"), tl.float32)
     top_i = tl.zeros([rows.shape[0], BLOCK_K], tl.int32)
@@ -192,6 +201,8 @@ def _route_small_kernel(
         tl.store(weights_ptr + offs, weights, mask=valid)
     else:
         ids = tl.load(ids_ptr + offs, mask=valid, other=0)
+        # An id outside [0, E) is no pair: not counted, never sorted (see the module doc).
+        valid = valid & (ids >= 0) & (ids < E)
     ids = tl.reshape(ids, [BLOCK_T * BLOCK_K])
     pairs = tl.reshape(offs, [BLOCK_T * BLOCK_K])
     valid = tl.reshape(valid, [BLOCK_T * BLOCK_K])
@@ -212,6 +223,7 @@ def _route_small_kernel(
 def _align_kernel(
     ids_ptr,
     num_pairs,
+    E,
     tiles_ptr,
     num_tiles_ptr,
     cursor_ptr,
@@ -226,7 +238,7 @@ def _align_kernel(
         offs = start + tl.arange(0, CHUNK)
         ok = offs < num_pairs
         ids = tl.load(ids_ptr + offs, mask=ok, other=0)
-        counts += tl.histogram(ids, BLOCK_E, mask=ok)
+        counts += tl.histogram(ids, BLOCK_E, mask=ok & (ids >= 0) & (ids < E))
     row_begin = _write_tiles(
         tiles_ptr, num_tiles_ptr, counts, max_tiles, BLOCK_M, BLOCK_E, TILE_CHUNK
     )
@@ -234,10 +246,11 @@ def _align_kernel(
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, num_pairs, cursor_ptr, sorted_ptr, CHUNK: tl.constexpr):
+def _scatter_kernel(ids_ptr, num_pairs, E, cursor_ptr, sorted_ptr, CHUNK: tl.constexpr):
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     ok = offs < num_pairs
     ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+    ok = ok & (ids >= 0) & (ids < E)
     pos = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
     tl.store(sorted_ptr + pos, offs, mask=ok)
 
@@ -376,6 +389,7 @@ def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m
     _align_kernel[(1,)](
         topk_ids,
         num_pairs,
+        num_experts,
         tiles,
         num_tiles,
         cursor,
@@ -387,5 +401,5 @@ def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m
         num_warps=16,
     )
     _scatter_kernel[(triton.cdiv(num_pairs, _CHUNK),)](
-        topk_ids, num_pairs, cursor, sorted_pairs, CHUNK=_CHUNK
+        topk_ids, num_pairs, num_experts, cursor, sorted_pairs, CHUNK=_CHUNK
     )
