@@ -15,7 +15,7 @@ from tokenspeed_kernel.platform import KNOWN_PLATFORMS, fake_platform
 from tokenspeed_kernel.registry import get_kernel
 from tokenspeed_kernel.selector import select
 from tokenspeed_kernel.tuning import pin_config
-from tokenspeed_kernel_amd.moe._common import group_by_expert, topk_softmax
+from tokenspeed_kernel_amd.moe._common import DROPPED_BLOCK, group_by_expert, topk_softmax
 from tokenspeed_kernel_amd.moe.mxfp4_moe import (
     GROUPED_PIN,
     GroupedConfig,
@@ -128,6 +128,41 @@ def test_group_by_expert_covers_every_pair_once(block_m):
             assert chunk.numel() == 0
         else:
             assert chunk.numel() > 0 and (ids.reshape(-1)[chunk] == e).all()
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_group_by_expert_puts_out_of_range_ids_in_dropped_blocks(block_m):
+    """Ids outside [0, E) (-1, E, far past it) never reach an expert's block: they sit in
+    DROPPED_BLOCK blocks (GEMM2 writes zero rows for them), every valid pair once elsewhere."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(12, generator=g)[:3] for _ in range(37)]).int()
+    bad = torch.rand(37, 3, generator=g) < 0.3
+    choices = torch.tensor([-1, 12, 13, 1000, -(2**31)], dtype=torch.int32)
+    ids[bad] = choices[torch.randint(0, 5, (int(bad.sum()),), generator=g)]
+    rows, block_expert = group_by_expert(ids, 12, block_m)
+    flat = ids.reshape(-1)
+    seen = {"kept": [], "dropped": []}
+    for b, e in enumerate(block_expert.tolist()):
+        chunk = rows[b * block_m : (b + 1) * block_m]
+        chunk = chunk[chunk >= 0].long()
+        if e == DROPPED_BLOCK:
+            seen["dropped"] += chunk.tolist()
+        elif e < 0:
+            assert chunk.numel() == 0
+        else:
+            assert 0 <= e < 12 and chunk.numel() > 0 and (flat[chunk] == e).all()
+            seen["kept"] += chunk.tolist()
+    assert sorted(seen["kept"]) == torch.nonzero(~bad.reshape(-1)).reshape(-1).tolist()
+    assert sorted(seen["dropped"]) == torch.nonzero(bad.reshape(-1)).reshape(-1).tolist()
+
+
+def test_topk_softmax_keeps_ids_in_range_with_nan_logits():
+    logits = torch.randn(4, 6)
+    logits[0, 2] = float("nan")
+    logits[1, :] = float("nan")
+    weights, ids = topk_softmax(logits, 3)
+    assert ids.min() >= 0 and ids.max() < 6
+    assert ids[0, 0] == 2 and torch.isnan(weights[:2]).all()
 
 
 def test_configs_follow_rows_per_expert_and_cu_count():

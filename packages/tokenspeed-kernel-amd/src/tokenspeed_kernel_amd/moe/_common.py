@@ -41,6 +41,8 @@ A_SPLIT = 3  # float32 intermediate of the bf16 path, multiplied as bf16 hi + lo
 # GEMM1 output modes (OUT_MODE).
 OUT_FP8 = 1  # static per-tensor scale: requantized in the epilogue
 OUT_F32 = 2  # bf16 path, and dynamic fp8 (the row amax is known only after every N tile)
+# block_expert of the blocks holding pairs whose id is outside [0, E) (group_by_expert).
+DROPPED_BLOCK = -2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,6 +120,8 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int):
     """router_logits [M, E] -> (topk_weights [M, k] float32, topk_ids [M, k] int32).
 
     Ties go to the lower expert index (stable descending sort); softmax over the k logits.
+    NaN sorts above every number, so ids stay in [0, E) and a token with a NaN pick gets NaN
+    weights (the reference's outcome).
     """
     values, ids = torch.sort(router_logits.float(), dim=-1, descending=True, stable=True)
     return torch.softmax(values[:, :top_k], dim=-1), ids[:, :top_k].to(torch.int32)
@@ -127,26 +131,30 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Pairs (token, slot) grouped by expert, each expert padded to whole BLOCK_M blocks.
 
     Returns (rows [num_blocks * BLOCK_M] int32: pair index token*k+slot or -1,
-    block_expert [num_blocks] int32: expert of each block or -1 past the used blocks).
-    num_blocks is an upper bound known without reading the ids back to the host.
+    block_expert [num_blocks] int32: expert of each block, DROPPED_BLOCK for the blocks of
+    pairs whose id is outside [0, E), or -1 past the used blocks). Those pairs form one more
+    group after the experts': GEMM1 skips it, GEMM2 writes zero rows for it, so they
+    contribute nothing and no weights are read for them (the cost: a compare and a select over
+    the M*k ids). num_blocks is an upper bound known without reading the ids back to the host.
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
     pairs = flat.numel()
     device = flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    counts = torch.bincount(flat, minlength=num_experts + 1)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
     pos = padded_end[expert] - padded[expert] + torch.arange(pairs, device=device) - start[expert]
-    num_blocks = min(pairs, (pairs + num_experts * (block_m - 1)) // block_m)
+    num_blocks = min(pairs, (pairs + (num_experts + 1) * (block_m - 1)) // block_m)
     rows = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=device)
     rows[pos] = order.to(torch.int32)
     block_start = torch.arange(num_blocks, device=device) * block_m
-    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
-    return rows, block_expert
+    group = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    dropped_or_past = torch.where(group == num_experts, DROPPED_BLOCK, -1).to(torch.int32)
+    return rows, torch.where(group < num_experts, group, dropped_or_past)
 
 
 # ----------------------------------------------------------------------------------------------

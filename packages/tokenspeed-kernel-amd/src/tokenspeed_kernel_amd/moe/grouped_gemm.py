@@ -16,6 +16,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.amd import cdna4
 
 from ._common import (
+    DROPPED_BLOCK,
     dequant_mxfp4,
     fp8_round,
     load_even,
@@ -27,6 +28,7 @@ from ._common import (
 )
 
 # A_MODE and OUT_MODE values are `_common`'s A_* and OUT_* constants.
+DROPPED = gl.constexpr(DROPPED_BLOCK)
 
 
 @gluon.jit
@@ -163,6 +165,21 @@ def _block_rows(
 
 
 @gluon.jit
+def _store_zero_rows(
+    rows_ptr, y_ptr, n0, H_PAD, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    ARCH: gl.constexpr, MMA: gl.constexpr,
+):  # fmt: skip
+    """y[pair, n0 : n0 + BLOCK_N] = 0 for this block's pairs."""
+    offs_m = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
+    pair = gl.load(rows_ptr + offs_m)
+    mask = pair >= 0
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+    offs = gl.where(mask, pair, 0)[:, None] * H_PAD + offs_n[None, :]
+    zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
+    store_tile(y_ptr, offs, zeros, mask[:, None], ARCH)
+
+
+@gluon.jit
 def moe_gemm1_kernel(
     x_ptr, x_scale_ptr, w_ptr, ws_ptr, bias_ptr, rows_ptr, block_expert_ptr, out_ptr,
     out_scale_ptr, stride_xm, x_scale_stride, H, K_BYTES, I_PAD, TOP_K, alpha, limit,
@@ -221,9 +238,12 @@ def moe_gemm2_kernel(
     w [E, H_PAD, I_PAD/2], ws [E, H_PAD, I_PAD/32], bias [E, H_PAD], y [M*k, H_PAD] float32.
     """
     e = gl.load(block_expert_ptr + gl.program_id(0))
+    n0 = gl.program_id(1) * BLOCK_N
+    if e == DROPPED:
+        # Pairs with an id outside [0, E): zero rows, so the host sum adds nothing for them.
+        _store_zero_rows(rows_ptr, y_ptr, n0, H_PAD, BLOCK_M, BLOCK_N, ARCH, MMA)
     if e < 0:
         return
-    n0 = gl.program_id(1) * BLOCK_N
     pair, valid, a_off, a_scale = _block_rows(
         rows_ptr, a_scale_ptr, a_scale_stride, False, TOP_K, 2 * K_BYTES, BLOCK_M,
         gl.SliceLayout(1, LOAD_A),

@@ -106,7 +106,8 @@ class AmdMxfp4MoE:
 
     def apply(self, plan, x, prepared, *, router_logits, topk_weights, topk_ids, out) -> None:
         """x [M, H] bf16 -> out [M, H] bf16 (in place); router_logits [M, E] or precomputed
-        topk_weights [M, k] float32 + topk_ids [M, k] int32."""
+        topk_weights [M, k] float32 + topk_ids [M, k] int32 (a pair whose id is outside
+        [0, E) contributes nothing: both paths skip it with an integer compare)."""
         x = x.contiguous()
         if x.shape[0] == 0:
             return
@@ -261,7 +262,7 @@ def run_tiny(arch, cus, config, t, x, router_logits, topk_weights, topk_ids, out
     partial = torch.empty(split, pairs, h_pad, dtype=torch.float32, device=x.device)
     tiny_gemm2_kernel[(h_pad // cfg.block_n2, split, pairs)](
         a_in, a_scale, topk_weights, topk_ids, t["w2"], t["w2_scale"], t["w2_bias"], partial,
-        a_stride, kb_total, h_pad, split_kb, pairs, BLOCK_N=cfg.block_n2,
+        a_stride, E, kb_total, h_pad, split_kb, pairs, BLOCK_N=cfg.block_n2,
         BLOCK_KB=cfg.block_kb, ARCH=arch, A_MODE=a_mode2, HAS_BIAS=config.has_bias, LW=lw,
         num_warps=cfg.num_warps,
     )  # fmt: skip

@@ -29,6 +29,8 @@ def _route(logits_ptr, E, slot, TOP_K: gl.constexpr, E_BLOCK: gl.constexpr, LAYO
     """Expert and routing weight of top-k slot `slot` for one token's logits [E]."""
     offs = gl.arange(0, E_BLOCK, layout=LAYOUT)
     v = gl.load(logits_ptr + offs, mask=offs < E, other=float("-inf")).to(gl.float32)
+    # NaN ranks as +inf (torch's sort order): `v == m` below then always finds an index < E.
+    v = gl.where(v == v, v, float("inf"))
     top = gl.max(v, axis=0)
     denom = 0.0
     chosen = 0
@@ -89,6 +91,9 @@ def tiny_gemm1_kernel(
             gl.store(topk_w_ptr + pair, r)
     else:
         e = gl.load(topk_ids_ptr + pair)
+        # An id outside [0, E) is no pair: GEMM2 writes its partial rows as zeros.
+        if (e < 0) | (e >= E):
+            return
     x_scale = gl.load(x_scale_ptr + tok * x_scale_stride)
     plane = I_PAD * K_BYTES
     w = w_ptr + e.to(gl.int64) * (2 * plane) + n0 * K_BYTES
@@ -122,7 +127,7 @@ def tiny_gemm1_kernel(
 @gluon.jit
 def tiny_gemm2_kernel(
     a_ptr, a_scale_ptr, topk_w_ptr, topk_ids_ptr, w_ptr, ws_ptr, bias_ptr, partial_ptr,
-    a_scale_stride, K_BYTES, H_PAD, SPLIT_KB, NUM_PAIRS, BLOCK_N: gl.constexpr,
+    a_scale_stride, E, K_BYTES, H_PAD, SPLIT_KB, NUM_PAIRS, BLOCK_N: gl.constexpr,
     BLOCK_KB: gl.constexpr, ARCH: gl.constexpr, A_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
     LW: gl.constexpr,
 ):  # fmt: skip
@@ -132,11 +137,17 @@ def tiny_gemm2_kernel(
     split = gl.program_id(1)
     pair = gl.program_id(2)
     e = gl.load(topk_ids_ptr + pair)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW))
+    offs = (split * NUM_PAIRS + pair) * H_PAD + n0 + offs_n
+    if (e < 0) | (e >= E):
+        # An id outside [0, E) contributes nothing (and reads no weights).
+        zeros = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, LW))
+        store_tile(partial_ptr, offs, zeros, offs_n < BLOCK_N, ARCH)
+        return
     r = gl.load(topk_w_ptr + pair)
     a_scale = gl.load(a_scale_ptr + pair * a_scale_stride)
     w = w_ptr + e.to(gl.int64) * (H_PAD * K_BYTES) + n0 * K_BYTES
     s = ws_ptr + e.to(gl.int64) * (H_PAD * K_BYTES // 16) + n0 * (K_BYTES // 16)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW))
     offs_kb = gl.arange(0, BLOCK_KB, layout=gl.SliceLayout(0, LW))
     acc = gl.zeros([BLOCK_N, BLOCK_KB], gl.float32, LW)
     a_row = a_ptr + pair * (2 * K_BYTES)
@@ -152,5 +163,4 @@ def tiny_gemm2_kernel(
         y = y * a_scale
     if HAS_BIAS:
         y = y + gl.where(split == 0, gl.load(bias_ptr + e * H_PAD + n0 + offs_n), 0.0)
-    offs = (split * NUM_PAIRS + pair) * H_PAD + n0 + offs_n
     store_tile(partial_ptr, offs, y * r, offs_n < BLOCK_N, ARCH)
