@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import os
 
-NAMES = ("TOKENSPEED_KERNEL_FORCE", "TOKENSPEED_KERNEL_CAPTURE")
+CHECKED_ENV = "TOKENSPEED_KERNEL_CHECKED"
+NAMES = ("TOKENSPEED_KERNEL_FORCE", "TOKENSPEED_KERNEL_CAPTURE", CHECKED_ENV)
 
 _values: dict[str, str | None] | None = None
+
+# TOKENSPEED_KERNEL_CHECKED=1: ops read their index tensors on the host and raise on values
+# the kernels would skip or clamp. A module attribute, not a function: every op call tests it,
+# and an attribute read is the cheapest test Python has (a call costs ~40 ns more).
+checked: bool = os.environ.get(CHECKED_ENV) == "1"
 
 
 def get(name: str) -> str | None:
@@ -20,5 +26,6 @@ def get(name: str) -> str | None:
 
 def reload() -> None:
     """Re-read the environment (tests, or a runtime that changes settings in-process)."""
-    global _values
+    global _values, checked
     _values = None
+    checked = get(CHECKED_ENV) == "1"

@@ -2,17 +2,19 @@
 
 Kernels receive normalized arguments: every default resolved, `out` (and `lse` when asked
 for) preallocated, decode q always 4-D [B, Q, Hq, D]. Values on the device (sequence lengths,
-page ids) are not read here: that would synchronize the stream on every call. Validity is
-defined once, in `checks`.
+page ids) are not read here, since that would synchronize the stream on every call, except in
+checked mode (`TOKENSPEED_KERNEL_CHECKED=1`, see `index_checks`). Validity is defined once, in
+`checks`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ... import capture
+from ... import capture, env
 from ...platform import platform_of
 from ...selector import select
+from .. import index_checks
 from .checks import check_decode, check_extend, check_prefill, check_store, out_dtype
 
 _FLOAT32 = torch.float32
@@ -21,7 +23,11 @@ _FLOAT32 = torch.float32
 def _kernel(op, request, device, positional):
     """The function of the kernel selected for `request`; under TOKENSPEED_KERNEL_CAPTURE,
     one that records each call first (`positional` names its positional arguments)."""
-    kernel = select(op, request, platform_of(device))
+    try:
+        platform = platform_of(device)
+    except ValueError as exc:  # a device no kernel can run on (meta): name the argument
+        raise ValueError(f"{op}: {positional[0]} is on {device}: {exc}") from None
+    kernel = select(op, request, platform)
     if capture.active():
         return capture.recording(op, kernel.name, kernel.fn, positional)
     return kernel.fn
@@ -49,6 +55,8 @@ def mha_prefill(
     request, scale, max_seqlen = check_prefill(
         q, k, v, cu_seqlens, max_seqlen, causal, options, out
     )
+    if env.checked:
+        index_checks.check_prefill(cu_seqlens, q.shape[0], max_seqlen)
     out = _new_out(q, q.dtype) if out is None else out
     lse = _new_lse(q) if return_lse else None
     _kernel("mha_prefill", request, q.device, ("q", "k", "v"))(
@@ -74,6 +82,10 @@ def mha_extend_with_kvcache(
     request, scale, k_scale, v_scale, max_seqlen_q = check_extend(
         q, cu_seqlens_q, max_seqlen_q, cache, options, out, k_scale, v_scale
     )
+    if env.checked:
+        index_checks.check_extend(
+            q, k_cache, cu_seqlens_q, page_table, cache_seqlens, max_seqlen_q, request.window_left
+        )
     out = _new_out(q, k_cache.dtype) if out is None else out
     lse = _new_lse(q) if return_lse else None
     _kernel("mha_extend_with_kvcache", request, q.device, ("q", "k_cache", "v_cache"))(
@@ -104,6 +116,8 @@ def mha_decode_with_kvcache(
     if q.dim() == 3:
         q4, out4 = q.unsqueeze(1), out.unsqueeze(1)
         lse4 = None if lse is None else lse.unsqueeze(1)
+    if env.checked:
+        index_checks.check_decode(q4, k_cache, page_table, cache_seqlens, request.window_left)
     _kernel("mha_decode_with_kvcache", request, q.device, ("q", "k_cache", "v_cache"))(
         q4, k_cache, v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
         window_left=request.window_left, sinks=sinks, softmax_scale=scale,
@@ -117,6 +131,8 @@ def kvcache_store(k, v, k_cache, v_cache, *, slot_mapping, k_scale=None, v_scale
     slot_mapping [T] int64 (slot = page * P + offset; negative = skip). Quantizes to an FP8
     cache as fp8(k / k_scale)."""
     request, k_scale, v_scale = check_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if env.checked:
+        index_checks.check_store(k_cache, slot_mapping)
     _kernel("kvcache_store", request, k.device, ("k", "v", "k_cache", "v_cache"))(
         k, v, k_cache, v_cache, slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale
     )

@@ -1,7 +1,8 @@
 """Pure-torch reference attention kernels: the numerics oracle and the run-anywhere fallback.
 
 Arguments arrive validated and normalized by the public API (defaults resolved, q of decode always
-4-D), so nothing here checks its inputs. Math is float32 throughout; the result is cast once, into
+4-D). The values of the index tensors are checked here always (`index_checks`, what the ops run in
+checked mode): the oracle raises the same named errors instead of failing inside torch indexing. Math is float32 throughout; the result is cast once, into
 the caller's ``out``. One helper, ``_attend``, holds the masked softmax with sinks for one sequence;
 prefill, extend and decode only differ in where their keys come from and at which absolute
 positions their queries sit.
@@ -13,6 +14,7 @@ import torch
 
 from ...registry import ANY, register_kernel
 from ...validation import FLOAT16_DTYPES, KV_CACHE_DTYPES
+from .. import index_checks
 from .request import KVCACHE_STORE, MHA_DECODE, MHA_EXTEND, MHA_PREFILL
 
 _FP8 = torch.float8_e4m3fn
@@ -119,11 +121,11 @@ def reference_prefill(
     """Ragged self-attention without a cache.
 
     q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1] int32, sinks [Hq] or None,
-    out [T, Hq, D], lse [T, Hq] float32 or None. max_seqlen is unused: lengths come from
-    cu_seqlens, which the reference reads on the host anyway.
+    out [T, Hq, D], lse [T, Hq] float32 or None. max_seqlen is only checked: lengths come
+    from cu_seqlens, which the reference reads on the host anyway.
     """
     sinks = _sinks_f32(sinks)
-    bounds = cu_seqlens.tolist()
+    bounds = index_checks.check_prefill(cu_seqlens, q.shape[0], max_seqlen)
     for s, e in zip(bounds[:-1], bounds[1:], strict=True):
         if e == s:
             continue
@@ -142,13 +144,11 @@ def reference_prefill(
         )
 
 
-def _attend_sequences(
-    q, k_cache, v_cache, page_table, cache_seqlens, rows, *, sinks, out, lse, **kw
-):
-    """`rows[b]` indexes the query (and output) rows of sequence b; `kw` holds window_left,
-    softmax_scale, k_scale and v_scale."""
+def _attend_sequences(q, k_cache, v_cache, page_table, seqlens, rows, *, sinks, out, lse, **kw):
+    """`rows[b]` indexes the query (and output) rows of sequence b, `seqlens[b]` is its cached
+    length; `kw` holds window_left, softmax_scale, k_scale and v_scale."""
     sinks = _sinks_f32(sinks)
-    for b, (seqlen, r) in enumerate(zip(cache_seqlens.tolist(), rows, strict=True)):
+    for b, (seqlen, r) in enumerate(zip(seqlens, rows, strict=True)):
         if q[r].shape[0] == 0:
             continue
         rows_lse = None if lse is None else lse[r]
@@ -173,12 +173,14 @@ def reference_extend(
 
     q [T, Hq, D] ragged by cu_seqlens_q [B+1]; k_cache/v_cache [num_pages, P, Hkv, D];
     page_table [B, max_pages] int32; cache_seqlens [B] int32 (including the new tokens);
-    out [T, Hq, D]; lse [T, Hq] float32 or None. max_seqlen_q is unused (see prefill).
+    out [T, Hq, D]; lse [T, Hq] float32 or None. max_seqlen_q is only checked (see prefill).
     """
-    bounds = cu_seqlens_q.tolist()
+    bounds, seqlens = index_checks.check_extend(
+        q, k_cache, cu_seqlens_q, page_table, cache_seqlens, max_seqlen_q, window_left
+    )
     rows = [slice(s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
     _attend_sequences(
-        q, k_cache, v_cache, page_table, cache_seqlens, rows, window_left=window_left,
+        q, k_cache, v_cache, page_table, seqlens, rows, window_left=window_left,
         sinks=sinks, softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale,
         out=out, lse=lse,
     )  # fmt: skip
@@ -194,8 +196,9 @@ def reference_decode(
     A sequence shorter than Q (cache_seqlens 0 for a padded batch slot) puts its first queries
     at negative positions, which see no key: zeros, or the sink alone.
     """
+    seqlens = index_checks.check_decode(q, k_cache, page_table, cache_seqlens, window_left)
     _attend_sequences(
-        q, k_cache, v_cache, page_table, cache_seqlens, range(q.shape[0]),
+        q, k_cache, v_cache, page_table, seqlens, range(q.shape[0]),
         window_left=window_left, sinks=sinks, softmax_scale=softmax_scale, k_scale=k_scale,
         v_scale=v_scale, out=out, lse=lse,
     )  # fmt: skip
@@ -214,6 +217,7 @@ def reference_kvcache_store(k, v, k_cache, v_cache, *, slot_mapping, k_scale, v_
     slot = page * P + offset; a negative slot skips its token (padding). FP8 caches store
     (x / scale) saturated to +-448, rounded to nearest even; other caches store x cast.
     """
+    index_checks.check_store(k_cache, slot_mapping)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].to(k_cache.device)
     page_size = k_cache.shape[1]

@@ -11,6 +11,7 @@ import torch
 
 from tokenspeed_kernel.formats.fp8 import dequantize_fp8, quantize_fp8
 from tokenspeed_kernel.formats.mxfp4 import dequantize_mxfp4
+from tokenspeed_kernel.ops import index_checks
 from tokenspeed_kernel.ops.moe.request import MOE_APPLY
 from tokenspeed_kernel.ops.moe.types import (
     ACTIVATION_FORMATS,
@@ -131,6 +132,8 @@ class ReferenceMoE:
         alpha, limit = config.activation.alpha, config.activation.limit
         if router_logits is not None:
             topk_weights, topk_ids = topk_softmax(router_logits, config.top_k)
+        else:
+            index_checks.check_moe_apply(topk_ids, config.num_experts)
         M, k = topk_ids.shape
 
         xf = x.to(torch.float32)
