@@ -166,7 +166,9 @@ def test_moe_apply_errors():
             tk.moe_apply(args.pop("plan"), args.pop("x"), args.pop("weights"), **args)
     other_config, other_plan, other_w = _moe(has_bias=False)
     other = tk.moe_prepare_weights(other_plan, tk.MoEWeights(w13=other_w.w13, w2=other_w.w2))
-    with pytest.raises(ValueError, match="expected weights prepared with this plan"):
+    with pytest.raises(
+        ValueError, match="config.has_bias is False in the weights, True in the plan"
+    ):
         tk.moe_apply(plan, x, other, logits)
 
 

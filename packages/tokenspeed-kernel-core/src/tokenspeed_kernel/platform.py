@@ -95,15 +95,11 @@ def _capabilities(vendor: str, arch: str) -> frozenset[str]:
 # Platforms of the machines we target, for tests and for `explain` on machines we lack.
 KNOWN_PLATFORMS: dict[str, Platform] = {
     "cpu": Platform("cpu", "cpu", None, 2, "CPU"),
-    "h100": Platform(
-        "nvidia", "sm_90", 0, 132, "NVIDIA H100 80GB HBM3", 232448, 50 << 20, 233472
-    ),
+    "h100": Platform("nvidia", "sm_90", 0, 132, "NVIDIA H100 80GB HBM3", 232448, 50 << 20, 233472),
     "h200": Platform("nvidia", "sm_90", 0, 132, "NVIDIA H200", 232448, 60 << 20, 233472),
     "b200": Platform("nvidia", "sm_100", 0, 148, "NVIDIA B200", 232448, 126 << 20, 233472),
     "mi300x": Platform("amd", "gfx942", 0, 304, "AMD Instinct MI300X", 65536, 4 << 20, 65536),
-    "mi355x": Platform(
-        "amd", "gfx950", 0, 256, "AMD Instinct MI355X", 163840, 4 << 20, 163840
-    ),
+    "mi355x": Platform("amd", "gfx950", 0, 256, "AMD Instinct MI355X", 163840, 4 << 20, 163840),
 }
 # The platform each ahead-of-time compile target is checked as.
 AOT_TARGETS: dict[str, Platform] = {
@@ -152,6 +148,8 @@ def default_device() -> torch.device:
 
 
 def _detect(device: torch.device) -> Platform:
+    if device.type == "meta":
+        raise ValueError("meta tensors hold no data: kernels need cpu or cuda tensors")
     if device.type == "cpu":
         return Platform("cpu", "cpu", None, os.cpu_count() or 1, "CPU")
     if device.type != "cuda":

@@ -119,11 +119,35 @@ def as_int(op: str, name: str, value: object) -> int:
     return int(value)
 
 
-def check_int(op: str, name: str, value: object, *, minimum: int) -> int:
+# Kernels take ints as 32-bit arguments; a larger one would overflow inside the launch.
+INT32_MAX = 2**31 - 1
+
+
+def check_int(op: str, name: str, value: object, *, minimum: int, maximum: int = INT32_MAX) -> int:
     value = as_int(op, name, value)
     if value < minimum:
         raise ValueError(f"{op}: {name} is {value}, expected an int >= {minimum}")
+    if value > maximum:
+        raise ValueError(f"{op}: {name} is {value}, expected an int <= {maximum}")
     return value
+
+
+def check_device(op: str, name: str, device: object) -> torch.device:
+    """A device kernels can run on, as a torch.device: not meta (no data), CUDA only where
+    torch sees that GPU. Asked here so the caller gets this error, not the driver's."""
+    try:
+        device = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{op}: {name} is {device!r}, expected a torch device ({exc})") from None
+    if device.type == "meta":
+        raise ValueError(f"{op}: {name} is meta, expected cpu or cuda (meta tensors hold no data)")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{op}: {name} is {device}, but torch sees no CUDA/ROCm device here")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{op}: {name} is {device}, expected cuda:0..cuda:{count - 1}")
+    return device
 
 
 def check_positive_float(op: str, name: str, value: object) -> float:

@@ -14,6 +14,7 @@ import torch
 from ...validation import (
     FLOAT16_DTYPES,
     FP8_DTYPES,
+    INT32_MAX,
     SINK_DTYPES,
     as_int,
     check_int,
@@ -162,13 +163,16 @@ def _request(op, device, options, dtype, kv_dtype, head_dim, hq, hkv, page_size,
         window_left = as_int(op, "window_left", window_left)
     if window_left < -1:
         raise ValueError(f"{op}: window_left is {window_left}, expected -1 (no window) or >= 0")
+    if window_left > INT32_MAX:
+        raise ValueError(f"{op}: window_left is {window_left}, expected <= {INT32_MAX}")
     if window_left >= 0 and not causal:
         raise ValueError(
             f"{op}: window_left is {window_left} with causal=False, expected "
             "causal=True (a window counts keys to the left of each query)"
         )
     if sinks is not None:
-        _like(op, "sinks", sinks, device, SINK_DTYPES, (hq,), False)
+        # Kernels read sinks[h] at offset h: a strided view would give other heads' values.
+        _like(op, "sinks", sinks, device, SINK_DTYPES, (hq,))
     if softmax_scale is None:
         scale = head_dim**-0.5
     else:

@@ -6,16 +6,18 @@ import dataclasses
 
 import torch
 
-from ... import capture
+from ... import capture, env
 from ...platform import default_device, platform_of
 from ...selector import explain, select
 from ...validation import (
     FP8_DTYPES,
     check_contiguous_last_dim,
+    check_device,
     check_int,
     check_scale,
     check_tensor,
 )
+from .. import index_checks
 from .request import MoERequest
 from .types import MoEConfig, MoEPlan, MoEWeights, PreparedMoEWeights
 
@@ -30,7 +32,7 @@ def moe_plan(config: MoEConfig, *, device=None, max_num_tokens: int = 8192) -> M
     if not isinstance(config, MoEConfig):
         raise TypeError(f"{op}: config is {type(config).__name__}, expected MoEConfig")
     check_int(op, "max_num_tokens", max_num_tokens, minimum=1)
-    device = default_device() if device is None else torch.device(device)
+    device = default_device() if device is None else check_device(op, "device", device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     request = request_for(config, max_num_tokens)
@@ -151,10 +153,7 @@ def moe_apply(plan, x, weights, router_logits=None, *, topk_weights=None, topk_i
             "PreparedMoEWeights returned by moe_prepare_weights"
         )
     if weights.kernel != plan.kernel or weights.config != plan.config:
-        raise ValueError(
-            f"{op}: weights were prepared for {weights.kernel}, expected weights "
-            f"prepared with this plan ({plan.kernel})"
-        )
+        raise ValueError(f"{op}: weights do not match the plan: {_mismatch(plan, weights)}")
     config, device = plan.config, plan.device
     check_tensor(op, "x", x, shape=(None, config.hidden_size), dtypes=_X_DTYPES, device=device)
     check_contiguous_last_dim(op, "x", x)
@@ -165,6 +164,8 @@ def moe_apply(plan, x, weights, router_logits=None, *, topk_weights=None, topk_i
         )
     routing = dict(router_logits=router_logits, topk_weights=topk_weights, topk_ids=topk_ids)
     _check_routing(op, config, device, x.shape[0], **routing)
+    if env.checked and topk_ids is not None:
+        index_checks.check_moe_apply(topk_ids, config.num_experts)
     if out is None:
         out = torch.empty_like(x)
     else:
@@ -174,6 +175,20 @@ def moe_apply(plan, x, weights, router_logits=None, *, topk_weights=None, topk_i
         capture.record(op, plan.kernel, {"x": x, **routing, **dataclasses.asdict(config)})
     plan.impl.apply(plan, x, weights, **routing, out=out)
     return out
+
+
+def _mismatch(plan: MoEPlan, weights: PreparedMoEWeights) -> str:
+    """Which of kernel and config fields differ, with both values."""
+    differences = []
+    if weights.kernel != plan.kernel:
+        differences.append(f"prepared for kernel {weights.kernel}, the plan uses {plan.kernel}")
+    for f in dataclasses.fields(MoEConfig):
+        prepared, planned = getattr(weights.config, f.name), getattr(plan.config, f.name)
+        if prepared != planned:
+            differences.append(
+                f"config.{f.name} is {prepared!r} in the weights, {planned!r} in the plan"
+            )
+    return "; ".join(differences)
 
 
 def _check_routing(op, config, device, num_tokens, router_logits, topk_weights, topk_ids):

@@ -6,6 +6,8 @@ turns them into `PreparedMoEWeights` laid out for that kernel.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,10 +21,27 @@ ROUTINGS = ("topk_softmax",)
 @dataclass(frozen=True)
 class SwiGLU:
     """GPT-OSS clamped SwiGLU: g = min(gate, limit), u = clamp(up, -limit, limit),
-    a = g * sigmoid(alpha * g) * (u + 1)."""
+    a = g * sigmoid(alpha * g) * (u + 1). alpha finite > 0; limit >= 0, inf for no clamp."""
 
     alpha: float = 1.702
     limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        # Stored as plain floats: kernels pass them as fp32 launch arguments.
+        alpha = _real("alpha", self.alpha)
+        if not 0.0 < alpha < math.inf:
+            raise ValueError(f"SwiGLU: alpha is {alpha}, expected a finite float > 0")
+        limit = _real("limit", self.limit)
+        if not 0.0 <= limit <= math.inf:  # +inf: no clamp
+            raise ValueError(f"SwiGLU: limit is {limit}, expected a float >= 0 (inf: no clamp)")
+        object.__setattr__(self, "alpha", alpha)
+        object.__setattr__(self, "limit", limit)
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"SwiGLU: {name} is {type(value).__name__}, expected a float")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -45,8 +64,9 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MoEConfig: {name} is {value!r}, expected a positive int")
+            object.__setattr__(self, name, int(value))  # numpy ints too, stored plain
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"MoEConfig: top_k is {self.top_k}, expected at most num_experts "
@@ -59,6 +79,8 @@ class MoEConfig:
             raise TypeError(
                 f"MoEConfig: activation is {type(self.activation).__name__}, expected SwiGLU"
             )
+        if not isinstance(self.has_bias, bool):
+            raise TypeError(f"MoEConfig: has_bias is {self.has_bias!r}, expected True or False")
         if self.weight_format == "mxfp4":
             for name in ("hidden_size", "intermediate_size"):
                 if getattr(self, name) % 32:
