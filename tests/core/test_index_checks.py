@@ -149,9 +149,9 @@ def _moe_call(top_k_ids):
     return plan, x, prepared, topk_weights, ints(top_k_ids)
 
 
-@pytest.mark.parametrize("bad, where", [(4, "[1, 0]"), (-1, "[1, 0]"), (2**20, "[1, 0]")])
+@pytest.mark.parametrize("bad", [4, -1, 2**20])
 @pytest.mark.parametrize("mode", ["reference", "checked"])
-def test_moe_topk_ids_out_of_range(monkeypatch, mode, bad, where):
+def test_moe_topk_ids_out_of_range(monkeypatch, mode, bad):
     plan, x, prepared, weights, ids = _moe_call([[0, 1], [bad, 3], [2, 1]])
     if mode == "checked":
         monkeypatch.setenv(env.CHECKED_ENV, "1")
@@ -159,7 +159,7 @@ def test_moe_topk_ids_out_of_range(monkeypatch, mode, bad, where):
     try:
         with pytest.raises(
             ValueError,
-            match=rf"moe_apply: topk_ids\{where[:-1]}\] is {bad}, expected an expert id in \[0, 4\)",
+            match=rf"moe_apply: topk_ids\[1, 0\] is {bad}, expected an expert id in \[0, 4\)",
         ):
             tk.moe_apply(plan, x, prepared, topk_weights=weights, topk_ids=ids)
     finally:

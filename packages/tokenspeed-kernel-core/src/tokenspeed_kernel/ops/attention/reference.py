@@ -2,10 +2,10 @@
 
 Arguments arrive validated and normalized by the public API (defaults resolved, q of decode always
 4-D). The values of the index tensors are checked here always (`index_checks`, what the ops run in
-checked mode): the oracle raises the same named errors instead of failing inside torch indexing. Math is float32 throughout; the result is cast once, into
-the caller's ``out``. One helper, ``_attend``, holds the masked softmax with sinks for one sequence;
-prefill, extend and decode only differ in where their keys come from and at which absolute
-positions their queries sit.
+checked mode): the oracle raises the same named errors instead of failing inside torch indexing.
+Math is float32 throughout; the result is cast once, into the caller's ``out``. One helper,
+``_attend``, holds the masked softmax with sinks for one sequence; prefill, extend and decode only
+differ in where their keys come from and at which absolute positions their queries sit.
 """
 
 from __future__ import annotations
