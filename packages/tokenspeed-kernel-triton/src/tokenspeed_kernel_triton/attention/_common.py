@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 import triton.language as tl
 
 from tokenspeed_kernel.platform import arch_number, interpreting
@@ -28,6 +29,38 @@ ATTENTION_TRAITS = dict(
 )
 # What the GPT-OSS calls the AOT cases model carry: head dim 64, a sink per head, the lse.
 GPT_OSS_AOT_CASE = dict(head_dim=64, sinks=0.0, lse=True)
+
+
+@triton.jit
+def merge_sink(m, denom, sink):
+    """Add the sink term 2^sink (log2 domain) to a row's running max `m` and denominator `denom`.
+
+    Returns (m_fin, alpha, l_fin): alpha rescales the row's accumulator. The limits are part of
+    the contract: sink = +inf takes all the mass (alpha 0, l_fin 1: out 0, lse +inf); sink =
+    -inf adds nothing, and a row that also saw no key keeps l_fin = 0 (out 0, lse -inf).
+    """
+    m_fin = tl.maximum(m, sink)
+    # Nothing seen and sink -inf: shift by 0 so the exponentials give 0, not NaN (-inf + inf).
+    m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+    alpha = tl.math.exp2(m - m_fin)
+    # sink == m_fin: the term is exactly 1, also for sink = +inf where sink - m_fin is NaN.
+    l_fin = denom * alpha + tl.math.exp2(tl.where(sink == m_fin, 0.0, sink - m_fin))
+    return m_fin, alpha, l_fin
+
+
+@triton.jit
+def zero_nonfinite_values(v):
+    """(v with NaN/inf entries set to 0, and per key row NaN if it held one, else 0).
+
+    In p @ v a masked key's probability is exactly 0, but 0 * NaN = NaN: a NaN/inf value of a
+    key that one row of a tile sees and another does not would reach both. Zeroing the value
+    keeps it from the rows that do not see the key; adding the returned NaN to the scores of
+    the rows that do see it gives them NaN, as an unmasked block would. Only masked (edge)
+    blocks pay for it: an abs, a compare and a select per V element, a row reduction.
+    """
+    finite = tl.abs(v) < float("inf")  # false for NaN
+    bad_entries = tl.sum(tl.where(finite, 0, 1), 1)
+    return tl.where(finite, v, 0.0), tl.where(bad_entries > 0, float("nan"), 0.0)
 
 
 def register_attention_kernel(launcher, name, traits, supports, description, aot_cases):

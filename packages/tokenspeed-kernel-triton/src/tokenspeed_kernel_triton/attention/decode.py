@@ -33,8 +33,10 @@ from ._common import (
     HALF,
     LN2,
     LOG2E,
+    merge_sink,
     register_attention_kernel,
     supports_dot_and_fp8,
+    zero_nonfinite_values,
 )
 from .decode_config import plan_decode
 from .decode_reduce import decode_reduce
@@ -45,44 +47,54 @@ MAX_Q_LEN = 64
 
 
 @triton.jit
-def _block_pages(
+def _block_keys(
     PageRow,
     stride_ptp,
     start_n,
     cols,
     col_ok,
+    num_pages,
     PAGE_SIZE: tl.constexpr,
     BLOCK_IN_PAGE: tl.constexpr,
 ):
-    """Physical page of each key of a block (int64, so page * stride never overflows)."""
+    """(physical page of each key (int64, so page * stride never overflows), key_ok). A page id
+    outside [0, num_pages) is a page of masked keys: key_ok False, never read. Cost: two
+    integer compares per page id read, folded into the load predicate that col_ok already is."""
     if BLOCK_IN_PAGE:
         # The whole block lies in one page: one page-table read for the block.
         page = tl.load(PageRow + (start_n // PAGE_SIZE) * stride_ptp).to(tl.int64)
     else:
         page = tl.load(PageRow + (cols // PAGE_SIZE) * stride_ptp, mask=col_ok, other=0)
         page = page.to(tl.int64)
-    return page
+    return page, col_ok & (page >= 0) & (page < num_pages)
 
 
 @triton.jit
 def _load_block(
-    Cache, page, cols, col_ok, offs_d, stride_page, stride_slot, PAGE_SIZE: tl.constexpr
+    Cache, page, cols, key_ok, offs_d, stride_page, stride_slot, PAGE_SIZE: tl.constexpr
 ):
     """[BLOCK_N, D] tile of one KV head (Cache already points at the head); masked rows are 0."""
     slot = page * stride_page + (cols % PAGE_SIZE) * stride_slot
-    return tl.load(Cache + slot[:, None] + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    return tl.load(Cache + slot[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
 
 
 @triton.jit
 def _attend_block(
-    acc, l_i, m_i, q, k, v, cols, col_ok, pos, qk_scale, window_left, HAS_WINDOW: tl.constexpr
-):
-    """One key block of online softmax (log2 domain) for every row of the tile."""
+    acc, l_i, m_i, q, k, v, cols, key_ok, pos, qk_scale, window_left,
+    HAS_WINDOW: tl.constexpr, MIXED_ROWS: tl.constexpr,
+):  # fmt: skip
+    """One key block of online softmax (log2 domain) for every row of the tile. MIXED_ROWS:
+    the rows sit at several positions (Q > 1), so a loaded key may be visible to one row and
+    masked for another (with one position, every masked key is left unloaded)."""
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+    v = v.to(q.dtype)
     # Causality (among the Q tokens and against the cache end) and the window, per row.
-    visible = (cols[None, :] <= pos[:, None]) & col_ok[None, :]
+    visible = (cols[None, :] <= pos[:, None]) & key_ok[None, :]
     if HAS_WINDOW:
         visible = visible & (cols[None, :] >= pos[:, None] - window_left)
+    if MIXED_ROWS:
+        v, poison = zero_nonfinite_values(v)
+        s = s + poison[None, :]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -90,7 +102,7 @@ def _attend_block(
     p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -118,12 +130,9 @@ def _store_final(
     stride_lb, stride_lt, stride_lh = lse_strides
     if HAS_SINKS:
         sink = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
-        m_fin = tl.maximum(m_i, sink)
-        alpha = tl.math.exp2(m_i - m_fin)
-        l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
+        m_i, alpha, l_i = merge_sink(m_i, l_i, sink)
         acc = acc * alpha[:, None]
-        m_i = m_fin
-    # l = 0 only for a query that sees nothing and has no sink: its output is zeros.
+    # l = 0 only for a query that sees nothing and has no sink (or a -inf one): zeros.
     o = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     o_ptrs = Out + b * stride_ob + tok[:, None] * stride_ot + head[:, None] * stride_oh
     tl.store(o_ptrs + offs_d[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
@@ -136,7 +145,7 @@ def _store_final(
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, PageTable, SeqLens, Sinks, Out, Lse, MidO, MidLse,
-    qk_scale, v_scale, window_left, num_kv_heads, stride_sb,
+    qk_scale, v_scale, window_left, num_kv_heads, stride_sb, num_pages, max_keys,
     stride_qb, stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -171,7 +180,8 @@ def _decode_split_kernel(
         # bf16. Q_PRESCALE (2^-8 for bf16 q, undone in qk_scale) keeps |q| up to 1.7e7 finite.
         q = (q.to(tl.float32) * Q_PRESCALE).to(tl.float16)
 
-    seqlen = tl.load(SeqLens + b * stride_sb)
+    # Keys past the page table do not exist; a negative length is 0 (two integer ops).
+    seqlen = tl.minimum(tl.maximum(tl.load(SeqLens + b * stride_sb), 0), max_keys)
     pos = seqlen - Q_LEN + tok  # absolute position of each row (negative: sees nothing)
     first_tok = (m_tile * BLOCK_M) // GROUP
     last_tok = (tl.minimum(m_tile * BLOCK_M + BLOCK_M, Q_LEN * GROUP) - 1) // GROUP
@@ -196,11 +206,12 @@ def _decode_split_kernel(
         # Keys left of the window are not loaded: engines may have freed (and reused) their
         # pages, so neither their page ids nor their contents can be trusted.
         col_ok = (cols >= lo) & (cols < end)
-        page = _block_pages(PageRow, stride_ptp, start_n, cols, col_ok, PAGE_SIZE, BLOCK_IN_PAGE)
-        k = _load_block(KHead, page, cols, col_ok, offs_d, stride_kp, stride_ks, PAGE_SIZE)
-        v = _load_block(VHead, page, cols, col_ok, offs_d, stride_vp, stride_vs, PAGE_SIZE)
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k, v, cols, col_ok, pos, qk_scale,
-                                      window_left, HAS_WINDOW)
+        page, key_ok = _block_keys(PageRow, stride_ptp, start_n, cols, col_ok, num_pages,
+                                   PAGE_SIZE, BLOCK_IN_PAGE)
+        k = _load_block(KHead, page, cols, key_ok, offs_d, stride_kp, stride_ks, PAGE_SIZE)
+        v = _load_block(VHead, page, cols, key_ok, offs_d, stride_vp, stride_vs, PAGE_SIZE)
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k, v, cols, key_ok, pos, qk_scale,
+                                      window_left, HAS_WINDOW, Q_LEN > 1)
 
     if NUM_SPLITS == 1:
         _store_final(Out, Lse, Sinks, acc, l_i, m_i, v_scale, b, tok, head, row_ok, offs_d,
@@ -246,7 +257,9 @@ def mha_decode_with_kvcache(
 
     q [B, Q, Hq, D]; k_cache/v_cache [num_pages, P, Hkv, D] (bf16/fp16, or float8_e4m3fn with
     per-tensor k_scale/v_scale); page_table [B, max_pages] int32; cache_seqlens [B] int32;
-    sinks [Hq] or None; out [B, Q, Hq, D]; lse [B, Q, Hq] float32 or None.
+    sinks [Hq] or None; out [B, Q, Hq, D]; lse [B, Q, Hq] float32 or None. Device values are
+    not trusted: cache_seqlens is clamped to [0, max_pages * P] and page ids outside
+    [0, num_pages) are pages of masked keys.
     """
     batch, q_len, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -281,7 +294,7 @@ def mha_decode_with_kvcache(
         q, k_cache, v_cache, page_table, cache_seqlens, sinks if sinks is not None else q,
         out, lse_t, mid_o, mid_lse,
         softmax_scale * k_scale * LOG2E.value / q_prescale, v_scale, window_left, num_kv_heads,
-        cache_seqlens.stride(0),
+        cache_seqlens.stride(0), k_cache.shape[0], page_table.shape[1] * page_size,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *page_table.stride(),
         *out.stride()[:3], *lse_strides,
         Q_LEN=q_len, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m,

@@ -53,7 +53,9 @@ def _decode_reduce_kernel(
     w = tl.math.exp2(lse_s - m)
     denom = tl.sum(w, 0)
     if HAS_SINKS:
-        denom += tl.math.exp2(sink - m)
+        # sink == m: the term is exactly 1, also for sink = +inf (all the mass: out 0, lse +inf)
+        # where sink - m is NaN.
+        denom += tl.math.exp2(tl.where(sink == m, 0.0, sink - m))
     o_ptrs = MidO + (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :]
     o_s = tl.load(o_ptrs, mask=split_ok[:, None], other=0.0)
     o = tl.sum(o_s * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)

@@ -32,7 +32,7 @@ KERNEL_NAME = "triton.mha_extend_with_kvcache"
 @triton.jit
 def _extend_kernel(
     Q, K, V, Out, Lse, Sinks, CuSeqlensQ, PageTable, CacheSeqlens,
-    qk_scale, v_scale, window_left, num_m_blocks,
+    qk_scale, v_scale, window_left, num_m_blocks, num_tokens, num_pages, max_keys,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt, stride_pt,
     GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -41,12 +41,12 @@ def _extend_kernel(
 ):  # fmt: skip
     TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     pid_m, head_base, seq = _tiles.tile_program(num_m_blocks, HEADS_PER_TILE, not HAS_WINDOW)
-    q_start = tl.load(CuSeqlensQ + seq)
-    n_q = tl.load(CuSeqlensQ + seq + 1) - q_start
+    q_start, n_q = _tiles.sequence_span(CuSeqlensQ, seq, num_tokens)
     t0 = pid_m * TOKENS
     if t0 >= n_q:
         return
-    seq_k = tl.load(CacheSeqlens + seq)
+    # Keys past the page table do not exist; a negative length is 0 (two integer ops).
+    seq_k = tl.minimum(tl.maximum(tl.load(CacheSeqlens + seq), 0), max_keys)
     pos0 = seq_k - n_q  # absolute position of query row 0
     kv_head = head_base // GROUP
     q, _, tile0, local, toks, heads, row_ok, offs_n, offs_d = _tiles.query_tile(
@@ -62,7 +62,10 @@ def _extend_kernel(
     tile = (pos0 + toks, seq_k, window_left, qk_scale, offs_n)
     kh_k = kv_head * stride_kh
     kh_v = kv_head * stride_vh
-    keys = (K, V, page_row, kh_k, kh_v, stride_kp, stride_kt, stride_vp, stride_vt, offs_n, offs_d)
+    keys = (
+        K, V, page_row, num_pages, kh_k, kh_v, stride_kp, stride_kt, stride_vp, stride_vt,
+        offs_n, offs_d,
+    )  # fmt: skip
     acc, l_i, m_i = _tiles.attend_key_ranges(
         q, tile, keys, bounds, BLOCK_M, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, SPLIT_MASK, PAGE_SIZE
     )
@@ -97,6 +100,8 @@ def mha_extend_with_kvcache(
     q [T, Hq, D] bf16/fp16; k_cache/v_cache [num_pages, P, Hkv, D] (q's dtype or
     float8_e4m3fn); cu_seqlens_q [B+1] int32; page_table [B, max_pages] int32;
     cache_seqlens [B] int32; max_seqlen_q >= every n_b; out [T, Hq, D]; lse [T, Hq] float32.
+    Device values are not trusted: cu_seqlens_q as in prefill, cache_seqlens clamped to
+    [0, max_pages * P], page ids outside [0, num_pages) are pages of masked keys.
     """
     num_kv_heads = k_cache.shape[2]
     plan = _tiles.plan_tiles(
@@ -108,7 +113,8 @@ def mha_extend_with_kvcache(
     _extend_kernel[grid](
         q, k_cache, v_cache, out, out if lse is None else lse, q if sinks is None else sinks,
         cu_seqlens_q, page_table, cache_seqlens,
-        softmax_scale * k_scale * LOG2E.value, v_scale, window_left, num_m_blocks,
+        softmax_scale * k_scale * LOG2E.value, v_scale, window_left, num_m_blocks, q.shape[0],
+        k_cache.shape[0], page_table.shape[1] * k_cache.shape[1],
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2],
         0 if lse is None else lse.stride(0), page_table.stride(0),
         PAGE_SIZE=k_cache.shape[1], **meta,

@@ -1,9 +1,10 @@
 """Write new K/V tokens into the paged cache (`kvcache_store`), quantizing to FP8 if the cache is.
 
 One program stores one token's [heads, D] tile of both K and V: a pure copy, memory-bound, so
-the only goals are full-width accesses and no wasted launches. A negative slot (padding) masks
-the whole program's stores. FP8: fp8(clamp(x / scale, -448, 448)) with IEEE division and
-round-to-nearest-even, bit-identical to the core reference.
+the only goals are full-width accesses and no wasted launches. A slot outside the cache
+(negative: padding; past num_pages * P: a bad device value) masks the whole program's stores.
+FP8: fp8(clamp(x / scale, -448, 448)) with IEEE division and round-to-nearest-even,
+bit-identical to the core reference.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _kvcache_store_kernel(
     k_scale,
     v_scale,
     num_kv_heads,
+    num_slots,
     stride_st,
     stride_kt,
     stride_kh,
@@ -72,7 +74,10 @@ def _kvcache_store_kernel(
     slot = tl.load(Slots + token * stride_st)
     page = slot // PAGE_SIZE
     offset = slot % PAGE_SIZE
-    mask = (slot >= 0) & (heads[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
+    # A slot outside [0, num_pages * P) (negative: padding) skips the token: one more scalar
+    # compare per program, folded into the store predicate.
+    slot_ok = (slot >= 0) & (slot < num_slots)
+    mask = slot_ok & (heads[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
     k_off = token * stride_kt + heads[:, None] * stride_kh + offs_d[None, :]
     v_off = token * stride_vt + heads[:, None] * stride_vh + offs_d[None, :]
     kc_off = page * stride_kcp + offset * stride_kcs + heads[:, None] * stride_kch + offs_d[None, :]
@@ -83,7 +88,8 @@ def _kvcache_store_kernel(
 
 def kvcache_store(k, v, k_cache, v_cache, *, slot_mapping, k_scale, v_scale) -> None:
     """k/v [T, Hkv, D] into k_cache/v_cache [num_pages, P, Hkv, D] at slot_mapping [T] int64
-    (slot = page * P + offset, negative = skip); FP8 caches store fp8(x / scale)."""
+    (slot = page * P + offset; negative or >= num_pages * P = skip); FP8 caches store
+    fp8(x / scale)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -100,6 +106,7 @@ def kvcache_store(k, v, k_cache, v_cache, *, slot_mapping, k_scale, v_scale) -> 
         float(k_scale),
         float(v_scale),
         num_kv_heads,
+        k_cache.shape[0] * k_cache.shape[1],
         slot_mapping.stride(0),
         k.stride(0),
         k.stride(1),
@@ -157,5 +164,5 @@ AOT_CASES = (_AOT_CASE, dict(_AOT_CASE, kv_dtype=FP8))
 
 def register() -> None:
     traits = dict(dtype=HALF, kv_dtype=(*HALF, FP8), head_dim=ANY, page_size=ANY)
-    description = "paged K/V store; negative slots skipped; FP8 saturating RNE quantization"
+    description = "paged K/V store; slots outside the cache skipped; FP8 saturating RNE"
     register_attention_kernel(kvcache_store, KERNEL_NAME, traits, supports, description, AOT_CASES)

@@ -29,7 +29,7 @@ KERNEL_NAME = "triton.mha_prefill"
 @triton.jit
 def _prefill_kernel(
     Q, K, V, Out, Lse, Sinks, CuSeqlens,
-    qk_scale, window_left, num_m_blocks,
+    qk_scale, window_left, num_m_blocks, num_tokens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lt,
     GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -40,8 +40,7 @@ def _prefill_kernel(
     pid_m, head_base, seq = _tiles.tile_program(
         num_m_blocks, HEADS_PER_TILE, IS_CAUSAL and not HAS_WINDOW
     )
-    start = tl.load(CuSeqlens + seq)
-    seqlen = tl.load(CuSeqlens + seq + 1) - start
+    start, seqlen = _tiles.sequence_span(CuSeqlens, seq, num_tokens)
     t0 = pid_m * TOKENS
     if t0 >= seqlen:
         return
@@ -87,7 +86,9 @@ def mha_prefill(
 
     q [T, Hq, D], k/v [T, Hkv, D] bf16/fp16 (last dim contiguous); cu_seqlens [B+1] int32;
     max_seqlen >= every sequence length; sinks [Hq] float32/bfloat16 or None;
-    out [T, Hq, D]; lse [T, Hq] float32 or None. Arguments arrive validated.
+    out [T, Hq, D]; lse [T, Hq] float32 or None. Arguments arrive validated, except the
+    device values: cu_seqlens offsets are clamped to [0, T], a sequence ending before it starts
+    is empty, and rows no sequence covers are not written (`_tiles.sequence_span`).
     """
     plan = _tiles.plan_tiles(
         KERNEL_NAME, q, k.shape[1], cu_seqlens, max_seqlen, window_left, sinks, lse
@@ -97,7 +98,7 @@ def mha_prefill(
     grid, num_m_blocks, meta = plan
     _prefill_kernel[grid](
         q, k, v, out, out if lse is None else lse, q if sinks is None else sinks, cu_seqlens,
-        softmax_scale * LOG2E.value, window_left, num_m_blocks,
+        softmax_scale * LOG2E.value, window_left, num_m_blocks, q.shape[0],
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
         0 if lse is None else lse.stride(0),
         IS_CAUSAL=causal, **meta,
