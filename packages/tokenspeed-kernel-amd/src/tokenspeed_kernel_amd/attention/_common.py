@@ -162,16 +162,21 @@ def kv_row_offsets(
     key_ok,
     base,
     page_row_ptr,
+    num_pages,
     stride_a,
     stride_b,
     PAGED: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     WIDE: gl.constexpr,
 ):
-    """Element offset of each key's row. Paged: `page_row[kpos // P] * stride_a + (kpos % P) *
-    stride_b + base`; contiguous: `kpos * stride_a + base`. WIDE: 64-bit (tensors past 2 GiB)."""
+    """(element offset of each key's row, whether the key exists). Paged: `page_row[kpos // P]
+    * stride_a + (kpos % P) * stride_b + base`, and a page id outside [0, num_pages) makes its
+    keys absent (masked: one compare per key); contiguous: `kpos * stride_a + base`. WIDE:
+    64-bit (tensors past 2 GiB)."""
     if PAGED:
         page = gl.load(page_row_ptr + kpos // PAGE_SIZE, mask=key_ok, other=0)
+        key_ok = key_ok & (page >= 0) & (page < num_pages)
+        page = gl.where(key_ok, page, 0)
         if WIDE:
             page = page.to(gl.int64)
         rows = page * stride_a + (kpos % PAGE_SIZE) * stride_b
@@ -180,7 +185,22 @@ def kv_row_offsets(
         if WIDE:
             rows = rows.to(gl.int64)
         rows = rows * stride_a
-    return rows + base
+    return rows + base, key_ok
+
+
+@gluon.jit
+def sequence_bounds(cu_seqlens_ptr, seq, num_tokens):
+    """(start, length) of sequence `seq`: offsets clamped to [0, T], and a sequence ending
+    before its start is empty, so bad cu_seqlens never address rows outside q/k/v/out."""
+    start = gl.minimum(gl.maximum(gl.load(cu_seqlens_ptr + seq), 0), num_tokens)
+    end = gl.minimum(gl.maximum(gl.load(cu_seqlens_ptr + seq + 1), 0), num_tokens)
+    return start, gl.maximum(end - start, 0)
+
+
+@gluon.jit
+def cached_keys(cache_seqlens_ptr, seq, max_keys):
+    """cache_seqlens[seq] clamped to [0, max_keys]: keys past the page table do not exist."""
+    return gl.minimum(gl.maximum(gl.load(cache_seqlens_ptr + seq), 0), max_keys)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +211,7 @@ def kv_row_offsets(
 @gluon.jit
 def attend(
     q, q_pos, k_lo, k_hi, qk_scale, window_left, k_ptr, v_ptr, k_base, v_base, page_row_ptr,
-    ks_a, ks_b, vs_a, vs_b, k_smem, v_smem,
+    num_pages, ks_a, ks_b, vs_a, vs_b, k_smem, v_smem,
     ARCH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     INSTR_M: gl.constexpr, NUM_WARPS: gl.constexpr, PAGED: gl.constexpr,
     PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
@@ -201,7 +221,10 @@ def attend(
     position q_pos[r]) over keys k_lo .. k_hi-1, in base 2 (qk_scale includes log2(e)).
 
     Returns the unnormalized accumulator, the running max and the running sum. Keys are
-    visible when < k_hi, and (CAUSAL) <= the row's position, and (HAS_WINDOW) >= position - W.
+    visible when < k_hi, and (CAUSAL) <= the row's position, and (HAS_WINDOW) >= position - W,
+    and (PAGED) on a page id in [0, num_pages). Tiles that straddle some row's window start
+    read non-finite V entries as 0, so a key masked for a row cannot reach it through
+    0 * NaN in the P.V product; tiles inside every window take the plain path.
     """
     DTYPE: gl.constexpr = q.dtype
     MMA: gl.constexpr = mma_layout(ARCH, NUM_WARPS, BLOCK_M, INSTR_M)
@@ -213,15 +236,19 @@ def attend(
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, MMA))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, MMA))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, MMA)
+    # Keys below this are outside the window of the block's last row.
+    window_edge = gl.max(q_pos, 0) - window_left
     for start in range(k_lo, k_hi, BLOCK_N):
         kpos = start + offs_n
-        key_ok = gl.expand_dims(kpos < k_hi, 1)
-        k_rows = kv_row_offsets(
-            kpos, kpos < k_hi, k_base, page_row_ptr, ks_a, ks_b, PAGED, PAGE_SIZE, WIDE
-        )
-        v_rows = kv_row_offsets(
-            kpos, kpos < k_hi, v_base, page_row_ptr, vs_a, vs_b, PAGED, PAGE_SIZE, WIDE
-        )
+        k_rows, exists = kv_row_offsets(
+            kpos, kpos < k_hi, k_base, page_row_ptr, num_pages, ks_a, ks_b, PAGED, PAGE_SIZE,
+            WIDE,
+        )  # fmt: skip
+        v_rows, _ = kv_row_offsets(
+            kpos, kpos < k_hi, v_base, page_row_ptr, num_pages, vs_a, vs_b, PAGED, PAGE_SIZE,
+            WIDE,
+        )  # fmt: skip
+        key_ok = gl.expand_dims(exists, 1)
         k_offs = gl.expand_dims(k_rows, 1) + gl.expand_dims(offs_d, 0)
         copy_to_smem(k_smem, k_ptr, k_offs, key_ok, ARCH, BUFFER, ASYNC, DTYPE)
         v_offs = gl.expand_dims(v_rows, 1) + gl.expand_dims(offs_d, 0)
@@ -231,6 +258,9 @@ def attend(
         s = mma(q, kt, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA), ARCH) * qk_scale
         spos = gl.expand_dims(start + offs_s, 0)
         visible = spos < k_hi
+        if PAGED:
+            page_ok = gl.convert_layout(exists, gl.SliceLayout(0, MMA))
+            visible = visible & gl.expand_dims(page_ok, 0)
         if CAUSAL:
             visible = visible & (spos <= gl.expand_dims(q_pos, 1))
         if HAS_WINDOW:
@@ -244,6 +274,9 @@ def attend(
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.expand_dims(alpha, 1)
         v = v_smem.load(operand_layout(ARCH, MMA, 1))
+        if HAS_WINDOW:
+            if start < window_edge:
+                v = gl.where(gl.abs(v) < float("inf"), v, gl.zeros_like(v))
         p_op = gl.convert_layout(p.to(DTYPE), operand_layout(ARCH, MMA, 0))
         acc = mma(p_op, v, acc, ARCH)
         m_i = m_new
@@ -259,7 +292,8 @@ def add_sink(acc, m_i, l_i, sink):
     m_new = gl.maximum(m_i, sink)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
-    l_new = l_i * alpha + gl.exp2(sink - m_use)
+    # sink = +inf takes all the mass (out 0, lse +inf): its term is 1, not exp2(inf - inf).
+    l_new = l_i * alpha + gl.where(sink == m_use, 1.0, gl.exp2(sink - m_use))
     return acc * gl.expand_dims(alpha, 1), m_new, l_new
 
 

@@ -24,6 +24,7 @@ from ._common import (
     CODE_GFX942,
     CODE_GFX950,
     attend,
+    cached_keys,
     finish_rows,
     kv_smem_layout,
     load_q,
@@ -53,8 +54,9 @@ MAX_Q_LEN = 128  # rows of one program: Q tokens x packed heads, at most one 128
 @gluon.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, sinks_ptr, page_table_ptr, cache_seqlens_ptr,
-    o_part_ptr, lse_part_ptr, qk_scale, v_scale, window_left, stride_pt, stride_qb, stride_qt,
-    stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ob,
+    o_part_ptr, lse_part_ptr, num_pages, max_keys, qk_scale, v_scale, window_left, stride_pt,
+    stride_qb, stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+    stride_vh, stride_ob,
     stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
     ARCH: gl.constexpr, HEAD_DIM: gl.constexpr, GQA: gl.constexpr, H_PACK: gl.constexpr,
     NUM_Q_HEADS: gl.constexpr, Q_LEN: gl.constexpr, SPLITS: gl.constexpr,
@@ -69,7 +71,7 @@ def _decode_kernel(
     split = gl.program_id(2)
     kvh = head0 // GQA
     seq64 = seq.to(gl.int64)
-    kv_len = gl.load(cache_seqlens_ptr + seq)
+    kv_len = cached_keys(cache_seqlens_ptr, seq, max_keys)
     q = load_q(
         q_ptr + seq64 * stride_qb, 0, Q_LEN, head0, stride_qt, stride_qh, ARCH, BLOCK_M,
         HEAD_DIM, H_PACK, 16, NUM_WARPS, BUFFER,
@@ -88,8 +90,8 @@ def _decode_kernel(
     v_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [BLOCK_N, HEAD_DIM], SMEM)
     acc, m_i, l_i = attend(
         q, q_pos, s_lo, s_hi, qk_scale, window_left, k_ptr, v_ptr, kvh * stride_kh,
-        kvh * stride_vh, page_table_ptr + seq64 * stride_pt, stride_kp, stride_ks, stride_vp,
-        stride_vs, k_smem, v_smem, ARCH, BLOCK_M, BLOCK_N, HEAD_DIM, 16, NUM_WARPS, True,
+        kvh * stride_vh, page_table_ptr + seq64 * stride_pt, num_pages, stride_kp, stride_ks,
+        stride_vp, stride_vs, k_smem, v_smem, ARCH, BLOCK_M, BLOCK_N, HEAD_DIM, 16, NUM_WARPS, True,
         PAGE_SIZE, True, HAS_WINDOW, BUFFER, ASYNC, WIDE,
     )  # fmt: skip
     acc = acc * v_scale
@@ -209,7 +211,8 @@ def mha_decode_with_kvcache(
     lse_arg, sinks_arg, lse_strides = optional_operands(out, lse, sinks, 3)
     _decode_kernel[(num_seqs, num_q_heads // h_pack, splits)](
         q, k_cache, v_cache, out, lse_arg, sinks_arg, page_table, cache_seqlens, o_part,
-        lse_part, qk_scale_log2(head_dim, softmax_scale, k_scale), float(v_scale), window_left,
+        lse_part, k_cache.shape[0], page_table.shape[1] * k_cache.shape[1],
+        qk_scale_log2(head_dim, softmax_scale, k_scale), float(v_scale), window_left,
         page_table.stride(0), *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         *out.stride()[:3], *lse_strides,
         ARCH=arch_code, HEAD_DIM=head_dim, GQA=group, H_PACK=h_pack, NUM_Q_HEADS=num_q_heads,

@@ -55,7 +55,8 @@ def _reduce_kernel(
     w = gl.exp(lse_s - m_use)
     denom = gl.sum(w, 0)
     if HAS_SINKS:
-        denom = denom + gl.exp(sink - m_use)
+        # sink = +inf takes all the mass: its term is 1 (not exp(inf - inf)), the rest 0.
+        denom = denom + gl.where(sink == m_use, 1.0, gl.exp(sink - m_use))
     offs = gl.expand_dims(s, 1) * HEAD_DIM + gl.expand_dims(d, 0)
     o_s = load(
         o_part_ptr + row.to(gl.int64) * (SPLITS * HEAD_DIM),

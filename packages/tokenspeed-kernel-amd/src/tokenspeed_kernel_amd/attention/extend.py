@@ -16,10 +16,12 @@ from tokenspeed_kernel.registry import ANY, register_kernel
 
 from ._common import (
     attend,
+    cached_keys,
     finish_rows,
     kv_smem_layout,
     load_q,
     mma_layout,
+    sequence_bounds,
 )
 from ._launch import (
     FP8_DTYPE,
@@ -39,7 +41,8 @@ KERNEL_NAME = "amd.mha_extend_with_kvcache"
 @gluon.jit
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, sinks_ptr, cu_seqlens_ptr, page_table_ptr,
-    cache_seqlens_ptr, qk_scale, v_scale, window_left, stride_pt, stride_qt, stride_qh,
+    cache_seqlens_ptr, num_tokens, num_pages, max_keys, qk_scale, v_scale, window_left,
+    stride_pt, stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ot, stride_oh,
     stride_lt, stride_lh,
     ARCH: gl.constexpr, HEAD_DIM: gl.constexpr, GQA: gl.constexpr, H_PACK: gl.constexpr,
@@ -55,8 +58,7 @@ def _extend_kernel(
     seq = gl.program_id(1)
     head0 = gl.program_id(2) * H_PACK
     kvh = head0 // GQA
-    seq_start = gl.load(cu_seqlens_ptr + seq)
-    seq_len = gl.load(cu_seqlens_ptr + seq + 1) - seq_start
+    seq_start, seq_len = sequence_bounds(cu_seqlens_ptr, seq, num_tokens)
     m_start = pid_m * TOKENS
     if m_start < seq_len:
         base = seq_start.to(gl.int64)
@@ -65,7 +67,7 @@ def _extend_kernel(
             ARCH, BLOCK_M, HEAD_DIM, H_PACK, INSTR_M, NUM_WARPS, BUFFER,
         )  # fmt: skip
         # Row i of the n new tokens sits at position kv_len - n + i; keys are causal.
-        kv_len = gl.load(cache_seqlens_ptr + seq)
+        kv_len = cached_keys(cache_seqlens_ptr, seq, max_keys)
         q_off = kv_len - seq_len
         rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
         q_pos = q_off + m_start + rows // H_PACK
@@ -77,7 +79,7 @@ def _extend_kernel(
         v_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [BLOCK_N, HEAD_DIM], SMEM)
         acc, m_i, l_i = attend(
             q, q_pos, k_lo, k_hi, qk_scale, window_left, k_ptr, v_ptr, kvh * stride_kh,
-            kvh * stride_vh, page_table_ptr + seq.to(gl.int64) * stride_pt, stride_kp,
+            kvh * stride_vh, page_table_ptr + seq.to(gl.int64) * stride_pt, num_pages, stride_kp,
             stride_ks, stride_vp, stride_vs, k_smem, v_smem, ARCH, BLOCK_M, BLOCK_N, HEAD_DIM,
             INSTR_M, NUM_WARPS, True, PAGE_SIZE, True, HAS_WINDOW, BUFFER, ASYNC, WIDE,
         )  # fmt: skip
@@ -111,7 +113,9 @@ def mha_extend_with_kvcache(
 ):
     """q [T, Hq, D] ragged by cu_seqlens_q [B+1] int32; caches [num_pages, P, Hkv, D]
     (bf16/fp16, or float8_e4m3fn with per-tensor k_scale/v_scale); page_table [B, max_pages]
-    int32; cache_seqlens [B] int32 including the new tokens.
+    int32; cache_seqlens [B] int32 including the new tokens. Bad device values stay in
+    bounds: cu_seqlens_q as for `mha_prefill`, cache_seqlens clamped to [0, max_pages * P],
+    page ids outside [0, num_pages) read as masked keys.
 
     Writes out [T, Hq, D] (bf16 for an FP8 cache unless given) and lse [T, Hq] when given.
     `arch` and `direct_to_lds` as for `mha_prefill`; the config is the `RaggedConfig` pinned
@@ -129,6 +133,7 @@ def mha_extend_with_kvcache(
     lse_arg, sinks_arg, lse_strides = optional_operands(out, lse, sinks, 2)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, lse_arg, sinks_arg, cu_seqlens_q, page_table, cache_seqlens,
+        q.shape[0], k_cache.shape[0], page_table.shape[1] * k_cache.shape[1],
         qk_scale_log2(q.shape[2], softmax_scale, k_scale), float(v_scale), window_left,
         page_table.stride(0), *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
         *out.stride()[:2], *lse_strides, PAGE_SIZE=k_cache.shape[1], **constexprs,

@@ -19,6 +19,7 @@ from ._common import (
     kv_smem_layout,
     load_q,
     mma_layout,
+    sequence_bounds,
 )
 from ._launch import (
     HALF_DTYPES,
@@ -35,7 +36,8 @@ KERNEL_NAME = "amd.mha_prefill"
 
 @gluon.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, sinks_ptr, cu_seqlens_ptr, qk_scale, window_left,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, sinks_ptr, cu_seqlens_ptr, num_tokens, qk_scale,
+    window_left,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lt, stride_lh,
     ARCH: gl.constexpr, HEAD_DIM: gl.constexpr, GQA: gl.constexpr, H_PACK: gl.constexpr,
@@ -51,8 +53,7 @@ def _prefill_kernel(
     seq = gl.program_id(1)
     head0 = gl.program_id(2) * H_PACK
     kvh = head0 // GQA
-    seq_start = gl.load(cu_seqlens_ptr + seq)
-    seq_len = gl.load(cu_seqlens_ptr + seq + 1) - seq_start
+    seq_start, seq_len = sequence_bounds(cu_seqlens_ptr, seq, num_tokens)
     m_start = pid_m * TOKENS
     if m_start < seq_len:
         base = seq_start.to(gl.int64)
@@ -72,7 +73,7 @@ def _prefill_kernel(
         v_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [BLOCK_N, HEAD_DIM], SMEM)
         acc, m_i, l_i = attend(
             q, q_pos, k_lo, k_hi, qk_scale, window_left, k_ptr + base * stride_kt,
-            v_ptr + base * stride_vt, kvh * stride_kh, kvh * stride_vh, cu_seqlens_ptr,
+            v_ptr + base * stride_vt, kvh * stride_kh, kvh * stride_vh, cu_seqlens_ptr, 0,
             stride_kt, 0, stride_vt, 0, k_smem, v_smem, ARCH, BLOCK_M, BLOCK_N, HEAD_DIM,
             INSTR_M, NUM_WARPS, False, 1, CAUSAL, HAS_WINDOW, BUFFER, ASYNC, WIDE,
         )  # fmt: skip
@@ -102,6 +103,8 @@ def mha_prefill(
     """q [T, Hq, D], k/v [T, Hkv, D] (bf16/fp16, D in 64/128); cu_seqlens [B+1] int32.
 
     Writes out [T, Hq, D] and lse [T, Hq] float32 (natural log, sink included) when given.
+    cu_seqlens entries are clamped to [0, T] and a sequence ending before its start is empty
+    (rows no sequence covers are not written).
     `arch` ("gfx942", "gfx950", "nvidia") defaults to q's platform; `direct_to_lds=False`
     stages K/V through registers even where direct-to-LDS copies are possible. The config is
     `tuning.pin_config(KERNEL_NAME, RaggedConfig(...))` where pinned.
@@ -116,9 +119,9 @@ def mha_prefill(
     )  # fmt: skip
     lse_arg, sinks_arg, lse_strides = optional_operands(out, lse, sinks, 2)
     _prefill_kernel[grid](
-        q, k, v, out, lse_arg, sinks_arg, cu_seqlens, qk_scale_log2(q.shape[2], softmax_scale),
-        window_left, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
-        *lse_strides, CAUSAL=causal, **constexprs,
+        q, k, v, out, lse_arg, sinks_arg, cu_seqlens, q.shape[0],
+        qk_scale_log2(q.shape[2], softmax_scale), window_left, *q.stride()[:2], *k.stride()[:2],
+        *v.stride()[:2], *out.stride()[:2], *lse_strides, CAUSAL=causal, **constexprs,
     )  # fmt: skip
     return out
 
