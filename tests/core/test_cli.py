@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
+import pytest
+
 from tokenspeed_kernel import cli
+from tokenspeed_kernel.testing import reference_spec, temporary_kernel
+
+
+@pytest.fixture
+def register():
+    with contextlib.ExitStack() as stack:
+        yield lambda *args, **kw: stack.enter_context(temporary_kernel(*args, **kw))
 
 
 def run(capsys, *argv):
@@ -31,9 +41,46 @@ def test_report_shows_platform_kernels_and_gpt_oss_selection(capsys):
     assert "moe prefill batch (M<=8192)" in out and "-> reference.moe_apply" in out
 
 
+def test_report_names_the_platform_once_and_ends_with_next_steps(capsys):
+    code, out = run(capsys)
+    assert code == 0
+    assert "cpu CPU" not in out and "this platform (cpu):" in out
+    assert "`check` runs the Triton kernels through the Triton interpreter" in out
+    assert out.rstrip().splitlines()[-1].startswith("  tokenspeed-kernel --help")
+    assert "tokenspeed-kernel check --op kvcache_store" in out
+
+
+def test_report_states_each_decline_reason_once(register, capsys):
+    def nvidia_only(op):
+        register(op, f"gpu.{op}", reference_spec(op).fn, platforms=("nvidia:sm_90",), priority=50)
+
+    nvidia_only("mha_prefill")
+    nvidia_only("mha_decode_with_kvcache")
+    code, out = run(capsys)
+    assert code == 0
+    assert out.count("needs nvidia:sm_90, this is cpu") == 1
+    assert "    gpu.mha_prefill, gpu.mha_decode_with_kvcache\n" in out
+
+
 def test_report_on_a_faked_platform(capsys):
     code, out = run(capsys, "--platform", "mi355x")
     assert code == 0 and "platform: amd gfx950" in out
+    assert "tokenspeed-kernel aot --target gfx950" in out
+
+
+def test_global_options_after_the_command(capsys):
+    code, out = run(capsys, "explain", "moe_apply", "--platform", "mi355x", "--preset", "tiny")
+    assert code == 0 and "amd gfx950" in out and "E 8 top-2" in out
+    code, out = run(capsys, "--platform", "h100", "explain", "moe_apply")
+    assert code == 0 and "nvidia sm_90" in out
+    code, out = run(capsys, "list", "--platform", "h100")
+    assert code == 0
+
+
+def test_trait_sets_read_in_order_and_runs_as_ranges():
+    assert cli.trait_text(frozenset(range(1, 65))) == "1..64"
+    assert cli.trait_text(frozenset({128, 1, 16, 2})) == "{1, 2, 16, 128}"
+    assert cli.trait_text(True) == "yes"
 
 
 def test_list_shows_traits(capsys):
@@ -69,9 +116,18 @@ def test_explain_preset_and_overrides(capsys):
 
 
 def test_explain_bad_heads_is_an_error(capsys):
-    code = cli.main(["explain", "mha_prefill", "--heads", "7/2"])
-    assert code == 2
-    assert "--heads is '7/2', expected HQ/HKV" in capsys.readouterr().err
+    for heads in ("7/2", "8/0", "0/8", "x/8"):
+        code = cli.main(["explain", "mha_prefill", "--heads", heads])
+        assert code == 2
+        assert f"--heads is '{heads}', expected HQ/HKV" in capsys.readouterr().err
+
+
+def test_explain_refuses_non_positive_sizes(capsys):
+    for option in ("--head-dim", "--page-size", "--q-len", "--num-tokens"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["explain", "mha_decode_with_kvcache", option, "0"])
+        assert exc.value.code == 2
+        assert "0 is not a positive integer" in capsys.readouterr().err
 
 
 def test_console_script_runs():

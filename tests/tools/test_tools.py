@@ -97,11 +97,47 @@ def test_check_skips_declined_cases_with_the_reason(register, capsys):
 
 
 def test_check_usage_errors(capsys):
-    assert main(["check", "--kernel", "no-such-kernel.*"]) == 0
-    assert "nothing to check" in capsys.readouterr().out
+    assert main(["check", "--kernel", "no-such-kernel.*"]) == 1
+    assert "nothing ran: no kernel that can run here matches" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
         main(["check", "--op", "not_an_op"])
     assert exc.value.code == 2
+
+
+def test_check_fails_when_every_match_declines(register, capsys):
+    spec = reference_spec("kvcache_store")
+    register(
+        "kvcache_store", "narrow.kvcache_store", spec.fn, traits=dict(spec.traits, head_dim={96})
+    )
+    assert main(["check", "--kernel", "narrow.*"]) == 1
+    out = capsys.readouterr().out
+    assert "0 passed, 0 failed" in out and "nothing ran: every matching kernel declines" in out
+
+
+def test_check_says_the_triton_interpreter_runs_the_kernels(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs only where there is no GPU")
+    assert main(["check", "--kernel", "reference.kvcache_store", "--case", "store-page1-*"]) == 0
+    assert "Triton kernels run through the Triton interpreter" in capsys.readouterr().out
+
+
+def test_commands_that_run_kernels_refuse_platform(capsys):
+    for command in (["check"], ["bench"], ["profile", "--op", "kvcache_store"]):
+        assert main(["--platform", "mi300x", *command]) == 2
+        err = capsys.readouterr().err
+        assert f"`{command[0]}` runs kernels on this machine's device" in err
+        assert "--platform mi300x explain OP" in err
+
+
+def test_profile_refuses_a_preset_that_does_not_fit(monkeypatch, capsys):
+    from tokenspeed_kernel.tools import profile
+
+    monkeypatch.setattr(profile, "free_bytes", lambda device: 24 << 30)
+    rc = main(["profile", "--op", "moe_apply", "--preset", "gpt-oss-120b"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "moe_apply --preset gpt-oss-120b needs about 29.7 GiB" in err
+    assert "24.0 GiB is free: use --preset gpt-oss-20b or tiny" in err
 
 
 def test_bench_tiny_writes_json_and_png(tmp_path, capsys):

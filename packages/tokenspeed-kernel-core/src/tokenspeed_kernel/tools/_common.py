@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..platform import default_device, platform_of
+from ..platform import Platform, default_device, platform_of
 from ..presets import PRESETS
 
 
@@ -31,6 +31,13 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({_pyplatform.processor() or _pyplatform.machine()}, {os.cpu_count()} cores)"
+
+
+def platform_words(platform: Platform) -> str:
+    """The platform as a report line says it: "cpu, 2 cores" rather than "cpu CPU, 2 cores"."""
+    if platform.vendor == "cpu":
+        return f"cpu, {platform.sm_count} cores"
+    return str(platform)
 
 
 def versions() -> dict[str, str | None]:

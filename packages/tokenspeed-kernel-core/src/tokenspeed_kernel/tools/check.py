@@ -3,7 +3,9 @@ reference, over the shared conformance cases (plus a preset's shapes).
 
 Prints one row per (kernel, case): max abs and relative error and PASS / FAIL / SKIP (the kernel
 declines the case, with its reason). A kernel that raises fails with its error. Exits 1 when any
-case fails, naming each failing kernel and case.
+case fails, naming each failing kernel and case, and when nothing ran (no kernel matches, or
+every match declines every case). Without a GPU the Triton kernels run through the Triton
+interpreter: numerics only, and slow (narrow with --op, --kernel, --case).
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..platform import platform_of
+from ..platform import interpreting, platform_of
 from ..registry import kernels, op_names
 from ..testing import case_support, conformance_cases, run_case
 from ._common import (
     Progress,
     format_table,
+    platform_words,
     resolve_device,
     run_metadata,
     tool_parser,
@@ -132,7 +135,12 @@ def run(args: argparse.Namespace) -> int:
         for case in conformance_cases(spec.op, preset=args.tool_preset, dtypes=dtypes)
         if args.case is None or fnmatch.fnmatchcase(case.name, args.case)
     ]
-    print(f"check on {platform_of(device)}: {len(specs)} kernels, {len(work)} kernel-case pairs")
+    print(
+        f"check on {platform_words(platform_of(device))}: {len(specs)} kernels, "
+        f"{len(work)} kernel-case pairs"
+    )
+    if device.type == "cpu" and interpreting():
+        print("  no GPU: Triton kernels run through the Triton interpreter (numerics, not speed)")
     for line in elsewhere:
         print(f"  not on this platform: {line}")
     progress = Progress(len(work), "check")
@@ -148,12 +156,17 @@ def run(args: argparse.Namespace) -> int:
         payload["not_on_this_platform"] = elsewhere
         write_json(args.json, payload)
         print(f"wrote {args.json}")
+    if all(r.status == "SKIP" for r in rows):
+        return 1
     return 1 if any(r.status == "FAIL" for r in rows) else 0
 
 
 def _print(rows: list[Row]) -> None:
     if not rows:
-        print("nothing to check (no kernel matches; reference kernels need --kernel 'reference.*')")
+        print(
+            "nothing ran: no kernel that can run here matches the filters "
+            "(`tokenspeed-kernel list` names them; reference kernels need --kernel 'reference.*')"
+        )
         return
     table = [
         (
@@ -169,6 +182,8 @@ def _print(rows: list[Row]) -> None:
     print(format_table(("kernel", "case", "max abs", "max rel", "result", "note"), table, "llrrll"))
     counts = {s: sum(r.status == s for r in rows) for s in ("PASS", "FAIL", "SKIP")}
     print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+    if not counts["PASS"] and not counts["FAIL"]:
+        print("nothing ran: every matching kernel declines every case (see the notes)")
     for r in rows:
         if r.status == "FAIL":
             print(f"FAIL {r.kernel} on {r.case}: {r.detail}")

@@ -3,16 +3,20 @@
 Writes a Chrome / Perfetto trace (DIR/trace.json: open it in ui.perfetto.dev or
 chrome://tracing) and prints the device kernels with their times (on the CPU, where there is no
 device, the CPU operators). The kernel is the one the selector picks for each shape, or --kernel.
+Every shape's inputs stay allocated until the trace is written: a preset whose inputs and weights
+would not fit this device's free memory is refused up front, naming the presets that fit.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
 
 from ..platform import platform_of
+from ..presets import PRESETS
 from ..registry import get_kernel, op_names
 from ..selector import select
 from ._common import add_out_option, format_table, resolve_device, tool_parser, write_json
@@ -45,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     weights = MoEWeightsCache(device)
     points = bench_points(op, preset)
     max_tokens = max(p.x for p in points) if op == "moe_apply" else 0
+    _refuse_if_too_big(op, preset, device)
     calls = []
     for point in points:
         spec = forced or select(op, point.case.request, platform)
@@ -91,6 +96,66 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"wrote {trace}")
     return 0
+
+
+# Bytes per MoE weight element while profiling: the float32 draw, the packed checkpoint, and
+# the reference kernel's float32 dequantized copy (measured on the CPU: 9.6 B at 8 experts of
+# 2880 x 2880; rounded up).
+MOE_BYTES_PER_WEIGHT = 10
+
+
+def needed_bytes(op: str, preset: str) -> int:
+    """Roughly the memory `profile` holds for a preset: every shape's inputs and outputs, and
+    the MoE weights."""
+    total = 0
+    for point in bench_points(op, preset):
+        s = point.case.shape
+        if op == "moe_apply":
+            total += 2 * 2 * s.num_tokens * s.hidden_size  # x and out, bf16
+            continue
+        kv_row = s.num_kv_heads * s.head_dim
+        if op == "kvcache_store":  # k and v in, the two caches
+            total += 2 * (s.num_tokens + s.num_pages * s.page_size) * kv_row * 4
+            continue
+        q_rows = sum(s.seqlens) if op == "mha_prefill" else sum(s.q_lens)
+        if op == "mha_decode_with_kvcache":
+            q_rows *= len(s.seqlens)
+        # k and v (or their caches), q and out, counted at float32 for the reference's upcasts.
+        total += 2 * sum(s.seqlens) * kv_row * 4 + 2 * q_rows * s.num_q_heads * s.head_dim * 4
+    if op == "moe_apply":
+        p = PRESETS[preset]
+        total += MOE_BYTES_PER_WEIGHT * 3 * p.num_experts * p.hidden_size * p.intermediate_size
+    return total
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors: the GPU's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def _refuse_if_too_big(op: str, preset: str, device: torch.device) -> None:
+    free = free_bytes(device)
+    needed = needed_bytes(op, preset)
+    if free is None or needed <= free:
+        return
+    fits = [name for name in PRESETS if name != preset and needed_bytes(op, name) <= free]
+    instead = f"use --preset {' or '.join(fits)}" if fits else "use a machine with more memory"
+    raise ValueError(
+        f"profile --op {op} --preset {preset} needs about {needed / 2**30:.1f} GiB on {device}, "
+        f"and {free / 2**30:.1f} GiB is free: {instead}"
+    )
 
 
 def _kernel_rows(prof, gpu: bool, labels: set[str]) -> list[tuple[str, int, float]]:
