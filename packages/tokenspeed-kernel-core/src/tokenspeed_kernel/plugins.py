@@ -1,8 +1,10 @@
 """Plugin loading through the `tokenspeed_kernel.plugins` entry-point group.
 
 Each entry point names a zero-argument `register()`. Plugins load lazily, once, on first use
-of the registry; each load is isolated so that a broken plugin is recorded and the rest work.
-`TOKENSPEED_KERNEL_PLUGINS`: unset = all, empty = none, else a comma-separated allow-list.
+of the registry, by one thread while the others wait; each load is isolated so that a broken
+plugin (any exception, `sys.exit` included) is recorded, its registrations rolled back (what it
+replaced restored), and the rest work. `TOKENSPEED_KERNEL_PLUGINS`: unset = all, empty = none,
+else a comma-separated allow-list; a name in it that no installed plugin has is warned about.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib
 import logging
 import os
 import pkgutil
+import threading
 import traceback
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -33,7 +36,13 @@ class PluginResult:
     detail: str = ""
 
 
-_results: list[PluginResult] | None = None
+_results: tuple[PluginResult, ...] | None = None
+# What each loaded plugin's kernels replaced (None: nothing), to put back when it unloads.
+_replaced: dict[str, dict[str, registry.KernelSpec | None]] = {}
+# Held while loading: other threads wait for the finished results instead of selecting from a
+# half-loaded registry. Re-entrant, because a plugin's register() reads the registry.
+_lock = threading.RLock()
+_loading = False
 
 
 def register_kernel_modules(package: str) -> None:
@@ -49,25 +58,37 @@ def register_kernel_modules(package: str) -> None:
 
 
 def load_plugins() -> list[PluginResult]:
-    """Load every allowed plugin once; later calls return the recorded results."""
-    global _results
+    """Load every allowed plugin once (whichever thread comes first; the others wait), and
+    return the recorded results. Results are published only once every plugin has loaded."""
+    global _results, _loading
     if _results is None:
-        _results = []  # set first: a plugin's register() uses the registry re-entrantly
-        _results.extend(_load_all())
-    return list(_results)
+        with _lock:
+            if _results is None and not _loading:
+                _loading = True
+                try:
+                    _results = tuple(_load_all())
+                finally:
+                    _loading = False
+    # None here only for the loading thread itself (a plugin's register() using the registry).
+    return list(_results or ())
+
+
+def unload_plugins() -> None:
+    """Put the registry back as it was before plugins loaded: each plugin's kernels removed,
+    what they replaced restored (the last loaded first). The next use loads them again."""
+    global _results
+    with _lock:
+        for result in reversed(_results or ()):
+            for name, previous in _replaced.pop(result.name, {}).items():
+                registry.restore(name, previous)
+        _results = None
 
 
 def reload_plugins() -> list[PluginResult]:
-    """Unregister what plugins registered and load them again (for tests and tools)."""
-    global _results
-    for result in _results or []:
-        for name in result.kernels:
-            try:
-                registry.unregister_kernel(name)
-            except ValueError:
-                pass
-    _results = None
-    return load_plugins()
+    """Unload and load again (for tests and tools, after changing TOKENSPEED_KERNEL_PLUGINS)."""
+    with _lock:
+        unload_plugins()
+        return load_plugins()
 
 
 def _allowed() -> set[str] | None:
@@ -79,34 +100,57 @@ def _allowed() -> set[str] | None:
 
 def _load_all() -> list[PluginResult]:
     allowed = _allowed()
+    installed = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
     results = []
-    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+    for ep in installed:
         if allowed is not None and ep.name not in allowed:
             results.append(
                 PluginResult(ep.name, ep.value, "skipped", detail=f"not in {ALLOW_LIST_ENV}")
             )
             continue
         results.append(_load_one(ep))
+    names = {ep.name for ep in installed}
+    for unknown in sorted((allowed or set()) - names):
+        detail = (
+            f"{ALLOW_LIST_ENV} names {unknown!r}, but no installed plugin has that name "
+            f"(installed: {', '.join(sorted(names)) or 'none'})"
+        )
+        logger.warning("%s", detail)
+        results.append(PluginResult(unknown, "", "skipped", detail=detail))
     return results
 
 
 def _load_one(ep) -> PluginResult:
-    before = registry.registered_names()
+    before = registry.snapshot()
     try:
         register = ep.load()
         register()
-    except Exception as exc:  # isolation: one broken plugin must not break the others
+    except KeyboardInterrupt:
+        _roll_back(before)
+        raise
+    # Isolation: one broken plugin, even one calling sys.exit, must not break the others.
+    except BaseException as exc:
         logger.warning("plugin %s (%s) failed to load: %s", ep.name, ep.value, exc)
         detail = traceback.format_exc(limit=3)
-        after = registry.registered_names() - before
-        for name in after:  # a half-registered plugin would serve untested kernels
-            registry.unregister_kernel(name)
+        _roll_back(before)  # a half-registered plugin would serve untested kernels
         return PluginResult(
             ep.name, ep.value, "failed", f"{type(exc).__name__}: {exc}", detail=detail
         )
-    added = tuple(sorted(registry.registered_names() - before))
-    logger.debug("plugin %s registered %d kernels", ep.name, len(added))
-    return PluginResult(ep.name, ep.value, "loaded", kernels=added)
+    changed = _changed_since(before)
+    _replaced[ep.name] = {name: before.get(name) for name in changed}
+    logger.debug("plugin %s registered %d kernels", ep.name, len(changed))
+    return PluginResult(ep.name, ep.value, "loaded", kernels=tuple(sorted(changed)))
+
+
+def _changed_since(before: dict[str, registry.KernelSpec]) -> list[str]:
+    """Names registered, replaced or removed since `before`."""
+    now = registry.snapshot()
+    return [name for name in before.keys() | now.keys() if before.get(name) is not now.get(name)]
+
+
+def _roll_back(before: dict[str, registry.KernelSpec]) -> None:
+    for name in _changed_since(before):
+        registry.restore(name, before.get(name))
 
 
 registry.set_plugin_loader(load_plugins)

@@ -3,11 +3,17 @@
 Traits map a feature name to what the kernel handles: `True` for a boolean feature
 (sinks, window, lse, ...), or a collection of accepted values (dtypes, head dims, page sizes;
 `ANY` accepts every value). A request feature the kernel does not declare is not supported.
+Each op declares its feature names, so a misspelt trait fails at registration.
+
+Registration and selection may run on several threads (a server's first requests): a lock
+guards every change, and `generation()` lets caches know whether the registry changed.
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
+import threading
 import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -22,13 +28,19 @@ logger = logging.getLogger(__name__)
 
 # Ops in declaration order; op families add theirs with `declare_op` when core imports them.
 _ops: dict[str, str] = {}
+_op_traits: dict[str, frozenset[str]] = {}
 _kernels: dict[str, dict[str, KernelSpec]] = {}
+# Re-entrant: a plugin's register() reads the registry while it registers.
+_lock = threading.RLock()
+_generation = 0
 
 
-def declare_op(name: str, *, summary: str) -> str:
-    """Declare a registry op (kernels register under it); returns `name`."""
+def declare_op(name: str, *, summary: str, traits: Iterable[str]) -> str:
+    """Declare a registry op (kernels register under it) with the feature names its requests
+    carry (the names kernels may declare as traits); returns `name`."""
     if name in _ops:
         raise ValueError(f"declare_op: op {name!r} is already declared")
+    _op_traits[name] = frozenset(traits)
     _ops[name] = summary
     _kernels[name] = {}
     return name
@@ -116,10 +128,24 @@ class KernelSpec:
                 shown, accepted = describe_value(value), describe_value(allowed)
                 return Support.no(f"{feature} {shown} not in {accepted}")
         if self.dynamic_supports is not None:
-            verdict = self.dynamic_supports(request, platform)
+            verdict = self._dynamic_verdict(request, platform)
             if not verdict.ok:
                 return verdict
         return Support.yes("supports this request")
+
+    def _dynamic_verdict(self, request: Any, platform: Platform) -> Support:
+        """The kernel's own check, isolated: one that raises or answers something other than
+        a Support declines this request (with that as the reason) instead of breaking the op."""
+        try:
+            verdict = self.dynamic_supports(request, platform)  # type: ignore[misc]
+        except Exception as exc:
+            logger.warning("%s: supports() raised on %s", self.name, request, exc_info=True)
+            return Support.no(f"supports() raised {type(exc).__name__}: {exc}")
+        if not isinstance(verdict, Support):
+            return Support.no(
+                f"supports() returned {type(verdict).__name__} {verdict!r}, expected a Support"
+            )
+        return verdict
 
 
 def describe_value(value: object) -> str:
@@ -154,62 +180,124 @@ def register_kernel(
     aot_cases: Iterable[Mapping[str, Any]] = (),
     replace: bool = False,
 ) -> Callable[[Any], Any]:
-    """Decorator recording `fn` as kernel `name` for `op`; returns `fn` unchanged."""
+    """Decorator recording `fn` as kernel `name` for `op`; returns `fn` unchanged. Every
+    argument is checked here, so a bad registration fails where it is written."""
     check_op("register_kernel", op)
-    if not name.startswith(f"{backend}."):
-        raise ValueError(
-            f"register_kernel: name is {name!r}, expected '<backend>.<op>[.<variant>]' "
-            f"starting with {backend + '.'!r}"
-        )
-    specs = tuple(p if isinstance(p, PlatformSpec) else PlatformSpec.parse(p) for p in platforms)
-    if not specs:
-        raise ValueError(f"register_kernel: {name} declares no platforms")
-    frozen_traits = types.MappingProxyType(
-        {k: v if v is True or v is ANY else frozenset(v) for k, v in traits.items()}
-    )
+    where = f"register_kernel({name!r})"
+    _check_names(where, name, backend)
+    specs = _platform_specs(where, platforms)
+    frozen_traits = _frozen_traits(where, op, traits)
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+        raise TypeError(f"{where}: priority is {priority!r}, expected an int")
+    if supports is not None and not callable(supports):
+        raise TypeError(f"{where}: supports is {type(supports).__name__}, expected a callable")
+    if not isinstance(description, str):
+        raise TypeError(f"{where}: description is {type(description).__name__}, expected a str")
+    cases = tuple(aot_cases)
+    if not all(isinstance(case, Mapping) for case in cases):
+        raise TypeError(f"{where}: aot_cases holds a non-mapping, expected keyword dicts")
 
     def decorate(fn: Any) -> Any:
-        existing = _find(name)
-        if existing is not None and not replace:
-            raise ValueError(
-                f"register_kernel: {name} is already registered for {existing.op}; "
-                "pass replace=True to replace it"
-            )
-        if existing is not None:
-            del _kernels[existing.op][name]
         spec = KernelSpec(
-            op,
-            name,
-            backend,
-            fn,
-            specs,
-            frozen_traits,
-            priority,
-            supports,
-            description,
-            tuple(types.MappingProxyType(dict(case)) for case in aot_cases),
-        )
-        _kernels[op][name] = spec
-        logger.debug("registered %s for %s (priority %d)", name, op, priority)
-        _changed()
+            op, name, backend, fn, specs, frozen_traits, int(priority), supports, description,
+            tuple(types.MappingProxyType(dict(case)) for case in cases),
+        )  # fmt: skip
+        with _lock:
+            existing = _find(name)
+            if existing is not None and not replace:
+                raise ValueError(
+                    f"register_kernel: {name} is already registered for {existing.op}; "
+                    "pass replace=True to replace it"
+                )
+            restore(name, spec)
+        logger.debug("registered %s for %s (priority %d)", name, op, spec.priority)
         return fn
 
     return decorate
 
 
+def _check_names(where: str, name: object, backend: object) -> None:
+    if not isinstance(backend, str) or not backend:
+        raise TypeError(f"{where}: backend is {backend!r}, expected a non-empty str")
+    if not isinstance(name, str) or not name.startswith(f"{backend}."):
+        raise ValueError(
+            f"register_kernel: name is {name!r}, expected '<backend>.<op>[.<variant>]' "
+            f"starting with {backend + '.'!r}"
+        )
+
+
+def _platform_specs(where: str, platforms: object) -> tuple[PlatformSpec, ...]:
+    if isinstance(platforms, str) or not isinstance(platforms, Iterable):
+        raise TypeError(f"{where}: platforms is {platforms!r}, expected a list of platform specs")
+    specs = tuple(p if isinstance(p, PlatformSpec) else PlatformSpec.parse(p) for p in platforms)
+    if not specs:
+        raise ValueError(f"{where}: declares no platforms")
+    return specs
+
+
+def _frozen_traits(where: str, op: str, traits: object) -> Mapping[str, Any]:
+    """Each trait a feature name of `op`, its value True, ANY or a collection of values."""
+    if not isinstance(traits, Mapping):
+        raise TypeError(f"{where}: traits is {type(traits).__name__}, expected a mapping")
+    known = _op_traits[op]
+    frozen = {}
+    for feature, value in traits.items():
+        if feature not in known:
+            raise ValueError(
+                f"{where}: trait {feature!r} is not a feature of {op}, expected one of "
+                f"{', '.join(sorted(known))}"
+            )
+        if value is True or value is ANY:
+            frozen[feature] = value
+        elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            raise TypeError(
+                f"{where}: trait {feature!r} is {value!r}, expected True, ANY or a collection "
+                "of accepted values (a str is one value: wrap it, e.g. {'bf16'})"
+            )
+        else:
+            frozen[feature] = frozenset(value)
+    return types.MappingProxyType(frozen)
+
+
+def restore(name: str, spec: KernelSpec | None) -> None:
+    """Make `spec` the kernel registered as `name` (None: none), whatever is there now: how a
+    failed or unloaded plugin puts back what it replaced."""
+    global _generation
+    with _lock:
+        existing = _find(name)
+        if existing is not None:
+            del _kernels[existing.op][name]
+        if spec is not None:
+            _kernels[spec.op][name] = spec
+        _generation += 1
+        _changed()
+
+
+def snapshot() -> dict[str, KernelSpec]:
+    """Every registered kernel by name, without loading plugins."""
+    with _lock:
+        return {name: spec for specs in _kernels.values() for name, spec in specs.items()}
+
+
+def generation() -> int:
+    """A number that changes with every registration change (for caches of selections)."""
+    return _generation
+
+
 def unregister_kernel(name: str) -> None:
-    spec = _find(name)
-    if spec is None:
-        raise ValueError(f"unregister_kernel: no kernel named {name!r}")
-    del _kernels[spec.op][name]
-    _changed()
+    with _lock:
+        if _find(name) is None:
+            raise ValueError(f"unregister_kernel: no kernel named {name!r}")
+        restore(name, None)
 
 
 def kernels(op: str) -> list[KernelSpec]:
     """Registered kernels of `op` (plugins loaded first), best first: (-priority, name)."""
     check_op("kernels", op)
-    _ensure_plugins()
-    return sorted(_kernels[op].values(), key=lambda s: (-s.priority, s.name))
+    _ensure_plugins()  # outside the lock: loading takes it, from the loading thread
+    with _lock:
+        specs = list(_kernels[op].values())
+    return sorted(specs, key=lambda s: (-s.priority, s.name))
 
 
 def get_kernel(op: str, name: str) -> KernelSpec:
@@ -244,4 +332,4 @@ def set_plugin_loader(loader: Callable[[], None]) -> None:
 
 def registered_names() -> set[str]:
     """Names of every registered kernel, without loading plugins."""
-    return {name for specs in _kernels.values() for name in specs}
+    return set(snapshot())

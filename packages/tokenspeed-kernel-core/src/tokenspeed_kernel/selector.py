@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,15 @@ from .registry import KernelSpec
 FORCE_ENV = "TOKENSPEED_KERNEL_FORCE"
 
 _cache: dict[tuple, KernelSpec] = {}
-registry.on_change(_cache.clear)
+_cache_lock = threading.Lock()
+
+
+def _clear_cache() -> None:
+    with _cache_lock:
+        _cache.clear()
+
+
+registry.on_change(_clear_cache)
 
 _scoped: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
     "tokenspeed_kernel_use_kernel", default=()
@@ -52,9 +61,21 @@ def select(op: str, request: Any, platform: Platform) -> KernelSpec:
     """The kernel that serves `request` on `platform`; raises UnsupportedError if none."""
     forced = forced_kernel(op)
     key = (op, platform, request, forced)
-    spec = _cache.get(key)
+    spec = _cache.get(key)  # one dict read: atomic, so the hit path needs no lock
     if spec is None:
-        spec = _cache[key] = _select_uncached(op, request, platform, forced)
+        spec = _select_and_cache(key, op, request, platform, forced)
+    return spec
+
+
+def _select_and_cache(key, op, request, platform, forced) -> KernelSpec:
+    # Another thread may change the registry while this one selects: a selection made from
+    # an older registry is returned to this caller but never cached.
+    registry.kernels(op)  # loads the plugins first, which changes the generation
+    generation = registry.generation()
+    spec = _select_uncached(op, request, platform, forced)
+    with _cache_lock:
+        if registry.generation() == generation:
+            _cache[key] = spec
     return spec
 
 

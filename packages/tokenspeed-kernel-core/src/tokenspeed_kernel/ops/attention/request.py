@@ -10,12 +10,27 @@ import torch
 from ...registry import declare_op
 from ...validation import dtype_name
 
-MHA_PREFILL = declare_op("mha_prefill", summary="ragged self-attention without a cache")
-MHA_EXTEND = declare_op(
-    "mha_extend_with_kvcache", summary="chunked prefill over the paged KV cache"
+# The feature names each request's `features()` yields: what kernels may declare as traits.
+ATTENTION_FEATURES = (
+    "dtype", "kv_dtype", "head_dim", "gqa_ratio", "page_size", "q_len",
+    "non_causal", "window", "sinks", "lse",
+)  # fmt: skip
+STORE_FEATURES = ("dtype", "kv_dtype", "head_dim", "page_size")
+
+MHA_PREFILL = declare_op(
+    "mha_prefill", summary="ragged self-attention without a cache", traits=ATTENTION_FEATURES
 )
-MHA_DECODE = declare_op("mha_decode_with_kvcache", summary="decode over the paged KV cache")
-KVCACHE_STORE = declare_op("kvcache_store", summary="write new K/V into the paged cache")
+MHA_EXTEND = declare_op(
+    "mha_extend_with_kvcache",
+    summary="chunked prefill over the paged KV cache",
+    traits=ATTENTION_FEATURES,
+)
+MHA_DECODE = declare_op(
+    "mha_decode_with_kvcache", summary="decode over the paged KV cache", traits=ATTENTION_FEATURES
+)
+KVCACHE_STORE = declare_op(
+    "kvcache_store", summary="write new K/V into the paged cache", traits=STORE_FEATURES
+)
 
 
 class AttentionRequest(NamedTuple):

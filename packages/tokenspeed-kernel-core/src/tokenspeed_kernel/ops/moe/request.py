@@ -7,7 +7,11 @@ from typing import NamedTuple
 from ...registry import declare_op
 
 # Kernels register under the op a runtime calls per step; moe_plan selects among them.
-MOE_APPLY = declare_op("moe_apply", summary="mixture of experts (plan, prepare weights, apply)")
+# The feature names `MoERequest.features()` yields: what kernels may declare as traits.
+MOE_FEATURES = ("weight_format", "activation_format", "routing", "bias")
+MOE_APPLY = declare_op(
+    "moe_apply", summary="mixture of experts (plan, prepare weights, apply)", traits=MOE_FEATURES
+)
 
 
 class MoERequest(NamedTuple):
