@@ -22,6 +22,7 @@ from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_triton.attention import decode, extend, prefill
 from tokenspeed_kernel_triton.attention._tiles import AttentionConfig
 from tokenspeed_kernel_triton.attention.decode_config import DecodeConfig
+from tokenspeed_kernel_triton.attention.kvcache_store import kvcache_store
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -281,3 +282,216 @@ def test_decode_window_drops_nonfinite_keys_outside(shape, which, value, splits)
     _check(out[0], want, slice(9, None), shape.dtype, "out")
     _check(lse[0], want_lse, slice(9, None), torch.float32, "lse")
     assert not out[0, 6:9].isfinite().all(dim=-1).any()
+
+
+# ----------------------------------------------------------------------------- sinks of +-inf
+
+
+def _inf_sinks(gen, heads):
+    """Head 0 takes all the mass (+inf: out 0, lse +inf), head 1 none (-inf: as without a
+    sink), the others finite."""
+    sinks = torch.randn(heads, generator=gen)
+    sinks[0], sinks[1] = math.inf, -math.inf
+    return sinks
+
+
+def _check_inf_sinks(out, lse, want, want_lse, dtype):
+    assert out.isfinite().all() and (out[..., 0, :] == 0).all()
+    assert (lse[..., 0] == math.inf).all()
+    _check(out[..., 1:, :], want[..., 1:, :], slice(None), dtype, "out")
+    _check(lse[..., 1:], want_lse[..., 1:], slice(None), torch.float32, "lse")
+
+
+@pytest.mark.parametrize("window", [-1, 5])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_infinite_sinks(shape, window):
+    gen = torch.Generator().manual_seed(4)
+    n = 40
+    q, k, v = _tokens(gen, n, shape)
+    sinks = _inf_sinks(gen, shape.heads_q)
+    pos = torch.arange(n)
+    want, want_lse = _attend64(
+        q, k, v, pos, pos, pos >= 0, window_left=window, sinks=sinks, scale=0.125
+    )
+    out = torch.empty(n, shape.heads_q, shape.dim, dtype=shape.dtype, device=DEVICE)
+    lse = torch.empty(n, shape.heads_q, device=DEVICE)
+    _prefill(shape, q, k, v, [0, n], window=window, sinks=sinks, out=out, lse=lse)
+    _check_inf_sinks(out, lse, want, want_lse, shape.dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_extend_infinite_sinks(shape):
+    """Two sequences; the second has fewer cached keys than new tokens, so its first rows sit
+    at negative positions and see no key (head 1: zeros and lse -inf)."""
+    gen = torch.Generator().manual_seed(5)
+    seqlens, n_qs = [50, 6], [20, 10]
+    k_cache, v_cache, table, per_seq, _ = _paged_cache(gen, shape, seqlens)
+    q = torch.randn(sum(n_qs), shape.heads_q, shape.dim, generator=gen).to(shape.dtype)
+    sinks = _inf_sinks(gen, shape.heads_q)
+    rows = [slice(0, 20), slice(20, 30)]
+    wants, lses = _paged_expected(
+        q, per_seq, rows, seqlens, table, k_cache.shape[0], shape.page_size, window_left=-1,
+        sinks=sinks, scale=0.125,
+    )  # fmt: skip
+    out = torch.empty(q.shape, dtype=shape.dtype, device=DEVICE)
+    lse = torch.empty(q.shape[:-1], device=DEVICE)
+    _extend(q, (k_cache, v_cache, table), [0, 20, 30], seqlens, window=-1, sinks=sinks,
+            out=out, lse=lse)  # fmt: skip
+    _check_inf_sinks(out, lse, torch.cat(wants), torch.cat(lses), shape.dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_infinite_sinks(shape, splits):
+    """Sequence lengths 0 (nothing visible), 1 and 45, two new tokens each."""
+    gen = torch.Generator().manual_seed(6)
+    seqlens, q_len = [0, 1, 45], 2
+    k_cache, v_cache, table, per_seq, _ = _paged_cache(gen, shape, seqlens)
+    q = torch.randn(3, q_len, shape.heads_q, shape.dim, generator=gen).to(shape.dtype)
+    sinks = _inf_sinks(gen, shape.heads_q)
+    wants, lses = _paged_expected(
+        q.flatten(0, 1), per_seq, [slice(2 * b, 2 * b + 2) for b in range(3)], seqlens, table,
+        k_cache.shape[0], shape.page_size, window_left=-1, sinks=sinks, scale=0.125,
+    )  # fmt: skip
+    out, lse = _decode(q, (k_cache, v_cache, table), seqlens, window=-1, sinks=sinks,
+                       splits=splits)  # fmt: skip
+    _check_inf_sinks(out, lse, torch.stack(wants), torch.stack(lses), shape.dtype)
+
+
+# ----------------------------------------------------------------------------- bad device values
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kvcache_store_skips_slots_outside_the_cache(shape):
+    """Slots num_slots, num_slots + 5, 2^40, -1 and -7 store nothing; the guard pages around
+    both caches keep their sentinel; valid slots land."""
+    gen = torch.Generator().manual_seed(7)
+    num_pages, page = 3, shape.page_size
+    num_slots = num_pages * page
+    slots = [1, num_slots, num_slots + 5, 2**40, -1, -7, num_slots - 1]
+    k, v = (
+        torch.randn(len(slots), shape.heads_kv, shape.dim, generator=gen).to(shape.dtype)
+        for _ in "kv"
+    )
+    cache_shape = (num_pages, page, shape.heads_kv, shape.dim)
+    caches = [_guarded(cache_shape, shape.dtype, SENTINEL, gen=gen) for _ in "kv"]
+    want = [cache.cpu().clone() for cache, _ in caches]
+    for t, slot in enumerate(slots):
+        if 0 <= slot < num_slots:
+            want[0][slot // page, slot % page] = k[t]
+            want[1][slot // page, slot % page] = v[t]
+    kvcache_store(
+        k.to(DEVICE), v.to(DEVICE), caches[0][0], caches[1][0],
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE), k_scale=1.0,
+        v_scale=1.0,
+    )  # fmt: skip
+    for (cache, buffer), expected in zip(caches, want, strict=True):
+        assert torch.equal(cache.cpu(), expected)
+        assert (buffer[0] == SENTINEL).all() and (buffer[-1] == SENTINEL).all()
+
+
+PREFILL_BAD_CU = [[5, 2, 12, 100], [-3, -1, 12, 2**31 - 1], [0, 20, 2**31 - 1, 3]]
+
+
+@pytest.mark.parametrize("cu", PREFILL_BAD_CU, ids=["decreasing", "negative", "past-T"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_clamps_cu_seqlens(shape, cu):
+    """T = 40: offsets clamp to [0, 40], an end before its start is an empty sequence, rows no
+    sequence covers keep the caller's values, and nothing outside q/k/v/out is touched (NaN
+    guard rows around the inputs, sentinel rows around out)."""
+    gen = torch.Generator().manual_seed(8)
+    n = 40
+    q, k, v = (
+        _guarded((n, h, shape.dim), shape.dtype, math.nan, gen=gen)[0]
+        for h in (shape.heads_q, shape.heads_kv, shape.heads_kv)
+    )
+    sinks = torch.randn(shape.heads_q, generator=gen)
+    out, out_buf = _guarded((n, shape.heads_q, shape.dim), shape.dtype, SENTINEL, gen=gen)
+    out.fill_(SENTINEL)
+    lse, lse_buf = _guarded((n, shape.heads_q), torch.float32, SENTINEL, gen=gen)
+    lse.fill_(SENTINEL)
+    _prefill(shape, q, k, v, cu, window=-1, sinks=sinks, out=out, lse=lse)
+    assert (out_buf[0] == SENTINEL).all() and (out_buf[-1] == SENTINEL).all()
+    assert (lse_buf[0] == SENTINEL).all() and (lse_buf[-1] == SENTINEL).all()
+    bounds = [min(max(c, 0), n) for c in cu]
+    covered = torch.zeros(n, dtype=torch.bool)
+    for start, end in zip(bounds[:-1], bounds[1:], strict=False):
+        if end <= start:
+            continue
+        covered[start:end] = True
+        pos = torch.arange(end - start)
+        want, want_lse = _attend64(
+            *(x[start:end].cpu() for x in (q, k, v)), pos, pos, pos >= 0, window_left=-1,
+            sinks=sinks, scale=0.125,
+        )  # fmt: skip
+        _check(out[start:end], want, slice(None), shape.dtype, "out")
+        _check(lse[start:end], want_lse, slice(None), torch.float32, "lse")
+    assert (out[~covered.to(DEVICE)] == SENTINEL).all()
+
+
+def _bad_pages(table, num_pages):
+    """Out-of-range ids in the page table: -1, num_pages, 1000, -2^31 (by sequence)."""
+    bad = [-1, num_pages, 1000, -(2**31)]
+    for b in range(table.shape[0]):
+        table[b, min(b, table.shape[1] - 1)] = bad[b % len(bad)]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_bad_page_ids_and_lengths(shape, splits):
+    """cache_seqlens -5 (as 0), 10^6 and 2^31 - 1 (as the page table's 4 pages) and 37; one
+    out-of-range page id per sequence (a masked page). NaN guard pages around the caches and a
+    NaN page named past each table row's end: any read outside shows up as NaN."""
+    gen = torch.Generator().manual_seed(9)
+    full = 4 * shape.page_size
+    lengths, given = [0, full, 37, full], [-5, 10**6, 37, 2**31 - 1]
+    k_cache, v_cache, table, per_seq, _ = _paged_cache(gen, shape, lengths)
+    _bad_pages(table, k_cache.shape[0])
+    q = torch.randn(4, 2, shape.heads_q, shape.dim, generator=gen).to(shape.dtype)
+    sinks = torch.randn(shape.heads_q, generator=gen)
+    wants, lses = _paged_expected(
+        q.flatten(0, 1), per_seq, [slice(2 * b, 2 * b + 2) for b in range(4)], lengths, table,
+        k_cache.shape[0], shape.page_size, window_left=-1, sinks=sinks, scale=0.125,
+    )  # fmt: skip
+    out, lse = _decode(q, (k_cache, v_cache, table), given, window=-1, sinks=sinks,
+                       splits=splits)  # fmt: skip
+    _check(out, torch.stack(wants), slice(None), shape.dtype, "out")
+    _check(lse, torch.stack(lses), slice(None), torch.float32, "lse")
+
+
+EXTEND_BAD = [
+    pytest.param([5, 2, 12, 2**31 - 1], [-3, 10**6, 30], id="decreasing-cu"),
+    pytest.param([-7, 10, 10, 30], [5, 2**31 - 1, 30], id="negative-cu"),
+]
+
+
+@pytest.mark.parametrize("cu,given", EXTEND_BAD)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_extend_bad_indices(shape, cu, given):
+    """T = 30 new tokens: cu_seqlens_q clamped as in prefill, cache_seqlens clamped to
+    [0, 4 pages], one out-of-range page id per sequence; uncovered rows and the guard rows
+    around q and out untouched."""
+    gen = torch.Generator().manual_seed(10)
+    n, full = 30, 4 * shape.page_size
+    lengths = [min(max(g, 0), full) for g in given]
+    k_cache, v_cache, table, per_seq, _ = _paged_cache(gen, shape, lengths)
+    _bad_pages(table, k_cache.shape[0])
+    q = _guarded((n, shape.heads_q, shape.dim), shape.dtype, math.nan, gen=gen)[0]
+    sinks = torch.randn(shape.heads_q, generator=gen)
+    out, out_buf = _guarded((n, shape.heads_q, shape.dim), shape.dtype, SENTINEL, gen=gen)
+    out.fill_(SENTINEL)
+    lse = torch.full((n, shape.heads_q), SENTINEL, device=DEVICE)
+    _extend(q, (k_cache, v_cache, table), cu, given, window=-1, sinks=sinks, out=out, lse=lse)
+    assert (out_buf[0] == SENTINEL).all() and (out_buf[-1] == SENTINEL).all()
+    bounds = [min(max(c, 0), n) for c in cu]
+    rows = [slice(s, max(s, e)) for s, e in zip(bounds[:-1], bounds[1:], strict=False)]
+    wants, lses = _paged_expected(
+        q.cpu(), per_seq, rows, lengths, table, k_cache.shape[0], shape.page_size,
+        window_left=-1, sinks=sinks, scale=0.125,
+    )  # fmt: skip
+    covered = torch.zeros(n, dtype=torch.bool)
+    for r, want, want_lse in zip(rows, wants, lses, strict=True):
+        covered[r] = True
+        _check(out[r], want, slice(None), shape.dtype, "out")
+        _check(lse[r], want_lse, slice(None), torch.float32, "lse")
+    assert (out[~covered.to(DEVICE)] == SENTINEL).all()
