@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+import tokenspeed_kernel as tk
 from tokenspeed_kernel.ops.attention import reference
 from tokenspeed_kernel.ops.attention.reference import (
     reference_decode,
@@ -306,3 +307,19 @@ def test_kvcache_store_fp8_rounding_and_saturation():
     slots = torch.arange(6, dtype=torch.int64)
     reference_kvcache_store(k, k, k_cache, v_cache, slot_mapping=slots, k_scale=0.5, v_scale=1.0)
     assert k_cache.view(torch.uint8).flatten().tolist() == [0x38, 0x3A, 0x7E, 0xFE, 0x00, 0xC0]
+
+
+@pytest.mark.parametrize("poison", ["v_nan", "v_inf", "k_nan"])
+def test_keys_outside_every_window_do_not_reach_the_output(poison):
+    """A masked key contributes nothing whatever its value (0 * NaN is NaN in a plain p @ v):
+    prefill of 100 tokens, window 3, K or V poisoned at positions 0..49."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(100, 4, 64, generator=g, dtype=torch.float16) for _ in range(3))
+    cu = torch.tensor([0, 100], dtype=torch.int32)
+    with tk.use_kernel("mha_prefill", "reference.mha_prefill"):
+        clean = tk.mha_prefill(q, k, v, cu_seqlens=cu, max_seqlen=100, window_left=3)
+        target = v if poison.startswith("v") else k
+        target[:50] = float("nan") if poison.endswith("nan") else float("inf")
+        out = tk.mha_prefill(q, k, v, cu_seqlens=cu, max_seqlen=100, window_left=3)
+    assert torch.equal(out[53:], clean[53:])
+    assert not torch.isfinite(out[:53]).any()

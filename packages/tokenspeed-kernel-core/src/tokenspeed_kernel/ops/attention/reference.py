@@ -69,13 +69,24 @@ def _attend(q, k, v, *, q_start, k_start, causal, window_left, sinks, softmax_sc
         denom = p.sum(dim=-1)
         if sink is not None:
             denom = denom + torch.exp(sink - m)
-        o = torch.einsum("kgnl,lkd->nkgd", p.view(num_kv_heads, group, r1 - r0, -1), v[lo:hi])
+        o = _weighted_values(p.view(num_kv_heads, group, r1 - r0, -1), v[lo:hi], visible)
         # denom >= 1 whenever anything (key or sink) is visible, since the max term is exp(0).
         safe = torch.where(denom > 0, denom, torch.ones_like(denom))
         o = o.reshape(r1 - r0, num_q_heads, head_dim) / safe.t()[..., None]
         out[r0:r1].copy_(o)
         if lse is not None:
             lse[r0:r1].copy_((m + torch.log(denom)).t())
+
+
+def _weighted_values(p, v, visible):
+    """o [n, Hkv, group, D] = p @ v, where a key masked for a row contributes nothing whatever
+    its value (0 * NaN would be NaN) and a visible non-finite value makes the row NaN."""
+    finite = torch.isfinite(v).all(dim=-1)  # [L, Hkv]
+    if bool(finite.all()):
+        return torch.einsum("kgnl,lkd->nkgd", p, v)
+    o = torch.einsum("kgnl,lkd->nkgd", p, v.masked_fill(~finite[..., None], 0.0))
+    poisoned = (visible.float() @ (~finite).float()) > 0  # [n, Hkv]
+    return o.masked_fill(poisoned[:, :, None, None], float("nan"))
 
 
 def _dequant(cache, scale):
