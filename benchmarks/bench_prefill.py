@@ -18,7 +18,7 @@ from record import table
 from tokenspeed_kernel.ops.attention.reference import reference_extend, reference_prefill
 from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_triton.attention import extend, prefill
-from tokenspeed_kernel_triton.attention._tiles import AttentionConfig
+from tokenspeed_kernel_triton.attention._tile_config import AttentionConfig
 
 HQ, HKV, D = 64, 8, 64
 SCALE = 1.0 / math.sqrt(D)

@@ -19,7 +19,7 @@ from tokenspeed_kernel.testing import (
 from tokenspeed_kernel.tuning import pin_config, pinned_config
 from tokenspeed_kernel_triton.attention import extend, prefill
 from tokenspeed_kernel_triton.attention._common import HEAD_DIMS
-from tokenspeed_kernel_triton.attention._tiles import AttentionConfig, choose_config
+from tokenspeed_kernel_triton.attention._tile_config import AttentionConfig, choose_config
 
 OPS = ("mha_prefill", "mha_extend_with_kvcache")
 ON_GPU = torch.cuda.is_available()

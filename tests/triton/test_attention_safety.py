@@ -20,7 +20,7 @@ import torch
 from tokenspeed_kernel.testing import assert_close
 from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_triton.attention import decode, extend, prefill
-from tokenspeed_kernel_triton.attention._tiles import AttentionConfig
+from tokenspeed_kernel_triton.attention._tile_config import AttentionConfig
 from tokenspeed_kernel_triton.attention.decode_config import DecodeConfig
 from tokenspeed_kernel_triton.attention.kvcache_store import kvcache_store
 

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from tokenspeed_kernel.registry import ANY
 
-from . import _tiles
+from . import _tile_config, _tiles
 from ._common import (
     ATTENTION_TRAITS,
     FP8,
@@ -104,7 +104,7 @@ def mha_extend_with_kvcache(
     [0, max_pages * P], page ids outside [0, num_pages) are pages of masked keys.
     """
     num_kv_heads = k_cache.shape[2]
-    plan = _tiles.plan_tiles(
+    plan = _tile_config.plan_tiles(
         KERNEL_NAME, q, num_kv_heads, cu_seqlens_q, max_seqlen_q, window_left, sinks, lse
     )
     if plan is None:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _tiles
+from . import _tile_config, _tiles
 from ._common import (
     ATTENTION_TRAITS,
     GPT_OSS_AOT_CASE,
@@ -90,7 +90,7 @@ def mha_prefill(
     device values: cu_seqlens offsets are clamped to [0, T], a sequence ending before it starts
     is empty, and rows no sequence covers are not written (`_tiles.sequence_span`).
     """
-    plan = _tiles.plan_tiles(
+    plan = _tile_config.plan_tiles(
         KERNEL_NAME, q, k.shape[1], cu_seqlens, max_seqlen, window_left, sinks, lse
     )
     if plan is None:
