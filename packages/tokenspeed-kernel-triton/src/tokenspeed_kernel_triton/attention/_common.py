@@ -48,21 +48,6 @@ def merge_sink(m, denom, sink):
     return m_fin, alpha, l_fin
 
 
-@triton.jit
-def zero_nonfinite_values(v):
-    """(v with NaN/inf entries set to 0, and per key row NaN if it held one, else 0).
-
-    In p @ v a masked key's probability is exactly 0, but 0 * NaN = NaN: a NaN/inf value of a
-    key that one row of a tile sees and another does not would reach both. Zeroing the value
-    keeps it from the rows that do not see the key; adding the returned NaN to the scores of
-    the rows that do see it gives them NaN, as an unmasked block would. Only masked (edge)
-    blocks pay for it: an abs, a compare and a select per V element, a row reduction.
-    """
-    finite = tl.abs(v) < float("inf")  # false for NaN
-    bad_entries = tl.sum(tl.where(finite, 0, 1), 1)
-    return tl.where(finite, v, 0.0), tl.where(bad_entries > 0, float("nan"), 0.0)
-
-
 def register_attention_kernel(launcher, name, traits, supports, description, aot_cases):
     """Registers `launcher` as kernel `name` ("triton.<op>") on NVIDIA sm_80+ and CDNA3/4, and
     on the CPU when Triton interprets (tests, debugging)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import LN2, LOG2E, merge_sink, zero_nonfinite_values
+from ._common import LN2, LOG2E, merge_sink
 
 
 @triton.jit
@@ -27,15 +27,13 @@ def attn_block_update(
     MASK: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
-    KEY_CHECK: tl.constexpr,
 ):
     """One key block of online softmax.
 
     q [BLOCK_M, D], k [D, BLOCK_N] (already transposed), v [BLOCK_N, D]; rows/cols are the
-    absolute positions of the queries and keys; key_ok says which keys exist (in the sequence,
-    on a page inside the cache). MASK=False is the fast path for blocks every query sees
-    entirely (no compare/select, no -inf guard); KEY_CHECK (see `_paged_key_block`) is how it
-    still drops the keys of page ids outside the cache.
+    absolute positions of the queries and keys; key_ok says which keys exist (in the
+    sequence). MASK=False is the fast path for blocks every query sees entirely (no
+    compare/select, no -inf guard).
     """
     s = tl.dot(q, k)
     if MASK:
@@ -44,33 +42,16 @@ def attn_block_update(
             visible = visible & (cols[None, :] <= rows[:, None])
         if HAS_WINDOW:
             visible = visible & (cols[None, :] >= rows[:, None] - window_left)
-        v, poison = zero_nonfinite_values(v)
-        s = tl.where(visible, s * qk_scale + poison[None, :], float("-inf"))
+        s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_use[:, None])
-    elif KEY_CHECK == 0:
+    else:
         # qk_scale > 0, so max(s) * scale == max(s * scale); the scale folds into one FMA.
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = m_new
         p = tl.math.exp2(s * qk_scale - m_use[:, None])
-    else:
-        # Keys of a page id outside the cache were loaded as 0 and get a -inf bias; a block of
-        # them leaves m = -inf, hence the guard (a per-row select).
-        bias = tl.where(key_ok, 0.0, float("-inf"))
-        if KEY_CHECK == 1:
-            # One page per block, so one bias per block: it folds into the per-row shift and
-            # the per-score work stays one FMA.
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale + bias)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s * qk_scale - (m_use - bias)[:, None])
-        else:
-            # A page per key: one add per score.
-            s = s * qk_scale + bias[None, :]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -79,19 +60,15 @@ def attn_block_update(
 
 
 @triton.jit
-def _load_key_block(k_ptrs, v_ptrs, key_ok, LOAD_MASK: tl.constexpr, PER_KEY: tl.constexpr):
-    """K^T [D, BLOCK_N] and V [BLOCK_N, D]; with LOAD_MASK, keys not key_ok (past the sequence
-    end, on a page outside the cache) are not read and hold 0. key_ok is one flag per key
-    (PER_KEY) or one for the whole block."""
-    if not LOAD_MASK:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    elif PER_KEY:
+def _load_key_block(k_ptrs, v_ptrs, key_ok, MASK: tl.constexpr):
+    """K^T [D, BLOCK_N] and V [BLOCK_N, D]; under MASK, keys past the sequence end (the next
+    sequence's, or past the tensor) are not read and hold 0."""
+    if MASK:
         k = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
     else:
-        k = tl.load(k_ptrs, mask=key_ok, other=0.0)
-        v = tl.load(v_ptrs, mask=key_ok, other=0.0)
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
     return k, v
 
 
@@ -105,7 +82,7 @@ def _contiguous_key_block(keys, n0, cols, seq_k, MASK: tl.constexpr):
     k_ptrs = k_base + n0_64 * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None]
     v_ptrs = v_base + n0_64 * stride_vt + offs_n[:, None] * stride_vt + offs_d[None, :]
     key_ok = cols < seq_k
-    k, v = _load_key_block(k_ptrs, v_ptrs, key_ok, MASK, True)
+    k, v = _load_key_block(k_ptrs, v_ptrs, key_ok, MASK)
     return k, v, key_ok
 
 
@@ -114,9 +91,9 @@ def _paged_key_block(
     keys, n0, cols, seq_k, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     """(K^T, V, key_ok) of keys n0.. gathered from a paged cache, token p at page p // P, slot
-    p % P. A page id outside [0, num_pages) is a page of masked keys: never read (its loads are
-    predicated off) and key_ok False. Cost: two integer compares per page id read and the load
-    predicate; key_ok is a scalar when the block lies in one page (`attn_block_update`)."""
+    p % P. A page id outside [0, num_pages) is clamped into it, so no load leaves the cache
+    (the keys read are another page's: the contract's unspecified outcome for a bad id). Cost:
+    an integer min and max per page id read, no load predicate on the unmasked path."""
     (
         K,
         V,
@@ -144,16 +121,13 @@ def _paged_key_block(
             page = tl.load(page_row + cols // PAGE_SIZE)
         page = page.to(tl.int64)
         slot_in_page = cols % PAGE_SIZE
-    key_ok = (page >= 0) & (page < num_pages)
-    if MASK:
-        key_ok = key_ok & in_seq
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
     k_rows = page * stride_kp + slot_in_page * stride_kt
     v_rows = page * stride_vp + slot_in_page * stride_vt
     k_ptrs = K + kv_head_k + k_rows[None, :] + offs_d[:, None]
     v_ptrs = V + kv_head_v + v_rows[:, None] + offs_d[None, :]
-    per_key: tl.constexpr = MASK or PAGE_SIZE % BLOCK_N != 0
-    k, v = _load_key_block(k_ptrs, v_ptrs, key_ok, True, per_key)
-    return k, v, key_ok
+    k, v = _load_key_block(k_ptrs, v_ptrs, in_seq, MASK)
+    return k, v, in_seq
 
 
 @triton.jit
@@ -175,9 +149,6 @@ def _attend_key_range(
     An FP8 cache's blocks are converted to q's dtype in registers."""
     acc, l_i, m_i = state
     rows, seq_k, window_left, qk_scale, offs_n = tile
-    # Which keys the unmasked path must still check: none (contiguous keys), one page per
-    # block, or a page per key.
-    KEY_CHECK: tl.constexpr = 0 if PAGE_SIZE == 0 else (1 if PAGE_SIZE % BLOCK_N == 0 else 2)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n
         if PAGE_SIZE == 0:
@@ -186,7 +157,7 @@ def _attend_key_range(
             k, v, key_ok = _paged_key_block(keys, n0, cols, seq_k, MASK, PAGE_SIZE, BLOCK_N)
         acc, l_i, m_i = attn_block_update(
             acc, l_i, m_i, q, k.to(q.dtype), v.to(q.dtype), qk_scale, rows, cols, key_ok,
-            window_left, MASK, IS_CAUSAL, HAS_WINDOW, KEY_CHECK,
+            window_left, MASK, IS_CAUSAL, HAS_WINDOW,
         )  # fmt: skip
     return acc, l_i, m_i
 

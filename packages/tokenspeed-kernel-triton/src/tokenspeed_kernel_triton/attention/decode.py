@@ -36,7 +36,6 @@ from ._common import (
     merge_sink,
     register_attention_kernel,
     supports_dot_and_fp8,
-    zero_nonfinite_values,
 )
 from .decode_config import plan_decode
 from .decode_reduce import decode_reduce
@@ -47,7 +46,7 @@ MAX_Q_LEN = 64
 
 
 @triton.jit
-def _block_keys(
+def _block_pages(
     PageRow,
     stride_ptp,
     start_n,
@@ -57,44 +56,37 @@ def _block_keys(
     PAGE_SIZE: tl.constexpr,
     BLOCK_IN_PAGE: tl.constexpr,
 ):
-    """(physical page of each key (int64, so page * stride never overflows), key_ok). A page id
-    outside [0, num_pages) is a page of masked keys: key_ok False, never read. Cost: two
-    integer compares per page id read, folded into the load predicate that col_ok already is."""
+    """Physical page of each key (int64, so page * stride never overflows). A page id outside
+    [0, num_pages) is clamped into it, so no load leaves the cache (the keys read are another
+    page's: the contract's unspecified outcome for a bad id). Cost: an integer min and max."""
     if BLOCK_IN_PAGE:
         # The whole block lies in one page: one page-table read for the block.
         page = tl.load(PageRow + (start_n // PAGE_SIZE) * stride_ptp).to(tl.int64)
     else:
         page = tl.load(PageRow + (cols // PAGE_SIZE) * stride_ptp, mask=col_ok, other=0)
         page = page.to(tl.int64)
-    return page, col_ok & (page >= 0) & (page < num_pages)
+    return tl.minimum(tl.maximum(page, 0), num_pages - 1)
 
 
 @triton.jit
 def _load_block(
-    Cache, page, cols, key_ok, offs_d, stride_page, stride_slot, PAGE_SIZE: tl.constexpr
+    Cache, page, cols, col_ok, offs_d, stride_page, stride_slot, PAGE_SIZE: tl.constexpr
 ):
     """[BLOCK_N, D] tile of one KV head (Cache already points at the head); masked rows are 0."""
     slot = page * stride_page + (cols % PAGE_SIZE) * stride_slot
-    return tl.load(Cache + slot[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    return tl.load(Cache + slot[:, None] + offs_d[None, :], mask=col_ok[:, None], other=0.0)
 
 
 @triton.jit
 def _attend_block(
-    acc, l_i, m_i, q, k, v, cols, key_ok, pos, qk_scale, window_left,
-    HAS_WINDOW: tl.constexpr, MIXED_ROWS: tl.constexpr,
-):  # fmt: skip
-    """One key block of online softmax (log2 domain) for every row of the tile. MIXED_ROWS:
-    the rows sit at several positions (Q > 1), so a loaded key may be visible to one row and
-    masked for another (with one position, every masked key is left unloaded)."""
+    acc, l_i, m_i, q, k, v, cols, col_ok, pos, qk_scale, window_left, HAS_WINDOW: tl.constexpr
+):
+    """One key block of online softmax (log2 domain) for every row of the tile."""
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-    v = v.to(q.dtype)
     # Causality (among the Q tokens and against the cache end) and the window, per row.
-    visible = (cols[None, :] <= pos[:, None]) & key_ok[None, :]
+    visible = (cols[None, :] <= pos[:, None]) & col_ok[None, :]
     if HAS_WINDOW:
         visible = visible & (cols[None, :] >= pos[:, None] - window_left)
-    if MIXED_ROWS:
-        v, poison = zero_nonfinite_values(v)
-        s = s + poison[None, :]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -102,7 +94,7 @@ def _attend_block(
     p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -206,12 +198,12 @@ def _decode_split_kernel(
         # Keys left of the window are not loaded: engines may have freed (and reused) their
         # pages, so neither their page ids nor their contents can be trusted.
         col_ok = (cols >= lo) & (cols < end)
-        page, key_ok = _block_keys(PageRow, stride_ptp, start_n, cols, col_ok, num_pages,
-                                   PAGE_SIZE, BLOCK_IN_PAGE)
-        k = _load_block(KHead, page, cols, key_ok, offs_d, stride_kp, stride_ks, PAGE_SIZE)
-        v = _load_block(VHead, page, cols, key_ok, offs_d, stride_vp, stride_vs, PAGE_SIZE)
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k, v, cols, key_ok, pos, qk_scale,
-                                      window_left, HAS_WINDOW, Q_LEN > 1)
+        page = _block_pages(PageRow, stride_ptp, start_n, cols, col_ok, num_pages,
+                           PAGE_SIZE, BLOCK_IN_PAGE)
+        k = _load_block(KHead, page, cols, col_ok, offs_d, stride_kp, stride_ks, PAGE_SIZE)
+        v = _load_block(VHead, page, cols, col_ok, offs_d, stride_vp, stride_vs, PAGE_SIZE)
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k, v, cols, col_ok, pos, qk_scale,
+                                      window_left, HAS_WINDOW)
 
     if NUM_SPLITS == 1:
         _store_final(Out, Lse, Sinks, acc, l_i, m_i, v_scale, b, tok, head, row_ok, offs_d,
@@ -258,8 +250,8 @@ def mha_decode_with_kvcache(
     q [B, Q, Hq, D]; k_cache/v_cache [num_pages, P, Hkv, D] (bf16/fp16, or float8_e4m3fn with
     per-tensor k_scale/v_scale); page_table [B, max_pages] int32; cache_seqlens [B] int32;
     sinks [Hq] or None; out [B, Q, Hq, D]; lse [B, Q, Hq] float32 or None. Device values are
-    not trusted: cache_seqlens is clamped to [0, max_pages * P] and page ids outside
-    [0, num_pages) are pages of masked keys.
+    not trusted: cache_seqlens is clamped to [0, max_pages * P] and page ids are clamped into
+    [0, num_pages) (memory-safe; that sequence's output is then unspecified).
     """
     batch, q_len, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape

@@ -101,7 +101,8 @@ def mha_extend_with_kvcache(
     float8_e4m3fn); cu_seqlens_q [B+1] int32; page_table [B, max_pages] int32;
     cache_seqlens [B] int32; max_seqlen_q >= every n_b; out [T, Hq, D]; lse [T, Hq] float32.
     Device values are not trusted: cu_seqlens_q as in prefill, cache_seqlens clamped to
-    [0, max_pages * P], page ids outside [0, num_pages) are pages of masked keys.
+    [0, max_pages * P], page ids clamped into [0, num_pages) (memory-safe; that sequence's
+    output is then unspecified).
     """
     num_kv_heads = k_cache.shape[2]
     plan = _tile_config.plan_tiles(
