@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from tokenspeed_kernel_amd import _triton_version as amd_version
-from tokenspeed_kernel_triton import _triton_version as triton_version
+from tokenspeed_kernel import toolchain
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("core", "triton", "amd")
@@ -49,7 +48,7 @@ def _within(version: str, spec: str) -> bool:
 @pytest.mark.parametrize("package", ("triton", "amd"))
 def test_vendor_wheels_declare_the_locked_triton_and_torch(package):
     deps = _dependencies(package)
-    assert deps["triton"] == triton_version.TESTED_TRITON == amd_version.TESTED_TRITON
+    assert deps["triton"] == toolchain.TESTED_TRITON
     assert _within(_locked_version("triton"), deps["triton"])
     assert _within(_locked_version("torch"), deps["torch"])
     assert deps["tokenspeed-kernel-core"] == ">=0.1.0,<0.2"
@@ -59,22 +58,26 @@ def test_core_declares_the_locked_torch():
     assert _within(_locked_version("torch"), _dependencies("core")["torch"])
 
 
-@pytest.mark.parametrize("module", (triton_version, amd_version), ids=("triton", "amd"))
-def test_a_kernel_needing_missing_gluon_names_declines_on_an_untested_triton(module, monkeypatch):
-    module.triton_support.cache_clear()
-    monkeypatch.setattr(module, "triton", types.SimpleNamespace(__version__="3.6.0"))
-    assert module.triton_support("no_such_name").ok  # the tested release is trusted
-    module.triton_support.cache_clear()
-    monkeypatch.setattr(module, "triton", types.SimpleNamespace(__version__="3.8.0"))
-    verdict = module.triton_support("thread_barrier", "no_such_name")
+def _fake_triton(monkeypatch, version: str) -> None:
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
+    toolchain.triton_support.cache_clear()
+
+
+def test_a_kernel_needing_missing_gluon_names_declines_on_an_untested_triton(monkeypatch):
+    import triton.experimental.gluon.language  # noqa: F401  (the real Gluon names)
+
+    _fake_triton(monkeypatch, "3.6.0")
+    assert toolchain.triton_support("no_such_name").ok  # the tested release is trusted
+    _fake_triton(monkeypatch, "3.8.0")
+    verdict = toolchain.triton_support("thread_barrier", "no_such_name")
     assert not verdict.ok
     assert verdict.reason == (
         "triton 3.8.0 lacks gluon.language.no_such_name (tested: triton>=3.6,<3.7)"
     )
-    module.triton_support.cache_clear()
-    verdict = module.triton_support("thread_barrier")
+    _fake_triton(monkeypatch, "3.8.0")
+    verdict = toolchain.triton_support("thread_barrier")
     assert verdict.ok and "untested" in verdict.reason
-    module.triton_support.cache_clear()
+    toolchain.triton_support.cache_clear()
 
 
 def _uv() -> str | None:

@@ -18,6 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from tokenspeed_kernel.registry import ANY, register_kernel
+from tokenspeed_kernel.toolchain import triton_support
 from tokenspeed_kernel.tuning import first_match, pinned_config
 
 from ._common import (
@@ -249,6 +250,8 @@ def register() -> None:
             (*HALF_DTYPES, FP8_DTYPE), page_size=ANY, q_len=range(1, MAX_Q_LEN + 1)
         ),
         priority=PRIORITY,
+        # Its layouts call gl.thread_barrier, which Triton 3.8 no longer has.
+        supports=lambda request, platform: triton_support("thread_barrier"),
         description="Gluon split-KV paged decode, MFMA; splits from work and CU count; "
         "reduce adds the sink once; FP8 KV",
         aot_cases=AOT_CASES,

@@ -13,6 +13,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from tokenspeed_kernel.registry import ANY, register_kernel
+from tokenspeed_kernel.toolchain import triton_support
 
 from ._common import (
     attend,
@@ -160,6 +161,8 @@ def register() -> None:
         platforms=PLATFORMS,
         traits=attention_traits((*HALF_DTYPES, FP8_DTYPE), page_size=ANY),
         priority=PRIORITY,
+        # Its layouts call gl.thread_barrier, which Triton 3.8 no longer has.
+        supports=lambda request, platform: triton_support("thread_barrier"),
         description="Gluon paged chunked prefill, MFMA; per-key page gather; FP8 KV",
         aot_cases=AOT_CASES,
     )(mha_extend_with_kvcache)

@@ -12,6 +12,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from tokenspeed_kernel.registry import register_kernel
+from tokenspeed_kernel.toolchain import triton_support
 
 from ._common import (
     attend,
@@ -145,6 +146,8 @@ def register() -> None:
         platforms=PLATFORMS,
         traits=attention_traits(HALF_DTYPES, non_causal=True),
         priority=PRIORITY,
+        # Its layouts call gl.thread_barrier, which Triton 3.8 no longer has.
+        supports=lambda request, platform: triton_support("thread_barrier"),
         description="Gluon flash attention, MFMA; GQA rows packed per program; "
         "window-bounded key loop; gfx950 direct-to-LDS K/V copies",
         aot_cases=AOT_CASES,

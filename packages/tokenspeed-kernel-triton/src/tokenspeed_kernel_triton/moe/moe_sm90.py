@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tokenspeed_kernel.registry import Support, register_kernel
+from tokenspeed_kernel.toolchain import triton_support
 from tokenspeed_kernel.tuning import first_match, pinned_config
 
 from ._common import route_for_gemms, swiglu_fits_f16
@@ -152,6 +153,10 @@ class TritonMoESm90(PaddedMoEKernel):
 
 
 def supports(request, platform) -> Support:
+    # The fragment GEMM calls gl.thread_barrier, which Triton 3.8 no longer has.
+    toolchain = triton_support("thread_barrier")
+    if not toolchain.ok:
+        return toolchain
     if request.hidden_size % 16:
         return Support.no(
             f"copies x rows in 16-byte cp.async vectors: hidden_size {request.hidden_size} is "
