@@ -272,3 +272,10 @@ def test_platform_hash_is_cached():
     p = Platform("nvidia", "sm_90", 0, 132, "x")
     assert hash(p) == hash(Platform("nvidia", "sm_90", 0, 132, "x"))
     assert p == Platform("nvidia", "sm_90", 0, 132, "x")
+
+
+@pytest.mark.parametrize("heads", [(64, 0), (64, -8), (64, 7)])
+def test_explain_refuses_impossible_head_counts(heads):
+    request = tk.AttentionRequest(torch.bfloat16, torch.bfloat16, 64, *heads, 64, 1)
+    with pytest.raises(ValueError, match="KV heads"):
+        tk.explain("mha_decode_with_kvcache", request, KNOWN_PLATFORMS["h100"])

@@ -49,6 +49,13 @@ class AttentionRequest(NamedTuple):
     lse: bool = False
 
     def features(self) -> tuple[tuple[str, object], ...]:
+        # Requests built by hand (explain, tools) reach here unchecked by an op; selection
+        # results are cached, so this runs once per distinct request.
+        if self.num_kv_heads < 1 or self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"AttentionRequest: {self.num_q_heads} query heads and {self.num_kv_heads} KV "
+                "heads, expected a positive number of KV heads dividing the query heads"
+            )
         features: list[tuple[str, object]] = [
             ("dtype", self.dtype),
             ("kv_dtype", self.kv_dtype),
