@@ -157,7 +157,6 @@ def _decode_split_kernel(
     bh = pid_bhm // num_m_tiles
     kv_head = bh % num_kv_heads
     b = bh // num_kv_heads
-
     # Row r of the tile is token r // GROUP and query head kv_head * GROUP + r % GROUP.
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < Q_LEN * GROUP
