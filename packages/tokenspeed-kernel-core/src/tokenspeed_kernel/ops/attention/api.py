@@ -5,6 +5,10 @@ for) preallocated, decode q always 4-D [B, Q, Hq, D]. Values on the device (sequ
 page ids) are not read here, since that would synchronize the stream on every call, except in
 checked mode (`TOKENSPEED_KERNEL_CHECKED=1`, see `index_checks`). Validity is defined once, in
 `checks`.
+
+Under torch.compile each public function hands its arguments to the `torch.library` custom op
+of the same name (`ops.library`), so selection, checks and ContextVar lookups run inside the
+opaque op at run time instead of in Dynamo's traced region; the op runs the `*_into` function.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from .. import index_checks
 from .checks import check_decode, check_extend, check_prefill, check_store, out_dtype
 
 _FLOAT32 = torch.float32
+# Bound once: each eager call tests it first, and the attribute chain costs ~50 ns more.
+_compiling = torch.compiler.is_compiling
 
 
 def _kernel(op, request, device, positional):
@@ -52,18 +58,30 @@ def mha_prefill(
     Returns out [T, Hq, D], and lse [T, Hq] float32 if `return_lse`.
     """
     options = (window_left, sinks, softmax_scale, return_lse)
+    if _compiling():
+        from .. import library
+
+        return library.mha_prefill(q, k, v, cu_seqlens, max_seqlen, causal, options, out)
+    out, lse = prefill_into(q, k, v, cu_seqlens, max_seqlen, causal, options, out, None)
+    return (out, lse) if return_lse else out
+
+
+def prefill_into(q, k, v, cu_seqlens, max_seqlen, causal, options, out, lse):
+    """Check, allocate what the caller did not give, select and run; returns (out, lse).
+    `lse` is given only by the custom op (preallocated when `options` ask for it)."""
     request, scale, max_seqlen = check_prefill(
         q, k, v, cu_seqlens, max_seqlen, causal, options, out
     )
     if env.checked:
         index_checks.check_prefill(cu_seqlens, q.shape[0], max_seqlen)
     out = _new_out(q, q.dtype) if out is None else out
-    lse = _new_lse(q) if return_lse else None
+    if options[3] and lse is None:
+        lse = _new_lse(q)
     _kernel("mha_prefill", request, q.device, ("q", "k", "v"))(
         q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=causal,
-        window_left=request.window_left, sinks=sinks, softmax_scale=scale, out=out, lse=lse,
+        window_left=request.window_left, sinks=options[1], softmax_scale=scale, out=out, lse=lse,
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def mha_extend_with_kvcache(
@@ -79,6 +97,19 @@ def mha_extend_with_kvcache(
     """
     cache = (k_cache, v_cache, page_table, cache_seqlens)
     options = (window_left, sinks, softmax_scale, return_lse)
+    ragged = (cu_seqlens_q, max_seqlen_q)
+    if _compiling():
+        from .. import library
+
+        return library.mha_extend_with_kvcache(q, ragged, cache, options, out, k_scale, v_scale)
+    out, lse = extend_into(q, ragged, cache, options, out, None, k_scale, v_scale)
+    return (out, lse) if return_lse else out
+
+
+def extend_into(q, ragged, cache, options, out, lse, k_scale, v_scale):
+    """`prefill_into` for mha_extend_with_kvcache; `ragged` = (cu_seqlens_q, max_seqlen_q)."""
+    cu_seqlens_q, max_seqlen_q = ragged
+    k_cache, v_cache, page_table, cache_seqlens = cache
     request, scale, k_scale, v_scale, max_seqlen_q = check_extend(
         q, cu_seqlens_q, max_seqlen_q, cache, options, out, k_scale, v_scale
     )
@@ -87,13 +118,14 @@ def mha_extend_with_kvcache(
             q, k_cache, cu_seqlens_q, page_table, cache_seqlens, max_seqlen_q, request.window_left
         )
     out = _new_out(q, k_cache.dtype) if out is None else out
-    lse = _new_lse(q) if return_lse else None
+    if options[3] and lse is None:
+        lse = _new_lse(q)
     _kernel("mha_extend_with_kvcache", request, q.device, ("q", "k_cache", "v_cache"))(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, page_table=page_table,
         cache_seqlens=cache_seqlens, max_seqlen_q=max_seqlen_q, window_left=request.window_left,
-        sinks=sinks, softmax_scale=scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+        sinks=options[1], softmax_scale=scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def mha_decode_with_kvcache(
@@ -109,9 +141,21 @@ def mha_decode_with_kvcache(
     """
     cache = (k_cache, v_cache, page_table, cache_seqlens)
     options = (window_left, sinks, softmax_scale, return_lse)
+    if _compiling():
+        from .. import library
+
+        return library.mha_decode_with_kvcache(q, cache, options, out, k_scale, v_scale)
+    out, lse = decode_into(q, cache, options, out, None, k_scale, v_scale)
+    return (out, lse) if return_lse else out
+
+
+def decode_into(q, cache, options, out, lse, k_scale, v_scale):
+    """`prefill_into` for mha_decode_with_kvcache."""
     request, scale, k_scale, v_scale = check_decode(q, cache, options, out, k_scale, v_scale)
+    k_cache, v_cache, page_table, cache_seqlens = cache
     out = _new_out(q, k_cache.dtype) if out is None else out
-    lse = _new_lse(q) if return_lse else None
+    if options[3] and lse is None:
+        lse = _new_lse(q)
     q4, out4, lse4 = q, out, lse
     if q.dim() == 3:
         q4, out4 = q.unsqueeze(1), out.unsqueeze(1)
@@ -120,16 +164,25 @@ def mha_decode_with_kvcache(
         index_checks.check_decode(q4, k_cache, page_table, cache_seqlens, request.window_left)
     _kernel("mha_decode_with_kvcache", request, q.device, ("q", "k_cache", "v_cache"))(
         q4, k_cache, v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
-        window_left=request.window_left, sinks=sinks, softmax_scale=scale,
+        window_left=request.window_left, sinks=options[1], softmax_scale=scale,
         k_scale=k_scale, v_scale=v_scale, out=out4, lse=lse4,
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def kvcache_store(k, v, k_cache, v_cache, *, slot_mapping, k_scale=None, v_scale=None):
     """Write k/v [T, Hkv, D] into the paged caches [num_pages, P, Hkv, D] in place at
     slot_mapping [T] int64 (slot = page * P + offset; negative = skip). Quantizes to an FP8
     cache as fp8(k / k_scale)."""
+    if _compiling():
+        from .. import library
+
+        return library.kvcache_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    store_into(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def store_into(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+    """Check, select and run kvcache_store (the custom op's implementation too)."""
     request, k_scale, v_scale = check_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if env.checked:
         index_checks.check_store(k_cache, slot_mapping)

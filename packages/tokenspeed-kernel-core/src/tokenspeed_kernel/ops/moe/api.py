@@ -1,8 +1,14 @@
-"""Public MoE operators: plan once (select the kernel), lay the weights out for it, apply."""
+"""Public MoE operators: plan once (select the kernel), lay the weights out for it, apply.
+
+Under torch.compile, moe_apply hands its tensors to the custom op `tokenspeed::moe_apply`
+(`ops.library`) with the plan and prepared weights named by handle: `id()` of each, which
+Dynamo bakes into the graph as a constant (guarding on the object), resolved through `live`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -24,6 +30,9 @@ from .types import MoEConfig, MoEPlan, MoEWeights, PreparedMoEWeights
 _BIAS_DTYPES = (torch.float32, torch.bfloat16)
 _ROUTER_DTYPES = (torch.float32, torch.bfloat16)
 _X_DTYPES = (torch.bfloat16,)
+_compiling = torch.compiler.is_compiling
+# Plans and prepared weights by id(), for the custom op; weak, so a dropped layer frees its weights.
+live: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 
 
 def moe_plan(config: MoEConfig, *, device=None, max_num_tokens: int = 8192) -> MoEPlan:
@@ -39,7 +48,7 @@ def moe_plan(config: MoEConfig, *, device=None, max_num_tokens: int = 8192) -> M
     platform = platform_of(device)
     spec = select("moe_apply", request, platform)
     padded_h, padded_i = spec.fn.padded_sizes(config)
-    return MoEPlan(
+    plan = MoEPlan(
         config,
         spec.name,
         _reason(request, platform, spec.name),
@@ -50,6 +59,8 @@ def moe_plan(config: MoEConfig, *, device=None, max_num_tokens: int = 8192) -> M
         device,
         spec.fn,
     )
+    live[id(plan)] = plan
+    return plan
 
 
 def request_for(config: MoEConfig, max_num_tokens: int) -> MoERequest:
@@ -89,6 +100,7 @@ def moe_prepare_weights(plan: MoEPlan, weights: MoEWeights) -> PreparedMoEWeight
     prepared = plan.impl.prepare_weights(plan, weights)
     if not isinstance(prepared, PreparedMoEWeights) or prepared.kernel != plan.kernel:
         raise RuntimeError(f"{op}: kernel {plan.kernel} returned weights for another kernel")
+    live[id(prepared)] = prepared
     return prepared
 
 
@@ -144,6 +156,17 @@ def moe_apply(plan, x, weights, router_logits=None, *, topk_weights=None, topk_i
     Route with router_logits [M, E] (top-k, ties to the lower index, softmax over the k), or
     pass precomputed topk_weights [M, k] float32 and topk_ids [M, k] int32 instead.
     """
+    routing = (router_logits, topk_weights, topk_ids)
+    if _compiling():
+        from .. import library
+
+        return library.moe_apply(id(plan), x, id(weights), routing, out)
+    return apply_into(plan, x, weights, routing, out)
+
+
+def apply_into(plan, x, weights, routing, out):
+    """Check and run moe_apply (the custom op's implementation too); `routing` =
+    (router_logits, topk_weights, topk_ids)."""
     op = "moe_apply"
     if not isinstance(plan, MoEPlan):
         raise TypeError(f"{op}: plan is {type(plan).__name__}, expected MoEPlan")
@@ -162,6 +185,7 @@ def moe_apply(plan, x, weights, router_logits=None, *, topk_weights=None, topk_i
             f"{op}: x has {x.shape[0]} tokens, expected at most the plan's "
             f"max_num_tokens ({plan.max_num_tokens})"
         )
+    router_logits, topk_weights, topk_ids = routing
     routing = dict(router_logits=router_logits, topk_weights=topk_weights, topk_ids=topk_ids)
     _check_routing(op, config, device, x.shape[0], **routing)
     if env.checked and topk_ids is not None:
