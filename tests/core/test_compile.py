@@ -3,6 +3,8 @@ the same numbers as eager, no recompile per batch size, and every custom op's fa
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -154,3 +156,33 @@ def test_custom_op_passes_opcheck(op, layer):
     args = _opcheck_cases(layer)[op]
     torch.library.opcheck(getattr(torch.ops.tokenspeed, op).default, args)
     assert library  # the import above registered the namespace
+
+
+def test_inductor_runs_the_custom_ops_in_place(layer):
+    """The default backend: the functionalized mutations come back as writes to the caller's
+    `out` and caches, with eager's numbers."""
+
+    def decode(q, page_table, cache_seqlens, out):
+        k_cache, v_cache = layer["caches"]
+        tk.mha_decode_with_kvcache(
+            q, k_cache, v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
+            sinks=layer["sinks"], out=out,
+        )  # fmt: skip
+        return out.float().sum()
+
+    x, page_table, cache_seqlens, _ = _batch(2, seed=2)
+    q = x.view(2, HQ, D)
+    expected, got = torch.empty_like(q), torch.empty_like(q)
+    total = torch.compile(decode, fullgraph=True)(q, page_table, cache_seqlens, got)
+    decode(q, page_table, cache_seqlens, expected)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(total, expected.float().sum())
+
+
+def test_compiled_moe_apply_names_a_plan_moe_plan_did_not_make(layer):
+    copied = dataclasses.replace(layer["plan"])  # equal, but never registered
+    x = torch.randn(2, HQ * D).to(BF16)
+    logits = torch.randn(2, MOE.num_experts)
+    compiled = torch.compile(tk.moe_apply, fullgraph=True, backend="aot_eager")
+    with pytest.raises(TypeError, match="plan was not returned by moe_plan"):
+        compiled(copied, x, layer["weights"], logits)

@@ -75,7 +75,17 @@ def _moe_apply(
     topk_weights: Tensor | None, topk_ids: Tensor | None, out: Tensor,
 ) -> None:  # fmt: skip
     routing = (router_logits, topk_weights, topk_ids)
-    apply_into(live.get(plan), x, live.get(weights), routing, out)
+    apply_into(_resolve("plan", plan), x, _resolve("weights", weights), routing, out)
+
+
+def _resolve(name: str, handle: int):
+    found = live.get(handle)
+    if found is None:
+        raise TypeError(
+            f"moe_apply: {name} was not returned by moe_plan / moe_prepare_weights "
+            "(a compiled moe_apply takes only those objects)"
+        )
+    return found
 
 
 def _shapes_only(*args, **kwargs) -> None:
