@@ -13,6 +13,12 @@ import tokenspeed_kernel as tk
 from tokenspeed_kernel.ops import library
 from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_weights
 
+# Importing Inductor touches torch.jit.script_method, which torch 2.11 deprecates: torch's own
+# warning, nothing these tests call.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+)
+
 BF16, I32 = torch.bfloat16, torch.int32
 HQ, HKV, D, PAGE, PAGES = 4, 2, 32, 4, 24
 MOE = MoEShape(num_tokens=1, num_experts=4, top_k=2, hidden_size=HQ * D, intermediate_size=64)
