@@ -22,9 +22,11 @@ from .ops.moe import (
     MoEWeights,
     PreparedMoEWeights,
     SwiGLU,
+    expert_parallel_shard,
     moe_apply,
     moe_plan,
     moe_prepare_weights,
+    tensor_parallel_shard,
 )
 from .platform import KNOWN_PLATFORMS, Platform, PlatformSpec, fake_platform, platform_of
 from .registry import (
@@ -61,6 +63,7 @@ __all__ = [
     "SwiGLU",
     "UnsupportedError",
     "declare_op",
+    "expert_parallel_shard",
     "explain",
     "fake_platform",
     "get_kernel",
@@ -75,5 +78,6 @@ __all__ = [
     "moe_prepare_weights",
     "platform_of",
     "register_kernel",
+    "tensor_parallel_shard",
     "use_kernel",
 ]

@@ -279,8 +279,8 @@ def _weight(fmt: str, gen, experts: int, rows: int, cols: int, gain: float):
 
 
 def moe_weights(shape: MoEShape, gen) -> MoEWeights:
-    """Checkpoint-layout weights of `shape` on the generator's device."""
-    e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    """Checkpoint-layout weights of `shape` on the generator's device (its local experts)."""
+    e, h, i = shape.config().num_local_experts, shape.hidden_size, shape.intermediate_size
     w13, w13_scale = _weight(shape.weight_format, gen, e, 2 * i, h, shape.gain)
     # SwiGLU outputs grow with the first GEMM's gain; the second GEMM brings them back to O(1).
     w2, w2_scale = _weight(shape.weight_format, gen, e, h, i, 1.0 / shape.gain)

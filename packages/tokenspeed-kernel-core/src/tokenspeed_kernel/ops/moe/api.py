@@ -74,6 +74,8 @@ def request_for(config: MoEConfig, max_num_tokens: int) -> MoERequest:
         config.hidden_size,
         config.intermediate_size,
         max_num_tokens,
+        config.expert_offset,
+        config.num_local_experts,
     )
 
 
@@ -105,7 +107,8 @@ def moe_prepare_weights(plan: MoEPlan, weights: MoEWeights) -> PreparedMoEWeight
 
 
 def check_weights(op: str, config: MoEConfig, w: MoEWeights, device: torch.device) -> None:
-    E, H, I = config.num_experts, config.hidden_size, config.intermediate_size  # noqa: E741
+    # Expert-parallel layers hold only their local experts.
+    E, H, I = config.num_local_experts, config.hidden_size, config.intermediate_size  # noqa: E741
     fmt = config.weight_format
     if fmt == "mxfp4":
         layout = {

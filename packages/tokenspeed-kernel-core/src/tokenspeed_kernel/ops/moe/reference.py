@@ -62,7 +62,7 @@ def dequantize_expert_weights(
     fmt = config.weight_format
     w13 = _dequantize_one(fmt, weights.w13, weights.w13_scale, "w13")
     w2 = _dequantize_one(fmt, weights.w2, weights.w2_scale, "w2")
-    e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+    e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
     for name, got, want in (("w13", w13, (e, 2 * i, h)), ("w2", w2, (e, h, i))):
         if tuple(got.shape) != want:
             raise ValueError(
@@ -124,7 +124,8 @@ class ReferenceMoE:
         """x [M, H] -> out [M, H] (written in place, x's dtype).
 
         Routing: router_logits [M, E], or precomputed topk_weights [M, k] float32 with
-        topk_ids [M, k] int32 (the API validated that exactly one form is given).
+        topk_ids [M, k] int32 (the API validated that exactly one form is given). Ids are
+        global; pairs whose expert is outside this layer's local range contribute nothing.
         """
         config = plan.config
         t = prepared.tensors
@@ -141,12 +142,15 @@ class ReferenceMoE:
             # x is quantized once per token before GEMM1, independent of the expert.
             xf = _fake_quant_fp8(xf, t["w13_input_scale"])
 
-        # Group the M*k (token, expert) pairs by expert so each expert runs one dense GEMM.
-        flat_ids = topk_ids.reshape(-1).to(torch.int64)
+        # Group the M*k (token, expert) pairs by local expert so each expert runs one dense
+        # GEMM; pairs of other ranks' experts go to one more group past the local ones, skipped.
+        local = config.num_local_experts
+        flat_ids = topk_ids.reshape(-1).to(torch.int64) - config.expert_offset
+        flat_ids = torch.where((flat_ids >= 0) & (flat_ids < local), flat_ids, local)
         flat_tokens = torch.arange(M, device=x.device).repeat_interleave(k)
         flat_weights = topk_weights.reshape(-1).to(torch.float32)
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=config.num_experts).tolist()
+        counts = torch.bincount(flat_ids, minlength=local + 1)[:local].tolist()
 
         acc = torch.zeros(M, config.hidden_size, dtype=torch.float32, device=x.device)
         start = 0
@@ -182,6 +186,7 @@ register_kernel(
         "activation_format": ACTIVATION_FORMATS,
         "routing": ROUTINGS,
         "bias": True,
+        "expert_parallel": True,
     },
     priority=0,
     description="pure torch, float32 accumulation",

@@ -46,9 +46,17 @@ def _real(name: str, value: object) -> float:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Static description of one MoE layer.
+    """Static description of one MoE layer (or one rank's shard of it).
 
     num_experts E, top_k, hidden_size H, intermediate_size I (per expert, before gating).
+
+    Expert parallelism: this rank holds `num_local_experts` experts (None: all E), global
+    experts expert_offset .. expert_offset + num_local_experts - 1; its weights' leading dim
+    is that local count, local expert j being global expert expert_offset + j. E stays the
+    global count: router logits are [M, E] and topk ids are global. A token's top-k pairs
+    whose expert lives on another rank contribute nothing here; the ranks' outputs sum to the
+    whole layer. Tensor parallelism needs no field: a shard is a layer whose I is the shard's
+    (`parallel.tensor_parallel_shard`). After construction num_local_experts is an int.
     """
 
     num_experts: int
@@ -60,17 +68,26 @@ class MoEConfig:
     activation: SwiGLU = field(default_factory=SwiGLU)
     has_bias: bool = True
     routing: str = "topk_softmax"
+    expert_offset: int = 0
+    num_local_experts: int | None = None
 
     def __post_init__(self) -> None:
+        if self.num_local_experts is None:
+            object.__setattr__(self, "num_local_experts", self.num_experts)
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"MoEConfig: {name} is {value!r}, expected a positive int")
-            object.__setattr__(self, name, int(value))  # numpy ints too, stored plain
+            _set_int(self, name, minimum=1)
+        _set_int(self, "expert_offset", minimum=0)
+        _set_int(self, "num_local_experts", minimum=1)
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"MoEConfig: top_k is {self.top_k}, expected at most num_experts "
                 f"({self.num_experts})"
+            )
+        if self.expert_offset + self.num_local_experts > self.num_experts:
+            raise ValueError(
+                f"MoEConfig: expert_offset + num_local_experts is {self.expert_offset} + "
+                f"{self.num_local_experts}, expected at most num_experts ({self.num_experts}): "
+                "local experts are a range of the global ones"
             )
         _check_choice("weight_format", self.weight_format, WEIGHT_FORMATS)
         _check_choice("activation_format", self.activation_format, ACTIVATION_FORMATS)
@@ -89,6 +106,19 @@ class MoEConfig:
                         "32 for mxfp4 weights (one e8m0 scale per 32 elements)"
                     )
 
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether this rank holds only some of the experts."""
+        return self.num_local_experts != self.num_experts
+
+
+def _set_int(config: MoEConfig, name: str, *, minimum: int) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"MoEConfig: {name} is {value!r}, expected {expected}")
+    object.__setattr__(config, name, int(value))  # numpy ints too, stored plain
+
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
@@ -97,7 +127,8 @@ def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True, eq=False)
 class MoEWeights:
-    """Checkpoint-layout expert weights (see the contract for each format's layout).
+    """Checkpoint-layout expert weights (see the contract for each format's layout). E here is
+    the layer's num_local_experts (all experts unless expert-parallel).
 
     mxfp4: w13 [E, 2I, H/2] uint8 (low nibble = even element), w13_scale [E, 2I, H/32] uint8
     e8m0; w2 [E, H, I/2], w2_scale [E, H, I/32]. fp8: w13 [E, 2I, H] float8_e4m3fn with
@@ -142,6 +173,10 @@ class MoEPlan:
                 f", padded H {self.config.hidden_size}->{self.padded_hidden_size}"
                 f" I {self.config.intermediate_size}->{self.padded_intermediate_size}"
             )
+        config = self.config
+        if config.expert_parallel:
+            last = config.expert_offset + config.num_local_experts - 1
+            pad += f"; experts {config.expert_offset}..{last} of {config.num_experts}"
         return (
             f"MoEPlan({self.kernel}: {self.reason}; layout {self.weight_layout}{pad}; "
             f"max_num_tokens {self.max_num_tokens}; device {self.device})"
