@@ -91,13 +91,15 @@ def _kv_scales(op, kv_dtype, k_scale, v_scale) -> tuple[float, float]:
     return 1.0, 1.0
 
 
-def _paged(op, q, shape, num_seqs, q_len, cache, options, out, k_scale, v_scale):
+def _paged(op, q, shape, sizes, q_len, cache, options, out, k_scale, v_scale):
     """`cache` = (k_cache, v_cache, page_table, cache_seqlens): caches [num_pages, P, Hkv, D]
-    of q's dtype or FP8, page_table [B, *] and cache_seqlens [B] int32; `shape` is q's.
+    of q's dtype or FP8, page_table [B, *] and cache_seqlens [B] int32; `shape` is q's;
+    `sizes` = (B, query tokens, longest query sequence).
     Returns (request, softmax scale, k_scale, v_scale)."""
     # Inline conditions rather than one helper call per tensor: each call costs ~0.1 µs of
     # the ~4 µs this takes, and decode runs it on every step.
     k_cache, v_cache, page_table, cache_seqlens = cache
+    num_seqs = sizes[0]
     device, q_dtype, head_dim = q.device, q.dtype, shape[-1]
     ks = k_cache.shape if isinstance(k_cache, _Tensor) else ()
     if len(ks) != 4:
@@ -142,17 +144,22 @@ def _paged(op, q, shape, num_seqs, q_len, cache, options, out, k_scale, v_scale)
     if ks[1] < 1:
         raise ValueError(f"{op}: k_cache has shape {list(ks)}, expected page size >= 1")
     request, scale = _request(
-        op, device, options, q_dtype, kv_dtype, head_dim, shape[-2], ks[2], ks[1], q_len, True
-    )
+        op, device, options, q_dtype, kv_dtype, head_dim, shape[-2], ks[2], ks[1], q_len, True,
+        sizes[1], sizes[2],
+    )  # fmt: skip
     k_scale, v_scale = _kv_scales(op, kv_dtype, k_scale, v_scale)
     if out is not None:
         _like(op, "out", out, device, _FP8_OUT if kv_dtype is _FP8 else (q_dtype,), shape)
     return request, scale, k_scale, v_scale
 
 
-def _request(op, device, options, dtype, kv_dtype, head_dim, hq, hkv, page_size, q_len, causal):
+def _request(
+    op, device, options, dtype, kv_dtype, head_dim, hq, hkv, page_size, q_len, causal, tokens,
+    seqlen,
+):  # fmt: skip
     """GQA and the options shared by the three ops; `options` = (window_left, sinks,
-    softmax_scale, return_lse). Returns (request, softmax scale)."""
+    softmax_scale, return_lse); `tokens`/`seqlen` are rounded up to powers of two
+    (`request.size_bucket`, inlined). Returns (request, softmax scale)."""
     window_left, sinks, softmax_scale, return_lse = options
     if hkv < 1 or hq % hkv:
         raise ValueError(
@@ -183,6 +190,8 @@ def _request(op, device, options, dtype, kv_dtype, head_dim, hq, hkv, page_size,
     request = tuple.__new__(Request, (
         dtype, kv_dtype, head_dim, hq, hkv, page_size, q_len, causal, window_left,
         sinks is not None, return_lse,
+        1 << (tokens - 1).bit_length() if tokens > 0 else 0,
+        1 << (seqlen - 1).bit_length() if seqlen > 0 else 0,
     ))  # fmt: skip
     return request, scale
 
@@ -211,8 +220,9 @@ def check_prefill(q, k, v, cu_seqlens, max_seqlen, causal, options, out):
     if type(causal) is not bool:
         raise type_error(op, "causal", causal, "bool")
     request, scale = _request(
-        op, device, options, q.dtype, k.dtype, shape[2], shape[1], ks[1], 0, 0, causal
-    )
+        op, device, options, q.dtype, k.dtype, shape[2], shape[1], ks[1], 0, 0, causal,
+        shape[0], max_seqlen,
+    )  # fmt: skip
     if out is not None:
         _like(op, "out", out, device, (q.dtype,), shape)
     return request, scale, max_seqlen
@@ -228,7 +238,8 @@ def check_extend(q, cu_seqlens_q, max_seqlen_q, cache, options, out, k_scale, v_
     if num_seqs < 0:
         raise ValueError(f"{op}: cu_seqlens_q has shape [0], expected [B+1] with B >= 0")
     max_seqlen_q = check_int(op, "max_seqlen_q", max_seqlen_q, minimum=0)
-    checked = _paged(op, q, shape, num_seqs, 0, cache, options, out, k_scale, v_scale)
+    sizes = (num_seqs, shape[0], max_seqlen_q)
+    checked = _paged(op, q, shape, sizes, 0, cache, options, out, k_scale, v_scale)
     return (*checked, max_seqlen_q)
 
 
@@ -239,7 +250,8 @@ def check_decode(q, cache, options, out, k_scale, v_scale):
     q_len = shape[1] if len(shape) == 4 else 1
     if q_len < 1:
         raise ValueError(f"{op}: q has shape {list(shape)}, expected Q >= 1 tokens per sequence")
-    return _paged(op, q, shape, shape[0], q_len, cache, options, out, k_scale, v_scale)
+    sizes = (shape[0], shape[0] * q_len, 0)
+    return _paged(op, q, shape, sizes, q_len, cache, options, out, k_scale, v_scale)
 
 
 def check_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
@@ -272,4 +284,6 @@ def check_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     if slot_mapping.device != device:
         raise device_error(op, "slot_mapping", slot_mapping, device)
     k_scale, v_scale = _kv_scales(op, kv_dtype, k_scale, v_scale)
-    return KVStoreRequest(k_dtype, kv_dtype, shape[2], shape[1], cs[1]), k_scale, v_scale
+    tokens = 1 << (shape[0] - 1).bit_length() if shape[0] > 0 else 0
+    request = KVStoreRequest(k_dtype, kv_dtype, shape[2], shape[1], cs[1], tokens)
+    return request, k_scale, v_scale

@@ -33,8 +33,17 @@ KVCACHE_STORE = declare_op(
 )
 
 
+def size_bucket(n: int) -> int:
+    """`n` rounded up to a power of two (0 stays 0): the size scale of requests, so that a
+    selection cache holds one entry per bucket and measured rankings have few keys."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 class AttentionRequest(NamedTuple):
-    """`page_size` 0 = no cache (prefill); `q_len` 0 = ragged (prefill, extend)."""
+    """`page_size` 0 = no cache (prefill); `q_len` 0 = ragged (prefill, extend).
+    `tokens`: query tokens of the call (T; decode B*Q) and `seqlen`: the longest query sequence
+    (`max_seqlen`, `max_seqlen_q`; 0 for decode), both as `size_bucket`s; 0 = not given. They
+    let measured rankings (`rankings.py`) tell a B=1 decode from a B=64 one."""
 
     dtype: torch.dtype
     kv_dtype: torch.dtype
@@ -47,6 +56,8 @@ class AttentionRequest(NamedTuple):
     window_left: int = -1
     sinks: bool = False
     lse: bool = False
+    tokens: int = 0
+    seqlen: int = 0
 
     def features(self) -> tuple[tuple[str, object], ...]:
         # Requests built by hand (explain, tools) reach here unchecked by an op; selection
@@ -94,15 +105,22 @@ class AttentionRequest(NamedTuple):
             parts.append("sinks")
         if self.lse:
             parts.append("lse")
+        if self.tokens:
+            parts.append(f"tokens <= {self.tokens}")
+        if self.seqlen:
+            parts.append(f"seqlen <= {self.seqlen}")
         return ", ".join(parts)
 
 
 class KVStoreRequest(NamedTuple):
+    """`tokens`: tokens written, as a `size_bucket` (0 = not given)."""
+
     dtype: torch.dtype
     kv_dtype: torch.dtype
     head_dim: int
     num_kv_heads: int
     page_size: int
+    tokens: int = 0
 
     def features(self) -> tuple[tuple[str, object], ...]:
         return (
@@ -113,7 +131,9 @@ class KVStoreRequest(NamedTuple):
         )
 
     def __str__(self) -> str:
+        tokens = f", tokens <= {self.tokens}" if self.tokens else ""
         return (
             f"k/v {dtype_name(self.dtype)} -> cache {dtype_name(self.kv_dtype)}, "
             f"head_dim {self.head_dim}, kv heads {self.num_kv_heads}, page {self.page_size}"
+            f"{tokens}"
         )
