@@ -4,9 +4,10 @@ Each kernel is called directly (`spec.fn`, normalized arguments, outputs preallo
 warm-up; the figure is the median of many runs timed with device events with the L2 flushed
 between runs (see tools/timing.py), or, with --cuda-graph, of CUDA-graph replays for decode. On
 the CPU runs are timed with the wall clock. Reports latency, TFLOP/s, GB/s and the percentage of
-this device's measured roofline (tools/roofline.py); --peers adds FA3 and torch SDPA where
-importable. Writes DIR/results.json and one PNG per op. --replay FILE times the public-op calls
-recorded with TOKENSPEED_KERNEL_CAPTURE=FILE instead of the preset's shapes.
+this device's measured roofline (tools/roofline.py); --peers adds FA3 and torch SDPA (attention)
+and vLLM's triton_kernels MoE (moe_apply) where importable. Writes DIR/results.json and one PNG
+per op. --replay FILE times the public-op calls recorded with TOKENSPEED_KERNEL_CAPTURE=FILE
+instead of the preset's shapes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ._common import (
     tool_parser,
     write_json,
 )
-from .peers import peer_calls
+from .peers import peer_calls, peer_names
 from .plot import plot_op, require_matplotlib
 from .roofline import Roofline, roofline
 from .timing import Timer, Timing
@@ -52,7 +53,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--peers",
         action="store_true",
-        help="add FA3 / torch SDPA reference points where importable",
+        help="add FA3 / torch SDPA / vLLM triton_kernels MoE reference points where importable",
     )
     p.add_argument(
         "--replay",
@@ -219,8 +220,10 @@ def _bench(ops, preset: str, device, timer: Timer, roof: Roofline, args) -> list
     for op in ops:
         specs = select_kernels(op, kernel=args.kernels)
         plan += [(point, specs) for point in bench_points(op, preset)]
-    peers = 2 if args.peers else 0
-    progress = Progress(sum(len(specs) + peers for _, specs in plan), "bench")
+    progress = Progress(
+        sum(len(specs) + (len(peer_names(p.op)) if args.peers else 0) for p, specs in plan),
+        "bench",
+    )
     weights = MoEWeightsCache(device)
     max_tokens = max((p.x for p, _ in plan if p.op == "moe_apply"), default=0)
     rows = []
@@ -248,7 +251,10 @@ def _bench(ops, preset: str, device, timer: Timer, roof: Roofline, args) -> list
                 )
             )
         if args.peers:
-            for name, call, why in peer_calls(point, inputs, device):
+            checkpoint = None
+            if point.op == "moe_apply":
+                checkpoint = weights.checkpoint(point.case.shape)
+            for name, call, why in peer_calls(point, inputs, device, checkpoint):
                 progress.step(f"{name} {point.label}")
                 if call is None:
                     rows.append(row(point, name, peer=True, status="unavailable", note=why))

@@ -5,27 +5,57 @@
 - `peer:torch.sdpa`: `torch.nn.functional.scaled_dot_product_attention` on contiguous tensors. It
   has no sinks and no paging: for decode the visible keys are gathered into contiguous K/V
   before timing, so it shows the cost of the attention math alone, not a paged kernel's.
+- `peer:vllm.triton_kernels` (moe_apply): what vLLM 0.26 runs for GPT-OSS's MXFP4 MoE on
+  Hopper, its TRITON backend (`fused_moe/oracle/mxfp4.py`): OpenAI's `triton_kernels`, which
+  the vLLM wheel vendors at `vllm/third_party/triton_kernels` and which imports as top-level
+  `triton_kernels` without vLLM. `TritonKernelsMoE` makes the same calls in the same order as
+  vLLM's `triton_kernel_moe_forward` (see its docstring) on our checkpoint weights.
 
-Peers are timed on the same inputs but never checked or selected.
+Peers are timed on the same inputs but never selected; the MoE peer is checked against
+`moe_apply` and the reference by tests/tools/test_moe_peer_gpu.py and benchmarks/bench_moe.py.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..formats.fp8 import FP8_DTYPE
+from ..ops.moe.types import MoEConfig, MoEWeights
 from .workloads import Point
 
 PeerCall = Callable[[], object]
 
 
+MOE_PEER = "peer:vllm.triton_kernels"
+ATTENTION_PEERS = ("peer:fa3", "peer:torch.sdpa")
+
+
+def peer_names(op: str) -> tuple[str, ...]:
+    """The peers `peer_calls` lists for `op` (each listed, importable or not)."""
+    if op == "moe_apply":
+        return (MOE_PEER,)
+    if op in ("mha_prefill", "mha_extend_with_kvcache", "mha_decode_with_kvcache"):
+        return ATTENTION_PEERS
+    return ()
+
+
 def peer_calls(
-    point: Point, inputs, device: torch.device
+    point: Point, inputs, device: torch.device, moe_weights: MoEWeights | None = None
 ) -> list[tuple[str, PeerCall | None, str]]:
-    """(peer name, call or None, note) for each peer that applies to this op."""
+    """(peer name, call or None, note) for each peer that applies to this op. moe_apply's
+    peer runs on `moe_weights`, the checkpoint weights the registered kernels were given."""
+    if point.op == "moe_apply":
+        try:
+            call, note = _moe(point, inputs, device, moe_weights)
+        except ImportError as exc:
+            call, note = None, f"not importable ({exc})"
+        return [(MOE_PEER, call, note)]
     if point.op not in ("mha_prefill", "mha_extend_with_kvcache", "mha_decode_with_kvcache"):
         return []
     found = []
@@ -100,3 +130,254 @@ def _contiguous(cache: torch.Tensor, page_table: torch.Tensor, first: int, end: 
     pos = torch.arange(first, end, device=cache.device)
     pages = page_table[:, pos // page_size].long()
     return cache[pages, pos % page_size].transpose(1, 2).contiguous()
+
+
+# ------------------------------------------------------------------------------------ MoE peer
+
+# sha256 over the vendored package's *.py files (relative path, NUL, bytes, NUL; sorted by
+# path) as the vllm==0.26.0 wheel ships them at vllm/third_party/triton_kernels.
+VLLM_0_26_TRITON_KERNELS_SHA256 = "a3e52239bbf2b00f4efd365356203efa844e4ba7c73930bbb4f519e402f6d19b"
+# vLLM's TRITON MXFP4 backend rounds I up to a multiple of 64 and leaves H as it is
+# (`mxfp4_round_up_hidden_size_and_intermediate_size`); GPT-OSS's 2880 needs no padding.
+INTERMEDIATE_MULTIPLE = 64
+# On sm_90 vLLM pads each weight's number of e8m0 scale groups along K to a multiple of 4
+# before swizzling (`_swizzle_mxfp4`).
+SCALE_GROUP_MULTIPLE = 4
+SCALE_WARPS = 8  # `_swizzle_mxfp4`'s default num_warps for the Hopper scale layout
+
+
+def triton_kernels_origin() -> str:
+    """Where `triton_kernels` is imported from and whether it is vLLM 0.26.0's vendored copy
+    (by content hash); raises ImportError where it is not importable."""
+    tk = importlib.import_module("triton_kernels")
+    root = Path(tk.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    sha = digest.hexdigest()
+    which = (
+        "vLLM 0.26.0 wheel's vendored copy (vllm/third_party/triton_kernels)"
+        if sha == VLLM_0_26_TRITON_KERNELS_SHA256
+        else "not vLLM 0.26.0's vendored copy"
+    )
+    return f"triton_kernels at {root} (sha256 {sha[:12]}, {which})"
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True, eq=False)
+class TritonKernelsWeights:
+    """One MoE layer in the logical layout triton_kernels' matmul_ogs takes for MXFP4 weights,
+    before its Hopper swizzle: W[e] is [K, N] (y = x @ W[e]), packed two e2m1 codes a byte
+    along K (low nibble = even k; K is the stride-1 dim), one e8m0 scale per 32 K-elements.
+
+    w13 [E, H/2, 2Ip] with w13_scale [E, Hs, 2Ip] and w13_bias [E, 2Ip] float32: output
+    columns interleave gate (even) and up (odd) as the checkpoint's rows do, which is what
+    triton_kernels' swiglu reads (`_swiglu_fn` splits pairs into gelu, linear).
+    w2 [E, Ip/2, H] with w2_scale [E, Is, H] and w2_bias [E, H] float32.
+    Ip = I rounded up to INTERMEDIATE_MULTIPLE (zero codes, zero scale bytes, zero biases:
+    padded gate/up pairs give swiglu(0, 0) = 0 and padded w2 rows add nothing); Hs, Is =
+    H/32, Ip/32 rounded up to SCALE_GROUP_MULTIPLE (groups past K are never read).
+    Tensors are transposed views of [E, N, K/2]-contiguous copies, as vLLM passes them.
+    """
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_bias: torch.Tensor | None
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_bias: torch.Tensor | None
+    intermediate_size: int  # Ip
+
+
+def moe_peer_unsupported(config: MoEConfig) -> str:
+    """Why the triton_kernels peer cannot run `config` ("" when it can): vLLM runs it for
+    MXFP4 weights, bf16 activations, top-k softmax routing and SwiGLU only."""
+    if config.weight_format != "mxfp4":
+        return f"MXFP4 weights only (got {config.weight_format})"
+    if config.activation_format != "bf16":
+        return f"bf16 activations only (got {config.activation_format})"
+    if config.routing != "topk_softmax":
+        return f"top-k softmax routing only (got {config.routing})"
+    if getattr(config, "num_local_experts", config.num_experts) != config.num_experts:
+        return "expert-parallel shards not wired up for this peer"
+    return ""
+
+
+def triton_kernels_layout(config: MoEConfig, weights: MoEWeights) -> TritonKernelsWeights:
+    """Our checkpoint-layout MXFP4 weights -> triton_kernels' logical layout (plain torch,
+    any device; new tensors, `weights` untouched)."""
+    reason = moe_peer_unsupported(config)
+    if reason:
+        raise ValueError(f"triton_kernels_layout: {reason}")
+    e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+    ip = _round_up(i, INTERMEDIATE_MULTIPLE)
+    want = {
+        "w13": (e, 2 * i, h // 2),
+        "w13_scale": (e, 2 * i, h // 32),
+        "w2": (e, h, i // 2),
+        "w2_scale": (e, h, i // 32),
+    }
+    for name, shape in want.items():
+        t = getattr(weights, name)
+        if t is None or tuple(t.shape) != shape or t.dtype != torch.uint8:
+            got = "None" if t is None else f"{tuple(t.shape)} {t.dtype}"
+            raise ValueError(f"triton_kernels_layout: {name} is {got}, expected {shape} uint8")
+
+    def pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        # [E, R, C] -> [E, rows, cols], zeros after the end of each dim.
+        return torch.nn.functional.pad(t, (0, cols - t.shape[2], 0, rows - t.shape[1]))
+
+    def groups(k: int) -> int:
+        return _round_up(k // 32, SCALE_GROUP_MULTIPLE)
+
+    # Checkpoint rows are output features (N) and the packed bytes run along K: padding
+    # appends gate/up pairs after the last (interleave kept) and K columns to w2.
+    w13 = pad(weights.w13, 2 * ip, h // 2)
+    s13 = pad(weights.w13_scale, 2 * ip, groups(h))
+    w2 = pad(weights.w2, h, ip // 2)
+    s2 = pad(weights.w2_scale, h, groups(ip))
+    b13 = b2 = None
+    if config.has_bias:
+        if weights.w13_bias is None or weights.w2_bias is None:
+            raise ValueError("triton_kernels_layout: has_bias is set but a bias is None")
+        b13 = torch.nn.functional.pad(weights.w13_bias.float(), (0, 2 * ip - 2 * i))
+        b2 = weights.w2_bias.to(torch.float32, copy=True)
+    return TritonKernelsWeights(
+        w13=w13.transpose(1, 2),
+        w13_scale=s13.transpose(1, 2),
+        w13_bias=b13,
+        w2=w2.transpose(1, 2),
+        w2_scale=s2.transpose(1, 2),
+        w2_bias=b2,
+        intermediate_size=ip,
+    )
+
+
+class TritonKernelsMoE:
+    """vLLM 0.26's GPT-OSS MoE on Hopper (TRITON MXFP4 backend) on our checkpoint weights.
+
+    Weights (vLLM's `convert_gpt_oss_weight_to_mxfp4_moe_kernel_format` for TRITON, then
+    `_swizzle_mxfp4`): biases to float32; on sm_90 matmul_ogs is constrained to split_k=1;
+    each weight and its scales are wrapped as FP4 / e8m0 tensors in the logical layout above
+    and converted to the default MXFP4 value layout (mx_axis=1) and scale layout (mx_axis=1,
+    8 warps); a PrecisionConfig carries the scales with an identity InFlexData.
+    Forward (`triton_kernel_moe_forward` with renormalize=True, no expert map, the vendored
+    triton_kernels' legacy API): `routing(logits, k, sm_first=False)` (top-k, then softmax over
+    the k); matmul_ogs(x, w13, b13) gathering rows by the gather index with swiglu (alpha,
+    limit; pairs reduced 2 -> 1) fused, into a [1, M*k, Ip] bf16 intermediate; matmul_ogs of
+    that with w2, b2, scattered and summed per token with gammas = the routing weights.
+    """
+
+    def __init__(self, config: MoEConfig, weights: MoEWeights):
+        reason = moe_peer_unsupported(config)
+        if reason:
+            raise ValueError(f"TritonKernelsMoE: {reason}")
+        from triton_kernels.matmul_ogs import FlexCtx, FnSpecs, FusedActivation, PrecisionConfig
+        from triton_kernels.matmul_ogs_details import opt_flags
+        from triton_kernels.numerics import InFlexData
+        from triton_kernels.swiglu import swiglu_fn
+        from triton_kernels.tensor import FP4, convert_layout, wrap_torch_tensor
+        from triton_kernels.tensor_details import layout
+
+        device = weights.w13.device
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+            raise ValueError(
+                f"TritonKernelsMoE: reproduces vLLM's sm_90 path; {device} is not an sm_90 GPU"
+            )
+        self.config = config
+        logical = triton_kernels_layout(config, weights)
+        self.intermediate_size = logical.intermediate_size
+        opt_flags.update_opt_flags_constraints({"split_k": 1})
+        value_layout, value_opts = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+        scale_layout, scale_opts = layout.make_default_matmul_mxfp4_w_scale_layout(
+            mx_axis=1, num_warps=SCALE_WARPS
+        )
+
+        def swizzle(w: torch.Tensor, s: torch.Tensor):
+            value = convert_layout(wrap_torch_tensor(w, dtype=FP4), value_layout, **value_opts)
+            scale = convert_layout(wrap_torch_tensor(s), scale_layout, **scale_opts)
+            precision = PrecisionConfig(weight_scale=scale, flex_ctx=FlexCtx(rhs_data=InFlexData()))
+            return value, precision
+
+        self.w13, self.w13_precision = swizzle(logical.w13, logical.w13_scale)
+        self.w2, self.w2_precision = swizzle(logical.w2, logical.w2_scale)
+        self.w13_bias, self.w2_bias = logical.w13_bias, logical.w2_bias
+        swiglu = config.activation
+        self.activation = FusedActivation(
+            FnSpecs("swiglu", swiglu_fn, ("alpha", "limit")), (swiglu.alpha, swiglu.limit), 2
+        )
+
+    def __call__(
+        self, x: torch.Tensor, router_logits: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """out [M, H] bf16 for x [M, H] bf16 and router_logits [M, E]."""
+        from triton_kernels.matmul_ogs import matmul_ogs
+        from triton_kernels.routing import routing
+
+        m, h = x.shape
+        k = self.config.top_k
+        if out is None:
+            out = torch.empty_like(x)
+        routing_data, gather, scatter = routing(router_logits, k, sm_first=False)
+        intermediate = torch.empty(
+            (1, m * k, self.intermediate_size), device=x.device, dtype=x.dtype
+        )
+        matmul_ogs(
+            x,
+            self.w13,
+            self.w13_bias,
+            routing_data,
+            gather_indx=gather,
+            precision_config=self.w13_precision,
+            fused_activation=self.activation,
+            y=intermediate,
+        )
+        matmul_ogs(
+            intermediate.view(m * k, self.intermediate_size),
+            self.w2,
+            self.w2_bias,
+            routing_data,
+            scatter_indx=scatter,
+            precision_config=self.w2_precision,
+            gammas=routing_data.gate_scal,
+            y=out.view(1, m, h),
+        )
+        return out
+
+
+# The last peer built: bench asks once per point, and every point of one MoE config shares
+# its checkpoint weights.
+_last_moe_peer: list = []
+
+
+def moe_peer_for(config: MoEConfig, weights: MoEWeights) -> TritonKernelsMoE:
+    """The peer for these weights, built once for consecutive calls with the same objects."""
+    if _last_moe_peer and _last_moe_peer[0] is weights and _last_moe_peer[1] == config:
+        return _last_moe_peer[2]
+    _last_moe_peer.clear()
+    peer = TritonKernelsMoE(config, weights)
+    _last_moe_peer.extend((weights, config, peer))
+    return peer
+
+
+def _moe(point: Point, inputs, device, moe_weights: MoEWeights | None):
+    origin = triton_kernels_origin()  # ImportError where triton_kernels is absent
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return None, "reproduces vLLM's sm_90 (Hopper) path; needs an sm_90 GPU"
+    config = point.case.shape.config()
+    reason = moe_peer_unsupported(config)
+    if reason:
+        return None, reason
+    (x,), routing = inputs
+    if routing.get("router_logits") is None:
+        return None, "router logits only (vLLM's GPT-OSS path routes inside the layer)"
+    if moe_weights is None:
+        return None, "no checkpoint weights given"
+    peer = moe_peer_for(config, moe_weights)
+    logits = routing["router_logits"]
+    out = torch.empty_like(x)
+    return (lambda: peer(x, logits, out)), origin

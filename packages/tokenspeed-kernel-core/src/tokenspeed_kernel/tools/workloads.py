@@ -148,14 +148,19 @@ class MoEWeightsCache:
         self._weights: dict[Any, Any] = {}
         self._prepared: dict[Any, Any] = {}
 
-    def prepared(self, spec: KernelSpec, shape: MoEShape, max_tokens: int):
+    def checkpoint(self, shape: MoEShape):
+        """The checkpoint-layout MoEWeights every kernel (and peer) of this config is given."""
         key = (shape.config(), shape.gain, shape.static_scales)
         if key not in self._weights:
             self._weights[key] = moe_weights(shape, generator_on(self.device, 1))
-        pkey = (spec.name, key, max_tokens)
+        return self._weights[key]
+
+    def prepared(self, spec: KernelSpec, shape: MoEShape, max_tokens: int):
+        weights = self.checkpoint(shape)
+        pkey = (spec.name, shape.config(), shape.gain, shape.static_scales, max_tokens)
         if pkey not in self._prepared:
             plan = moe_plan_for(spec, shape.config(), max_tokens, self.device)
-            self._prepared[pkey] = (plan, spec.fn.prepare_weights(plan, self._weights[key]))
+            self._prepared[pkey] = (plan, spec.fn.prepare_weights(plan, weights))
         return self._prepared[pkey]
 
     def clear(self) -> None:

@@ -1,0 +1,175 @@
+"""The moe_apply peer (vLLM 0.26's triton_kernels path) on the CPU: it is listed with a
+"not importable" note where triton_kernels is absent, and our checkpoint weights converted to
+triton_kernels' logical layout, run through a plain-torch emulation of the peer's math
+(matmul_ogs on [K, N] weights, `_swiglu_fn` on interleaved pairs, gammas on the second GEMM),
+give the core reference's output. The swizzled layout and the kernels themselves run on the
+GPU only (tests/tools/test_moe_peer_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from tokenspeed_kernel import capture, env
+from tokenspeed_kernel.cli import main
+from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEWeights
+from tokenspeed_kernel.registry import get_kernel
+from tokenspeed_kernel.testing import assert_close, moe_plan_for
+from tokenspeed_kernel.testing.cases import moe_case
+from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_inputs, moe_weights
+from tokenspeed_kernel.tools.peers import (
+    INTERMEDIATE_MULTIPLE,
+    MOE_PEER,
+    SCALE_GROUP_MULTIPLE,
+    TritonKernelsWeights,
+    peer_calls,
+    peer_names,
+    triton_kernels_layout,
+)
+from tokenspeed_kernel.tools.workloads import Point
+
+# e2m1 magnitudes by code (bit 3 is the sign), as OCP MX defines them.
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _dequantize_kn(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[E, K/2, N] packed along K (low nibble = even k) with [E, >= K/32, N] e8m0 scales ->
+    float32 [E, K, N], read the way matmul_ogs reads its logical layout."""
+    e, half, n = packed.shape
+    codes = torch.stack((packed & 15, packed >> 4), dim=2).reshape(e, 2 * half, n).long()
+    values = E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    groups = scale[:, : 2 * half // 32].float()
+    return values * torch.exp2(groups - 127).repeat_interleave(32, dim=1)
+
+
+def _peer_math(w: TritonKernelsWeights, x, logits, top_k: int, alpha: float, limit: float):
+    """The peer's forward in plain torch: routing(sm_first=False), matmul_ogs + bias with the
+    fused swiglu (gelu = even column, linear = odd), matmul_ogs + bias, times gammas, summed."""
+    w13 = _dequantize_kn(w.w13, w.w13_scale)
+    w2 = _dequantize_kn(w.w2, w.w2_scale)
+    values, ids = torch.topk(logits.float(), top_k, dim=-1)
+    gammas = torch.softmax(values, dim=-1)
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(top_k):
+            e = int(ids[t, j])
+            h = x[t].float() @ w13[e] + w.w13_bias[e]
+            gelu = h[0::2].clamp(max=limit)
+            linear = h[1::2].clamp(-limit, limit)
+            s = gelu / (1 + torch.exp(-alpha * gelu))
+            a = s * linear + s
+            out[t] += gammas[t, j] * (a @ w2[e] + w.w2_bias[e])
+    return out
+
+
+# I = 96 pads to 128 (INTERMEDIATE_MULTIPLE); H/32 = 2 and Ip/32 = 4 scale groups pad to 4.
+SHAPE = MoEShape(
+    num_tokens=7, num_experts=8, top_k=2, hidden_size=64, intermediate_size=96, gain=4.0
+)
+
+
+def _checkpoint():
+    gen = generator("moe-peer", SHAPE)
+    weights = moe_weights(SHAPE, gen)
+    x, routing = moe_inputs(SHAPE, gen)
+    return weights, x, routing["router_logits"]
+
+
+def test_layout_pads_and_keeps_the_gate_up_interleave():
+    weights, _, _ = _checkpoint()
+    w = triton_kernels_layout(SHAPE.config(), weights)
+    e, h, i = 8, 64, 96
+    ip = 128
+    assert w.intermediate_size == ip and ip % INTERMEDIATE_MULTIPLE == 0
+    hs, is_ = 4, 4
+    assert hs % SCALE_GROUP_MULTIPLE == 0
+    assert tuple(w.w13.shape) == (e, h // 2, 2 * ip) and w.w13.stride(1) == 1
+    assert tuple(w.w13_scale.shape) == (e, hs, 2 * ip) and w.w13_scale.stride(1) == 1
+    assert tuple(w.w2.shape) == (e, ip // 2, h) and w.w2.stride(1) == 1
+    assert tuple(w.w2_scale.shape) == (e, is_, h) and w.w2_scale.stride(1) == 1
+    assert w.w13_bias.dtype == torch.float32 and tuple(w.w13_bias.shape) == (e, 2 * ip)
+    # Column n of W13 is checkpoint row n: gate j at 2j, up j at 2j + 1.
+    assert torch.equal(w.w13[:, :, : 2 * i], weights.w13.transpose(1, 2))
+    assert torch.equal(w.w13_scale[:, : h // 32, : 2 * i], weights.w13_scale.transpose(1, 2))
+    assert torch.equal(w.w13_bias[:, : 2 * i], weights.w13_bias)
+    assert torch.equal(w.w2[:, : i // 2], weights.w2.transpose(1, 2))
+    assert torch.equal(w.w2_scale[:, : i // 32], weights.w2_scale.transpose(1, 2))
+    for padding in (
+        w.w13[:, :, 2 * i :],
+        w.w13_scale[:, h // 32 :],
+        w.w13_scale[:, :, 2 * i :],
+        w.w13_bias[:, 2 * i :],
+        w.w2[:, i // 2 :],
+        w.w2_scale[:, i // 32 :],
+    ):
+        assert padding.numel() and not padding.any()
+    # New tensors: the caller's weights are never aliased.
+    assert w.w13.data_ptr() != weights.w13.data_ptr()
+
+
+def test_layout_through_the_peers_math_matches_the_reference():
+    """gain 4 drives many gate/up pre-activations past the clamp (limit 7)."""
+    weights, x, logits = _checkpoint()
+    config = SHAPE.config()
+    w = triton_kernels_layout(config, weights)
+    swiglu = config.activation
+    got = _peer_math(w, x, logits, config.top_k, swiglu.alpha, swiglu.limit)
+    reference = get_kernel("moe_apply", "reference.moe_apply")
+    plan = moe_plan_for(reference, config, SHAPE.num_tokens, "cpu")
+    expected = torch.empty_like(x)
+    reference.fn.apply(
+        plan, x, reference.fn.prepare_weights(plan, weights), router_logits=logits, out=expected
+    )
+    # The clamp is exercised: some gate pre-activation exceeds the limit.
+    w13 = _dequantize_kn(w.w13, w.w13_scale)
+    assert (x.float() @ w13[0] + w.w13_bias[0])[:, 0::2].max() > swiglu.limit
+    assert_close(got.to(torch.bfloat16), expected, dtype=torch.bfloat16, name="peer math")
+
+
+def test_layout_refuses_what_the_peer_does_not_run():
+    weights, _, _ = _checkpoint()
+    fp8 = MoEConfig(8, 2, 64, 96, activation_format="fp8")
+    with pytest.raises(ValueError, match="bf16 activations only"):
+        triton_kernels_layout(fp8, weights)
+    wrong = MoEWeights(
+        w13=weights.w13[:, :, :-1],
+        w2=weights.w2,
+        w13_scale=weights.w13_scale,
+        w2_scale=weights.w2_scale,
+        w13_bias=weights.w13_bias,
+        w2_bias=weights.w2_bias,
+    )
+    with pytest.raises(ValueError, match=r"w13 is \(8, 192, 31\)"):
+        triton_kernels_layout(SHAPE.config(), wrong)
+
+
+def test_peer_listed_with_a_note_when_not_importable(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton_kernels", None)
+    point = Point(moe_case("peer-m7", SHAPE), "mxfp4 x bf16", 7, "tokens", "M=7")
+    weights, x, logits = _checkpoint()
+    routing = dict(router_logits=logits, topk_weights=None, topk_ids=None)
+    found = peer_calls(point, ((x,), routing), torch.device("cpu"), weights)
+    assert peer_names("moe_apply") == (MOE_PEER,)
+    assert [(name, call) for name, call, _ in found] == [(MOE_PEER, None)]
+    assert found[0][2].startswith("not importable")
+
+
+def test_bench_cli_lists_the_moe_peer(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "triton_kernels", None)
+    # The roofline cache goes to a temporary directory, never the user's.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(capture.CAPTURE_ENV, raising=False)
+    env.reload()
+    args = ["bench", "--preset", "tiny", "--op", "moe_apply", "--peers"]
+    args += ["--kernels", "reference.*", "--out", str(tmp_path), "--no-plot"]
+    args += ["--iters", "2", "--warmup", "1", "--budget-ms", "10"]
+    assert main(args) == 0
+    capsys.readouterr()
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    peers = [r for r in rows if r["peer"]]
+    assert peers and {r["kernel"] for r in peers} == {MOE_PEER}
+    assert all(r["status"] == "unavailable" for r in peers)
+    assert all(r["note"].startswith("not importable") for r in peers)
