@@ -1,5 +1,7 @@
-"""Triton moe_apply kernels on GPT-OSS-120B shapes (E=128, top-4, H=I=2880, MXFP4 weights with
-e8m0 scales); rewrites benchmarks/results/moe_<gpu>.md.
+"""moe_apply on GPT-OSS-120B shapes (E=128, top-4, H=I=2880, MXFP4 weights with e8m0 scales)
+side by side with vLLM 0.26's own GPT-OSS MoE on Hopper (peer:vllm.triton_kernels, OpenAI's
+triton_kernels as vLLM vendors it; tokenspeed_kernel/tools/peers.py), and optionally each
+Triton kernel variant; rewrites benchmarks/results/moe_<gpu>.md.
 
 Floors and ceilings are measured in the same run:
 - decode (small M) is bound by reading the distinct selected experts' weights once
@@ -8,19 +10,30 @@ Floors and ceilings are measured in the same run:
 - prefill (large M) is bound by matmul throughput: M*k*2*(H*2I + I*H) FLOPs against the bf16
   dense rate of torch.matmul 8192^3.
 
-    python3 benchmarks/bench_moe.py [--variants sm90,portable-bf16,...] [--sizes 1,4]
-        [--sweep] [--profile] [--no-record]
+The side-by-side table needs triton_kernels importable (vLLM's vendored copy on PYTHONPATH:
+`pip download --no-deps vllm==0.26.0`, unzip, vllm/third_party/triton_kernels); without it the
+peer's columns say why. Before timing, both are checked against the core reference on the same
+weights (M = 1, 64, 1024; bf16 tolerance) and the run stops if either is off.
+
+    PYTHONPATH=.old/peers python3 benchmarks/bench_moe.py [--sizes 1,4] [--no-peer]
+        [--variants sm90,portable-bf16,...] [--sweep] [--profile] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import record
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
+from tokenspeed_kernel import moe_plan, moe_prepare_weights
+from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEWeights
+from tokenspeed_kernel.registry import get_kernel
+from tokenspeed_kernel.testing import compare, moe_plan_for, tolerance
+from tokenspeed_kernel.tools import peers
 from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_triton.moe import moe, moe_sm90
 from tokenspeed_kernel_triton.moe.fragment_config_sm90 import FragmentConfig
@@ -45,30 +58,42 @@ def bf16_matmul_rate() -> float:
     return 2 * 8192**3 / (ms * 1e-3)
 
 
-def gpt_oss_tensors(static: bool, word_order: str = "natural", **fragment_options):
+def checkpoint_weights() -> MoEWeights:
+    """GPT-OSS-120B checkpoint-layout weights: random e2m1 codes, e8m0 scales 119..121 (entries
+    near 1/sqrt(2880)), fp32 biases (1.7 GB on the GPU)."""
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def mx(rows, cols):
-        packed = torch.randint(
-            0, 256, (E, rows, cols // 2), generator=g, device="cuda", dtype=torch.uint8
+        u8 = dict(generator=g, device="cuda", dtype=torch.uint8)
+        return (
+            torch.randint(0, 256, (E, rows, cols // 2), **u8),
+            torch.randint(119, 122, (E, rows, cols // 32), **u8),
         )
-        scales = torch.randint(
-            119, 122, (E, rows, cols // 32), generator=g, device="cuda", dtype=torch.uint8
-        )
-        return packed, scales
 
     w13, s13 = mx(2 * I, H)
     w2, s2 = mx(H, I)
-    prepared = prepare_weights(
-        "mxfp4",
-        H,
-        I,
+    return MoEWeights(
         w13=w13,
         w2=w2,
         w13_scale=s13,
         w2_scale=s2,
         w13_bias=0.5 * torch.randn(E, 2 * I, generator=g, device="cuda"),
         w2_bias=0.5 * torch.randn(E, H, generator=g, device="cuda"),
+    )
+
+
+def gpt_oss_tensors(static: bool, word_order: str = "natural", **fragment_options):
+    w = checkpoint_weights()
+    prepared = prepare_weights(
+        "mxfp4",
+        H,
+        I,
+        w13=w.w13,
+        w2=w.w2,
+        w13_scale=w.w13_scale,
+        w2_scale=w.w2_scale,
+        w13_bias=w.w13_bias,
+        w2_bias=w.w2_bias,
         word_order=word_order,
         **fragment_options,
     )
@@ -135,6 +160,125 @@ def run_case(layers, m, act, scales, *, graph: bool, config=None):
         us = timed()
     distinct = int(torch.topk(logits, TOP_K, dim=-1).indices.unique().numel())
     return us, distinct
+
+
+# ---------------------------------------------------------------- side by side with the peer
+
+PEER_SIZES = (1, 4, 16, 64, 256, 1024, 4096, 8192)
+CHECK_SIZES = (1, 64, 1024)
+CONFIG = MoEConfig(E, TOP_K, H, I, weight_format="mxfp4", activation_format="bf16")
+PEER_COLUMNS = ["M", "distinct experts", "floor µs", "ours µs", "vLLM µs", "vLLM / ours"]
+PEER_COLUMNS += ["ours x floor", "vLLM x floor", "ours % bf16 dense", "vLLM % bf16 dense"]
+
+
+def check_same_function(weights: MoEWeights, plan, ours, peer) -> list[str]:
+    """Markdown lines: ours (moe_apply) and the peer against the core reference on the same
+    weights at CHECK_SIZES; raises AssertionError if either is outside the bf16 tolerance."""
+    reference = get_kernel("moe_apply", "reference.moe_apply")
+    ref_plan = moe_plan_for(reference, CONFIG, max(CHECK_SIZES), "cuda")
+    ref_prepared = reference.fn.prepare_weights(ref_plan, weights)  # float32, 12.7 GB
+    tol = tolerance(torch.bfloat16)
+    lines = ["", f"Same function (bf16 tolerance atol {tol.atol:g}, rtol {tol.rtol:g}):", ""]
+    failures = []
+    for m in CHECK_SIZES:
+        x, logits, _ = token_inputs(m)
+        expected = torch.empty_like(x)
+        reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
+        got_ours = torch.empty_like(x)
+        plan.impl.apply(
+            plan, x, ours, router_logits=logits, topk_weights=None, topk_ids=None, out=got_ours
+        )
+        got_peer = peer(x, logits)
+        for who, got in (("ours", got_ours), ("vLLM", got_peer)):
+            result = compare(got, expected, dtype=torch.bfloat16, name=f"{who} M={m}")
+            lines.append(f"- {result}")
+            if not result.ok:
+                failures.append(str(result))
+        diff = (got_ours.float() - got_peer.float()).abs()
+        lines.append(
+            f"- vLLM - ours M={m}: max abs {diff.max():.3e}, rms {diff.pow(2).mean().sqrt():.3e}"
+        )
+        print(*lines[-3:], sep="\n", flush=True)
+    del ref_prepared
+    torch.cuda.empty_cache()
+    if failures:
+        raise AssertionError("not the same function: " + "; ".join(failures))
+    return lines
+
+
+def time_layers(fn, layers: int) -> float:
+    """Microseconds per layer of `fn` (which runs every layer once), CUDA-graph replayed."""
+    fn()
+    return do_bench_cudagraph(fn, rep=100) * 1e3 / layers
+
+
+def time_pair(m: int, plan, ours: list, peer_layers: list) -> tuple[float, float, int]:
+    """(ours µs, the peer's µs or nan, distinct experts) per layer for M tokens."""
+    x, logits, out = token_inputs(m)
+
+    def ours_fn():
+        for prepared in ours:
+            plan.impl.apply(
+                plan, x, prepared, router_logits=logits, topk_weights=None, topk_ids=None, out=out
+            )
+
+    def peer_fn():
+        for layer in peer_layers:
+            layer(x, logits, out)
+
+    t_ours = time_layers(ours_fn, len(ours))
+    t_peer = time_layers(peer_fn, len(peer_layers)) if peer_layers else float("nan")
+    distinct = int(torch.topk(logits, TOP_K, dim=-1).indices.unique().numel())
+    return t_ours, t_peer, distinct
+
+
+def peer_side_by_side(args, bw: float, dense: float) -> tuple[str | None, list[str]]:
+    """(the peer's origin or None, the section's lines): moe_apply as a user calls it (plan,
+    prepare, apply) against peer:vllm.triton_kernels on the same checkpoint weights, each over
+    `args.layers` distinct copies in turn."""
+    sizes = PEER_SIZES if not args.sizes else tuple(int(m) for m in args.sizes.split(","))
+    weights = checkpoint_weights()
+    plan = moe_plan(CONFIG, device="cuda", max_num_tokens=max(sizes + CHECK_SIZES))
+    ours = [moe_prepare_weights(plan, weights) for _ in range(args.layers)]
+    try:
+        origin = peers.triton_kernels_origin()
+    except ImportError as exc:
+        origin, peer_layers = None, []
+        note = f"not importable ({exc})"
+    else:
+        if torch.cuda.get_device_capability() != (9, 0):
+            raise SystemExit("bench_moe: the vLLM peer reproduces the sm_90 path; use --no-peer")
+        peer_layers = [peers.TritonKernelsMoE(CONFIG, weights) for _ in range(args.layers)]
+        note = ""
+    lines = check_same_function(weights, plan, ours[0], peer_layers[0]) if peer_layers else []
+    del weights
+    rows = []
+    for m in sizes:
+        t_ours, t_peer, distinct = time_pair(m, plan, ours, peer_layers)
+        floor = distinct * EXPERT_BYTES / bw * 1e6
+        flops = m * TOP_K * 2 * (H * 2 * I + I * H)
+
+        def pct(us, flops=flops, m=m):
+            return f"{100 * flops / (us * 1e-6) / dense:.0f}%" if m >= 1024 else "-"
+
+        peer_cells = [f"{t_peer:.1f}", f"{t_peer / t_ours:.2f}"] if peer_layers else [note, "-"]
+        rows.append(
+            [m, distinct, f"{floor:.1f}", f"{t_ours:.1f}", *peer_cells]
+            + [f"{t_ours / floor:.2f}", f"{t_peer / floor:.2f}" if peer_layers else "-"]
+            + [pct(t_ours), pct(t_peer) if peer_layers else "-"]
+        )
+        print(rows[-1], flush=True)
+    text = [
+        f"ours = `moe_apply` as planned for this GPU ({plan.kernel}; plan, prepare, apply); vLLM "
+        "= peer:vllm.triton_kernels, vLLM 0.26's GPT-OSS MoE on sm_90 (TRITON MXFP4 backend: "
+        "OpenAI triton_kernels routing + matmul_ogs with fused SwiGLU, weights swizzled as "
+        "vLLM does; tools/peers.py). Both on the same checkpoint weights and inputs, "
+        f"CUDA-graph replayed over {args.layers} layers' distinct weight copies in turn "
+        "(L2-cold, as in a model); vLLM / ours > 1: ours is faster. floor = the distinct "
+        "selected experts' bytes / copy bandwidth; % bf16 dense for M >= 1024.",
+        "",
+    ]
+    return origin, text + record.table(PEER_COLUMNS, rows) + lines
 
 
 # Alternative tiles timed by --sweep, per M (the heuristic's pick is among them).
@@ -271,40 +415,56 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also time alternative tiles")
     parser.add_argument("--profile", action="store_true", help="per-kernel device times")
     parser.add_argument(
+        "--no-peer", action="store_true", help="skip the side-by-side table with vLLM's path"
+    )
+    parser.add_argument(
         "--variants",
-        default="sm90,portable-bf16,portable-fp8-dynamic,portable-fp8-static",
-        help=f"comma-separated, from {', '.join(VARIANTS)}",
+        default="",
+        help=f"comma-separated kernel variants to tabulate too, from {', '.join(VARIANTS)}",
     )
     parser.add_argument(
         "--layers",
         type=int,
         default=4,
-        help="distinct weight copies run in turn for the L2-cold decode time (M <= 64)",
+        help="distinct weight copies run in turn for the L2-cold times",
     )
     parser.add_argument("--sizes", default=None, help="comma-separated M (default: all)")
     record.add_record_argument(parser)
     args = parser.parse_args()
+    started = time.monotonic()
     torch.backends.cuda.matmul.allow_tf32 = False
     name = torch.cuda.get_device_name()
     bw, dense = copy_bandwidth(), bf16_matmul_rate()
-    lines = record.header(f"MoE (moe_apply), GPT-OSS-120B shapes, {name}", name)
-    lines += [
+    body = [
         f"E={E}, top-{TOP_K}, H=I={H}, MXFP4 weights (random codes, e8m0 scales 119..121), fp32 "
         "biases, bf16 activations unless the kernel column says fp8; routing and combine "
         f"included. Copy bandwidth {bw / 1e12:.2f} TB/s (torch d2d, read + written), bf16 dense "
         f"matmul 8192^3 {dense / 1e12:.0f} TFLOP/s, expert bytes {EXPERT_BYTES / 1e6:.2f} MB "
-        "(MXFP4 + scales, unpadded), all measured in this run. Decode (M <= 64) is CUDA-graph "
-        f"timed over one layer's weights and over {args.layers} layers' distinct copies in turn "
-        "(L2-cold, as in a model; x floor uses it); prefill is timed eagerly (do_bench).",
+        "(MXFP4 + scales, unpadded), all measured in this run.",
         "",
     ]
-    rows, extra = [], []
-    for label in args.variants.split(","):
-        variant_rows, variant_extra = time_sizes(label, args, bw, dense)
-        rows += variant_rows
-        extra += variant_extra
-        torch.cuda.empty_cache()
-    lines += record.table(COLUMNS, sorted(rows, key=lambda row: row[0])) + extra
+    origin = None
+    if not args.no_peer:
+        origin, lines = peer_side_by_side(args, bw, dense)
+        body += lines
+    if args.variants:
+        body += [
+            "",
+            "Kernel variants: decode (M <= 64) is CUDA-graph timed over one layer's weights and "
+            f"over {args.layers} layers' distinct copies in turn (L2-cold; x floor uses it); "
+            "prefill is timed eagerly (do_bench).",
+            "",
+        ]
+        rows, extra = [], []
+        for label in args.variants.split(","):
+            variant_rows, variant_extra = time_sizes(label, args, bw, dense)
+            rows += variant_rows
+            extra += variant_extra
+            torch.cuda.empty_cache()
+        body += record.table(COLUMNS, sorted(rows, key=lambda row: row[0])) + extra
+    peer_versions = {} if args.no_peer else {peers.MOE_PEER: origin}
+    lines = record.header(f"MoE (moe_apply), GPT-OSS-120B shapes, {name}", name, peer_versions)
+    lines += body + ["", f"Whole run: {time.monotonic() - started:.0f} s."]
     record.write("moe", lines, device=name, record=not args.no_record)
     return 0
 
