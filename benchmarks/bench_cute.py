@@ -1,0 +1,189 @@
+"""Our CuTe DSL kernels against our Triton ones, same run, same inputs: kvcache_store at
+GPT-OSS-120B shapes; rewrites benchmarks/results/cute_<gpu>.md.
+
+    python3 benchmarks/bench_cute.py [--no-record]
+
+Without the DSL on the GPU machine, point TOKENSPEED_KERNEL_CUTE_CUBINS at cubins built on any
+machine with `python -m tokenspeed_kernel_nvidia._cute_runtime build --arch sm_90a --out DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import record
+import torch
+from record import table
+
+from tokenspeed_kernel.ops.attention.reference import reference_kvcache_store
+from tokenspeed_kernel_nvidia import _cute_runtime
+from tokenspeed_kernel_nvidia.cute_kvcache_store import kvcache_store as cute_store
+from tokenspeed_kernel_triton.attention.kvcache_store import kvcache_store as triton_store
+
+HKV, D, P = 8, 64, 64
+FP8 = torch.float8_e4m3fn
+TOKENS = (1, 16, 64, 1024, 8192)
+KERNELS = {"triton": triton_store, "cute": cute_store}
+METHOD = (
+    f"kvcache_store at GPT-OSS-120B shapes: {HKV} KV heads, D={D}, page {P}, bf16 K/V into a "
+    "bf16 or FP8 e4m3 cache (scale 0.5), random distinct slots, one in eight padded (-1). "
+    "Each time is the median of 5 trials of 20 CUDA-graph replays; a graph runs the store "
+    "over several input sets back to back (at least 16 calls, and sets whose bytes together "
+    "exceed 4x the L2, so large stores do not find their inputs in cache; small ones do, as "
+    "a decode step's freshly computed K/V would). Bytes = K and V read plus the cache rows "
+    "written; floor = bytes / copy bandwidth. Eager = host wall time of one call, launch "
+    "included, over 200 back-to-back calls. Both kernels' caches are compared bit for bit "
+    "with the core reference. triton / cute > 1: the CuTe kernel is faster."
+)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy through an elementwise kernel, bytes read + written, in TB/s."""
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    us = time_calls(lambda i: torch.neg(src, out=dst), 1)
+    return 2 * src.numel() * src.element_size() / (us * 1e-6) / 1e12
+
+
+def time_calls(fn, num_sets: int, replays: int = 20, trials: int = 5) -> float:
+    """Median microseconds of one fn(i) call, from CUDA-graph replays of fn(0..num_sets-1)."""
+    for i in range(num_sets):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(num_sets):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * num_sets))
+    return statistics.median(times)
+
+
+def eager_us(fn, calls: int = 200) -> float:
+    fn(0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(0)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8) if x.element_size() == 1 else x
+
+
+def make_sets(tokens: int, cache_dtype, l2_bytes: int, gen):
+    num_pages = 2 * tokens // P + 1
+    nbytes = 2 * tokens * HKV * D * (2 + torch.tensor([], dtype=cache_dtype).element_size())
+    num_sets = max(16, min(64, math.ceil(4 * l2_bytes / nbytes)))
+    sets = []
+    for _ in range(num_sets):
+        k = torch.randn(tokens, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+        v = torch.randn(tokens, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+        caches = [torch.zeros(num_pages, P, HKV, D, device="cuda").to(cache_dtype) for _ in "kv"]
+        slots = torch.randperm(num_pages * P, generator=gen)[:tokens]
+        slots[torch.randperm(tokens, generator=gen)[: tokens // 8]] = -1
+        sets.append((k, v, caches, slots.to("cuda", torch.int64)))
+    return sets, nbytes
+
+
+def run_case(tokens: int, cache_dtype, bw: float, l2_bytes: int, gen) -> dict:
+    sets, nbytes = make_sets(tokens, cache_dtype, l2_bytes, gen)
+    scale = 0.5 if cache_dtype == FP8 else 1.0
+    row = dict(tokens=tokens, cache="fp8" if cache_dtype == FP8 else "bf16")
+    k, v, caches, slots = sets[0]
+    want = [c.clone() for c in caches]
+    kw = dict(slot_mapping=slots, k_scale=scale, v_scale=scale)
+    reference_kvcache_store(k, v, *want, **kw)
+    for name, fn in KERNELS.items():
+        got = [c.clone() for c in caches]
+        fn(k, v, *got, **kw)
+        row[f"{name}_exact"] = all(
+            torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want, strict=True)
+        )
+
+        def call(i, fn=fn):
+            k, v, caches, slots = sets[i]
+            fn(k, v, *caches, slot_mapping=slots, k_scale=scale, v_scale=scale)
+
+        row[f"{name}_us"] = time_calls(call, len(sets))
+        row[f"{name}_eager_us"] = eager_us(call)
+    row["floor_us"] = nbytes / (bw * 1e6)
+    return row
+
+
+def first_call_ms() -> float:
+    """The first CuTe store of this process: cubin load (or JIT compile) and launch."""
+    k, v, caches, slots = make_sets(1, torch.bfloat16, 0, torch.Generator())[0][0]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    cute_store(k, v, *caches, slot_mapping=slots, k_scale=1.0, v_scale=1.0)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def lines_for(rows: list[dict]) -> list[str]:
+    columns = ["tokens", "cache", "triton µs", "cute µs", "triton / cute", "floor µs"]
+    columns += ["eager triton µs", "eager cute µs", "bit-exact (triton, cute)"]
+    cells = [
+        (
+            r["tokens"],
+            r["cache"],
+            f"{r['triton_us']:.2f}",
+            f"{r['cute_us']:.2f}",
+            f"{r['triton_us'] / r['cute_us']:.2f}",
+            f"{r['floor_us']:.2f}",
+            f"{r['triton_eager_us']:.1f}",
+            f"{r['cute_eager_us']:.1f}",
+            f"{r['triton_exact']}, {r['cute_exact']}",
+        )
+        for r in rows
+    ]
+    return table(columns, cells)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    record.add_record_argument(parser)
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    source = _cute_runtime.search_dirs()[0]
+    lines = record.header(
+        f"CuTe DSL kernels against our Triton kernels, {props.name}",
+        f"{props.name} ({props.multi_processor_count} SMs, {props.L2_cache_size >> 20} MiB L2)",
+        {"nvidia-cutlass-dsl": _cute_runtime.dsl_version()},
+    )
+    first_ms = first_call_ms()
+    bw = copy_bandwidth()
+    lines += [
+        METHOD,
+        "",
+        f"Copy bandwidth: {bw:.2f} TB/s. CuTe cubins from {source} (first call, load or JIT "
+        f"compile included: {first_ms:.0f} ms).",
+        "",
+    ]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for tokens in TOKENS:
+        for cache_dtype in (torch.bfloat16, FP8):
+            rows.append(run_case(tokens, cache_dtype, bw, props.L2_cache_size, gen))
+            torch.cuda.empty_cache()
+    lines += lines_for(rows)
+    record.write("cute", lines, device=props.name, record=not args.no_record)
+
+
+if __name__ == "__main__":
+    main()
