@@ -1,0 +1,42 @@
+"""`mha_prefill` through FlashAttention-3 (ragged q/k/v, causal or not, window, sinks, GQA).
+
+Priority 95, below the Triton prefill (100). H100, one run, CUDA graphs (docs: GPU.md), Triton
+time / FA3 time: causal S=8192 x2 0.92 (FA3 ahead), S=1024 x16 1.09, window 127 1.55 (ours
+ahead). One priority cannot follow the shape; the measured ranking (`tokenspeed-kernel tune`)
+picks FA3 where it wins.
+"""
+
+from __future__ import annotations
+
+from .._attention import clamp_offsets
+from ._common import TRAITS, covered_rows, fa3_forward, register_fa3
+
+PRIORITY = 95
+
+
+def mha_prefill(
+    q, k, v, *, cu_seqlens, max_seqlen, causal, window_left, sinks, softmax_scale, out, lse
+) -> None:
+    """q [T, Hq, D], k/v [T, Hkv, D] ragged by cu_seqlens [B+1] int32; writes out [T, Hq, D]
+    and lse [T, Hq] float32 if given."""
+    num_tokens = q.shape[0]
+    if num_tokens == 0:
+        return
+    cu = clamp_offsets(cu_seqlens, num_tokens)
+    # Rows outside [cu[0], cu[B]) belong to no sequence and are left as they are; only the
+    # sink merge and the lse copy would touch them.
+    covered = covered_rows(cu, num_tokens) if sinks is not None or lse is not None else None
+    fa3_forward(
+        q, k, v, out=out, lse=lse, sinks=sinks, softmax_scale=softmax_scale, causal=causal,
+        window_left=window_left, rows=lambda x: x.t(), covered=covered, cu_seqlens_q=cu,
+        cu_seqlens_k=cu, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, num_splits=1,
+    )  # fmt: skip
+
+
+def register() -> None:
+    traits = dict(TRAITS, non_causal=True)
+    description = (
+        "FlashAttention-3 varlen forward (tokenspeed-fa3), sm_90; bf16 sinks native, "
+        "float32 sinks or lse merged exactly afterwards"
+    )
+    register_fa3("mha_prefill", mha_prefill, traits, description, PRIORITY)

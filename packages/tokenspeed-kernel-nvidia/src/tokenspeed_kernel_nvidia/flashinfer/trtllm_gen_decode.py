@@ -1,0 +1,97 @@
+"""`mha_decode_with_kvcache` through TensorRT-LLM's trtllm-gen attention on Blackwell, as
+FlashInfer ports it (`trtllm_batch_decode_with_kv_cache(..., backend="trtllm-gen")`, kernels
+shipped prebuilt in flashinfer-cubin for sm_100/sm_103).
+
+Not run here: no Blackwell GPU is lent. It is registered for sm_100/sm_103 and its argument
+mapping is tested on the CPU against a recording stand-in of FlashInfer
+(tests/nvidia/test_flashinfer_mapping.py); its conformance GPU test skips on Hopper.
+
+Mapping (decode.py, 0.6.14 and 0.7.2.post1): kv_cache (k, v) [num_pages, P, Hkv, D] with
+kv_layout="NHD" (transposed to HND as a view, no copy); the head and page strides may be
+arbitrary, the head dim must be dense; bmm1_scale = softmax_scale * k_scale, bmm2_scale =
+v_scale; sinks float32 [Hq]; window_left as is. Declared conservatively, to what FlashInfer's
+own trtllm-gen decode tests cover: head dims 64 and 128, pages 16/32/64, Q = 1, no lse (its
+log base is not documented).
+
+Priority 90, below the Triton decode (100) until measured on a B200.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenspeed_kernel.registry import Support
+
+from .._attention import clamp_page_table, clamp_seqlens, dense_last_dim
+from ._common import (
+    FP8,
+    HALF,
+    decode_workspace,
+    flashinfer,
+    library_verdict,
+    register_flashinfer,
+    sinks_fp32,
+)
+
+KERNEL_NAME = "flashinfer.mha_decode_with_kvcache.trtllm_gen"
+PRIORITY = 90
+PLATFORMS = ("nvidia:sm_100,sm_103",)
+
+
+def mha_decode_with_kvcache(
+    q, k_cache, v_cache, *, page_table, cache_seqlens, window_left, sinks, softmax_scale,
+    k_scale, v_scale, out, lse,
+) -> None:  # fmt: skip
+    """q [B, 1, Hq, D]; caches [num_pages, P, Hkv, D]; writes out [B, 1, Hq, D]."""
+    if q.shape[0] == 0:
+        return
+    page_size = k_cache.shape[1]
+    query = dense_last_dim(q[:, 0])
+    out3 = out[:, 0]
+    target = out3 if out3.stride(-1) == 1 else torch.empty_like(out3)
+    flashinfer().decode.trtllm_batch_decode_with_kv_cache(
+        query=query,
+        kv_cache=(k_cache, v_cache),
+        workspace_buffer=decode_workspace("trtllm_gen", q.device),
+        block_tables=clamp_page_table(page_table, k_cache.shape[0]),
+        seq_lens=clamp_seqlens(cache_seqlens, page_table, page_size),
+        max_seq_len=page_table.shape[1] * page_size,
+        bmm1_scale=softmax_scale * k_scale,
+        bmm2_scale=v_scale,
+        window_left=window_left,
+        out=target,
+        sinks=sinks_fp32(sinks),
+        kv_layout="NHD",
+        backend="trtllm-gen",
+        q_len_per_req=1,
+    )
+    if target is not out3:
+        out3.copy_(target)
+
+
+def supports(request, platform) -> Support:
+    verdict = library_verdict()
+    if not verdict.ok:
+        return verdict
+    if request.kv_dtype not in (request.dtype, FP8):
+        return Support.no("trtllm-gen needs the KV cache in q's dtype or float8_e4m3fn")
+    return Support.yes()
+
+
+def register() -> None:
+    traits = dict(
+        dtype=HALF,
+        kv_dtype=(*HALF, FP8),
+        head_dim=(64, 128),
+        gqa_ratio=(1, 2, 4, 8, 16),
+        page_size=(16, 32, 64),
+        q_len=(1,),
+        window=True,
+        sinks=True,
+    )
+    register_flashinfer(
+        "mha_decode_with_kvcache", KERNEL_NAME, mha_decode_with_kvcache, platforms=PLATFORMS,
+        traits=traits, priority=PRIORITY, supports=supports,
+        text="TensorRT-LLM trtllm-gen attention via FlashInfer (Blackwell cubins); untested "
+        "on hardware here",
+    )  # fmt: skip
