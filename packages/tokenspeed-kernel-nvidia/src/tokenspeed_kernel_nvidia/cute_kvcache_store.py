@@ -39,6 +39,25 @@ def _dsl():
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int64
+    from cutlass._mlir.dialects import arith, llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    @dsl_user_op
+    def pin(x, *, loc=None, ip=None):
+        """An opaque use of x's first element: LLVM would otherwise sink the load of x into
+        the branch that stores it, after the slot's load instead of beside it."""
+        word = arith.bitcast(T.i16(), x[0].ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+        llvm.inline_asm(
+            T.i16(),
+            [word],
+            "mov.b16 $0, $1;",
+            "=h,h",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
 
     def vector(ptr, offset, VEC):
         return cute.make_tensor(ptr + cute.assume(offset, divby=VEC), cute.make_layout(VEC))
@@ -85,22 +104,21 @@ def _dsl():
             rest = i - token * (HEADS * vectors_per_head)
             head = rest // vectors_per_head
             d = (rest - head * vectors_per_head) * VEC
+            # The slot, K and V loads are independent (the sources are in bounds whatever the
+            # slot): issued together, a decode-time store waits for one memory round trip
+            # before its stores, not two.
             slot = cute.make_tensor(slots + token, cute.make_layout(1))[0]
+            kx = vector(k, token * stride_kt + head * stride_kh + d, VEC).load()
+            vx = vector(v, token * stride_vt + head * stride_vh + d, VEC).load()
+            pin(kx)
+            pin(vx)
             if slot >= 0 and slot < num_slots:
                 page = slot // page_size
                 offset = slot - page * page_size
-                k_src = vector(k, token * stride_kt + head * stride_kh + d, VEC)
-                v_src = vector(v, token * stride_vt + head * stride_vh + d, VEC)
                 k_off = page * stride_kcp + offset * stride_kcs + head * stride_kch + d
                 v_off = page * stride_vcp + offset * stride_vcs + head * stride_vch + d
-                # Both loads before either store: the caches may alias the sources as far as
-                # the compiler knows, so a store first would serialize the second load.
-                kx = k_src.load()
-                vx = v_src.load()
-                ky = convert(kx, k_scale, k_cache.value_type, IS_FP8)
-                vector(k_cache, k_off, VEC).store(ky)
-                vy = convert(vx, v_scale, v_cache.value_type, IS_FP8)
-                vector(v_cache, v_off, VEC).store(vy)
+                vector(k_cache, k_off, VEC).store(convert(kx, k_scale, k_cache.value_type, IS_FP8))
+                vector(v_cache, v_off, VEC).store(convert(vx, v_scale, v_cache.value_type, IS_FP8))
 
     @cute.jit
     def host(
@@ -203,16 +221,15 @@ def _loaded(dtype, kv_dtype, heads, head_dim, vec, arch) -> rt.LoadedKernel:
 def vector_width(k, v, k_cache, v_cache) -> int:
     """The widest vector (<= 16 bytes of source) that every row start and base pointer of the
     four tensors is aligned to; 1 always works (the last dim is dense, the op checks it)."""
+    # A vector of `vec` elements is aligned iff every stride and every base address, counted
+    # in elements, is a multiple of vec: OR them all and look at the low bits.
+    bits = k.shape[2]
+    for t, dims in ((k, 2), (v, 2), (k_cache, 3), (v_cache, 3)):
+        bits |= t.data_ptr() // t.element_size()
+        for stride in t.stride()[:dims]:
+            bits |= stride
     vec = MAX_VEC
-    head_dim = k.shape[2]
-    strides = [*k.stride()[:2], *v.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3]]
-    while vec > 1:
-        aligned = head_dim % vec == 0 and all(s % vec == 0 for s in strides)
-        aligned = aligned and all(
-            t.data_ptr() % (vec * t.element_size()) == 0 for t in (k, v, k_cache, v_cache)
-        )
-        if aligned:
-            break
+    while bits & (vec - 1):
         vec //= 2
     return vec
 
