@@ -68,7 +68,9 @@ class Library:
             parsed = parse_version(version)
         except ValueError:
             return Support.no(f"{self.distribution} {version}: unrecognised version string")
-        if not parse_version(self.minimum) <= parsed < parse_version(self.below):
+        # `<below` excludes below's own pre-releases (PEP 440): compare the release numbers.
+        below = parse_version(self.below)[:-2]
+        if not (parse_version(self.minimum) <= parsed and parsed[:-2] < below):
             return Support.no(
                 f"{self.distribution} {version} is installed, this package accepts "
                 f">={self.minimum},<{self.below} ({self.install_hint})"

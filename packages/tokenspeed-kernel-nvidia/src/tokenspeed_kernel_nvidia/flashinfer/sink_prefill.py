@@ -1,6 +1,6 @@
 """`mha_prefill` through FlashInfer's attention-sink wrapper (`_sink_wrapper.py`): the packed
 k/v become a paged cache of one-token pages, page i holding token i, so sequence b's keys are
-pages cu[b] .. cu[b+1] - 1.
+pages cu[b] .. cu[b+1] - 1 (listed from cu[0], so the page list starts at 0).
 
 Priority 20: it plans on the host every call (not CUDA-graph capturable). H200, FlashInfer
 0.7.2 (GPU.md): causal S=8192 x2 417 TFLOP/s against FA3's 478; window 127 63 against 104.
@@ -26,12 +26,12 @@ def mha_prefill(
     if num_tokens == 0:
         return
     cu = host_offsets(cu_seqlens, num_tokens)
-    batch = cu.shape[0] - 1
+    first, last = int(cu[0]), int(cu[-1])
     pages = dict(
         cu=cu,
-        kv_indptr=cu,
-        kv_indices=torch.arange(num_tokens, dtype=torch.int32, device=q.device),
-        last_page_len=torch.ones(batch, dtype=torch.int32),
+        kv_indptr=cu - first,
+        kv_indices=torch.arange(first, last, dtype=torch.int32, device=q.device),
+        last_page_len=torch.ones(cu.shape[0] - 1, dtype=torch.int32),
     )
     run_paged(
         q, k.unsqueeze(1), v.unsqueeze(1), pages, causal=causal, window_left=window_left,
