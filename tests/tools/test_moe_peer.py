@@ -28,6 +28,7 @@ from tokenspeed_kernel.tools.peers import (
     peer_calls,
     peer_names,
     triton_kernels_layout,
+    triton_kernels_origin,
 )
 from tokenspeed_kernel.tools.workloads import Point
 
@@ -173,3 +174,14 @@ def test_bench_cli_lists_the_moe_peer(tmp_path, monkeypatch, capsys):
     assert peers and {r["kernel"] for r in peers} == {MOE_PEER}
     assert all(r["status"] == "unavailable" for r in peers)
     assert all(r["note"].startswith("not importable") for r in peers)
+
+
+def test_origin_names_the_copy_by_content(tmp_path, monkeypatch):
+    """Any other triton_kernels is reported as not vLLM 0.26.0's vendored copy."""
+    package = tmp_path / "triton_kernels"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "triton_kernels", raising=False)
+    origin = triton_kernels_origin()
+    assert str(package) in origin and "not vLLM 0.26.0's vendored copy" in origin

@@ -377,7 +377,10 @@ def _moe(point: Point, inputs, device, moe_weights: MoEWeights | None):
         return None, "router logits only (vLLM's GPT-OSS path routes inside the layer)"
     if moe_weights is None:
         return None, "no checkpoint weights given"
-    peer = moe_peer_for(config, moe_weights)
+    try:
+        peer = moe_peer_for(config, moe_weights)
+    except Exception as exc:  # a shape its layouts refuse is reported, not fatal to the run
+        return None, f"cannot lay out these weights: {type(exc).__name__}: {exc}"[:300]
     logits = routing["router_logits"]
     out = torch.empty_like(x)
     return (lambda: peer(x, logits, out)), origin
