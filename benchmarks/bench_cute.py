@@ -1,5 +1,5 @@
-"""Our CuTe DSL kernels against our Triton ones, same run, same inputs: kvcache_store at
-GPT-OSS-120B shapes; rewrites benchmarks/results/cute_<gpu>.md.
+"""Our CuTe DSL kernels against our Triton ones, same run, same inputs: kvcache_store and
+full-context decode attention at GPT-OSS-120B shapes; rewrites benchmarks/results/cute_<gpu>.md.
 
     python3 benchmarks/bench_cute.py [--no-record]
 
@@ -18,15 +18,20 @@ import record
 import torch
 from record import table
 
-from tokenspeed_kernel.ops.attention.reference import reference_kvcache_store
+from tokenspeed_kernel.ops.attention.reference import reference_decode, reference_kvcache_store
+from tokenspeed_kernel.testing import compare
 from tokenspeed_kernel_nvidia import _cute_runtime
+from tokenspeed_kernel_nvidia.cute_decode import mha_decode_with_kvcache as cute_decode
 from tokenspeed_kernel_nvidia.cute_kvcache_store import kvcache_store as cute_store
+from tokenspeed_kernel_triton.attention.decode import mha_decode_with_kvcache as triton_decode
 from tokenspeed_kernel_triton.attention.kvcache_store import kvcache_store as triton_store
 
-HKV, D, P = 8, 64, 64
+HQ, HKV, D, P = 64, 8, 64, 64
 FP8 = torch.float8_e4m3fn
 TOKENS = (1, 16, 64, 1024, 8192)
 KERNELS = {"triton": triton_store, "cute": cute_store}
+DECODERS = {"triton": triton_decode, "cute": cute_decode}
+DECODE_CASES = ((1, 8192), (2, 8192), (4, 8192), (8, 8192), (16, 8192), (64, 8192))
 METHOD = (
     f"kvcache_store at GPT-OSS-120B shapes: {HKV} KV heads, D={D}, page {P}, bf16 K/V into a "
     "bf16 or FP8 e4m3 cache (scale 0.5), random distinct slots, one in eight padded (-1). "
@@ -125,6 +130,76 @@ def run_case(tokens: int, cache_dtype, bw: float, l2_bytes: int, gen) -> dict:
     return row
 
 
+def decode_sets(batch: int, ctx: int, l2_bytes: int, gen):
+    """Input sets over disjoint pages, together over 4x the L2, so no call finds its keys in
+    cache; sinks bf16-exact in float32."""
+    pages_per_seq = -(-ctx // P)
+    set_pages = batch * pages_per_seq
+    set_bytes = set_pages * P * HKV * D * 2 * 2
+    num_sets = max(1, min(64, math.ceil(4 * l2_bytes / set_bytes)))
+    shape = (num_sets * set_pages, P, HKV, D)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    sets = []
+    for s in range(num_sets):
+        phys = s * set_pages + torch.randperm(set_pages, generator=gen)
+        table = phys.reshape(batch, pages_per_seq).to("cuda", torch.int32)
+        q = torch.randn(batch, 1, HQ, D, generator=gen).to("cuda", torch.bfloat16)
+        sets.append((q, table, torch.empty_like(q)))
+    seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    sinks = torch.randn(HQ, generator=gen).to(torch.bfloat16).float().cuda()
+    return k_cache, v_cache, sets, seqlens, sinks, set_bytes
+
+
+def run_decode(batch: int, ctx: int, bw: float, l2_bytes: int, gen) -> dict:
+    k_cache, v_cache, sets, seqlens, sinks, nbytes = decode_sets(batch, ctx, l2_bytes, gen)
+    kw = dict(cache_seqlens=seqlens, window_left=-1, sinks=sinks, softmax_scale=D**-0.5,
+              k_scale=1.0, v_scale=1.0, lse=None)  # fmt: skip
+    q, table, _ = sets[0]
+    want = torch.empty_like(q)
+    reference_decode(q, k_cache, v_cache, page_table=table, out=want, **kw)
+    row = dict(batch=batch, ctx=ctx, floor_us=nbytes / (bw * 1e6))
+    for name, fn in DECODERS.items():
+        got = torch.full_like(q, float("nan"))
+        fn(q, k_cache, v_cache, page_table=table, out=got, **kw)
+        result = compare(got, want, dtype=torch.bfloat16, name="out")
+        row[f"{name}_ok"] = f"{result.ok} ({result.max_abs:.1e})"
+
+        def call(i, fn=fn):
+            q, table, out = sets[i]
+            fn(q, k_cache, v_cache, page_table=table, out=out, **kw)
+
+        row[f"{name}_us"] = time_calls(call, len(sets))
+    return row
+
+
+def decode_lines(rows: list[dict]) -> list[str]:
+    columns = ["B", "ctx", "triton µs", "cute µs", "triton / cute", "floor µs", "cute / floor"]
+    columns += ["triton ok (max err)", "cute ok (max err)"]
+    cells = [
+        (
+            r["batch"],
+            r["ctx"],
+            f"{r['triton_us']:.2f}",
+            f"{r['cute_us']:.2f}",
+            f"{r['triton_us'] / r['cute_us']:.2f}",
+            f"{r['floor_us']:.2f}",
+            f"{r['cute_us'] / r['floor_us']:.2f}",
+            r["triton_ok"],
+            r["cute_ok"],
+        )
+        for r in rows
+    ]
+    return [
+        "",
+        f"Decode attention, full context, {HQ} query / {HKV} KV heads, D={D}, page {P}, bf16, "
+        "per-head sinks, one query; sets of disjoint pages over 4x the L2; floor = K and V "
+        "bytes / copy bandwidth; outputs against the core reference (bf16 tolerance):",
+        "",
+        *table(columns, cells),
+    ]
+
+
 def first_call_ms() -> float:
     """The first CuTe store of this process: cubin load (or JIT compile) and launch."""
     k, v, caches, slots = make_sets(1, torch.bfloat16, 0, torch.Generator())[0][0]
@@ -182,6 +257,11 @@ def main() -> None:
             rows.append(run_case(tokens, cache_dtype, bw, props.L2_cache_size, gen))
             torch.cuda.empty_cache()
     lines += lines_for(rows)
+    decode_rows = []
+    for batch, ctx in DECODE_CASES:
+        decode_rows.append(run_decode(batch, ctx, bw, props.L2_cache_size, gen))
+        torch.cuda.empty_cache()
+    lines += decode_lines(decode_rows)
     record.write("cute", lines, device=props.name, record=not args.no_record)
 
 

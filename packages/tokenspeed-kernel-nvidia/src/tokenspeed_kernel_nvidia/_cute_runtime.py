@@ -191,7 +191,7 @@ class LoadedKernel:
     cuLaunchKernel on torch's current stream of the tensors' device (so CUDA graph capture
     records it like any torch launch)."""
 
-    def __init__(self, cubin: Cubin, param_types: Sequence[type]):
+    def __init__(self, cubin: Cubin, param_types: Sequence[type], *, shared_bytes: int = 0):
         from cuda.bindings import driver
 
         torch.cuda.init()
@@ -204,9 +204,15 @@ class LoadedKernel:
         )
         self._functions: dict[int, Any] = {}  # device index -> the kernel in its context
         self._types = tuple(param_types)
+        self._shared = shared_bytes
         self.symbol = cubin.symbol
 
     def launch(self, device: torch.device, grid: int, block: int, args: Sequence[Any]) -> None:
+        self.launch_grid(device, (grid, 1, 1), block, args)
+
+    def launch_grid(
+        self, device: torch.device, grid: tuple[int, int, int], block: int, args: Sequence[Any]
+    ) -> None:
         from cuda.bindings import driver
 
         if len(args) != len(self._types):
@@ -222,7 +228,7 @@ class LoadedKernel:
             params = (tuple(args), self._types)
             _check(
                 driver.cuLaunchKernel(
-                    function, grid, 1, 1, block, 1, 1, 0, driver.CUstream(stream), params, 0
+                    function, *grid, block, 1, 1, self._shared, driver.CUstream(stream), params, 0
                 ),
                 f"cuLaunchKernel({self.symbol})",
             )
@@ -276,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     build = sub.add_parser("build", help="compile the CuTe DSL kernels' cubins ahead of time")
     build.add_argument("--arch", default="sm_90a", choices=sorted(COMPILE_ARCHS.values()))
     build.add_argument("--out", type=Path, required=True)
-    build.add_argument("--modules", nargs="*", default=["cute_kvcache_store"])
+    build.add_argument("--modules", nargs="*", default=["cute_kvcache_store", "cute_decode"])
     args = parser.parse_args(argv)
     if dsl_version() is None:
         print(f"build: the CuTe DSL is not installed (pip install '{EXTRA}')", file=sys.stderr)
