@@ -98,19 +98,6 @@ def _check(got, want, rows, dtype, name):
 # ----------------------------------------------------------------------------- sliding window
 
 
-def _poison(x, upto, value):
-    x = x.clone()
-    x[:upto] = value
-    return x
-
-
-PREFILL_CONFIGS = [
-    pytest.param(None, id="default"),
-    pytest.param(AttentionConfig(16, 16, 1, 1), id="16x16"),
-    pytest.param(AttentionConfig(64, 32, 1, 1, heads_per_tile=8, split_mask=False), id="onemask"),
-]
-
-
 def _prefill(shape, q, k, v, cu, *, window, sinks, out, lse, max_seqlen=None):
     kwargs = dict(causal=True, window_left=window, softmax_scale=0.125, out=out, lse=lse)
     prefill.mha_prefill(
@@ -121,13 +108,18 @@ def _prefill(shape, q, k, v, cu, *, window, sinks, out, lse, max_seqlen=None):
     )  # fmt: skip
 
 
+def _keys(keys):
+    return slice(0, keys) if isinstance(keys, int) else keys
+
+
 def _tokens(gen, n, shape, poison=None):
-    """q [n, Hq, D], k, v [n, Hkv, D] in shape.dtype; poison = (which, value, upto)."""
+    """q [n, Hq, D], k, v [n, Hkv, D] in shape.dtype; poison = (which, value, keys): keys
+    (a slice, or an int n for the first n) of k or v set to value."""
     q = torch.randn(n, shape.heads_q, shape.dim, generator=gen)
     k, v = (torch.randn(n, shape.heads_kv, shape.dim, generator=gen) for _ in "kv")
     if poison is not None:
-        which, value, upto = poison
-        (k if which == "k" else v)[:upto] = value
+        which, value, keys = poison
+        (k if which == "k" else v)[_keys(keys)] = value
     return tuple(x.to(shape.dtype) for x in (q, k, v))
 
 
@@ -136,11 +128,10 @@ PREFILL_CONFIGS = [
     pytest.param(AttentionConfig(16, 16, 1, 1), id="16x16"),
     pytest.param(AttentionConfig(64, 32, 1, 1, heads_per_tile=8, split_mask=False), id="onemask"),
 ]
-# Keys only: a masked key's score is replaced by -inf whatever K holds. A non-finite V at a
-# key masked for some rows of a tile still reaches them through p @ v (0 * NaN); zeroing V in
-# the kernels was measured and rejected (docs/decisions.md), the reference and decode at Q=1
-# are exact.
-POISONS = [("k", math.nan), ("k", math.inf), ("k", -math.inf)]
+# A masked key's score is replaced by -inf whatever K holds; a non-finite V there would reach
+# the rows that mask it through p @ v (0 * NaN) where other rows of the tile see it, so those
+# tiles run again exactly (`_tiles.attend_key_ranges`).
+POISONS = [("k", math.nan), ("k", math.inf), ("k", -math.inf), ("v", math.nan), ("v", math.inf)]
 
 
 @pytest.mark.parametrize("config", PREFILL_CONFIGS)
@@ -191,10 +182,11 @@ def _paged_cache(gen, shape, seqlens, *, poison=None, spare_pages=2):
         pages = wide[b, pos // page].long().to(DEVICE)
         k, v = (c[pages, pos.to(DEVICE) % page].cpu() for c in (k_cache, v_cache))
         if poison is not None:
-            which, value, upto = poison
+            which, value, keys = poison
+            keys = _keys(keys)
             cache, x = (k_cache, k) if which == "k" else (v_cache, v)
-            cache[pages[:upto], pos[:upto].to(DEVICE) % page] = value
-            x[:upto] = value
+            cache[pages[keys], pos[keys].to(DEVICE) % page] = value
+            x[keys] = value
         per_seq.append((k, v))
     table = wide.to(DEVICE)[:, :max_pages]
     return k_cache, v_cache, table, per_seq, (k_buf, v_buf)
@@ -291,6 +283,84 @@ def test_decode_window_drops_nonfinite_keys_outside(shape, which, value, splits)
     _check(out[0], want, slice(9, None), shape.dtype, "out")
     _check(lse[0], want_lse, slice(9, None), torch.float32, "lse")
     assert not out[0, 6:9].isfinite().all(dim=-1).any()
+
+
+# ------------------------------------------------ one poisoned key inside the visited range
+# Key POISONED is seen by the rows at positions POISONED .. POISONED + window and masked for
+# the rows of the same tiles before it (causal diagonal) or past its window (left edge): those
+# must match the clean computation, the rows that see it must not come out finite (the
+# exact path is not over-broad).
+POISONED = 41
+ONE_KEY = [("k", math.nan), ("v", math.nan), ("v", math.inf), ("v", -math.inf)]
+WINDOWS = [-1, 3, 20]
+
+
+def _check_one_poisoned_key(out, want, positions, window, dtype):
+    sees = positions >= POISONED
+    if window >= 0:
+        sees &= positions <= POISONED + window
+    assert sees.any() and (~sees).any()
+    _check(out, want, ~sees, dtype, "out")
+    assert not out[sees.to(out.device)].isfinite().all(dim=-1).any()
+
+
+@pytest.mark.parametrize("config", PREFILL_CONFIGS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("which,value", ONE_KEY)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_poisoned_key_reaches_only_rows_that_see_it(shape, which, value, window, config):
+    gen = torch.Generator().manual_seed(4)
+    n = 100
+    q, k, v = _tokens(gen, n, shape, (which, value, slice(POISONED, POISONED + 1)))
+    pos = torch.arange(n)
+    want, _ = _attend64(q, k, v, pos, pos, pos >= 0, window_left=window, sinks=None, scale=0.125)
+    out = torch.empty(n, shape.heads_q, shape.dim, dtype=shape.dtype, device=DEVICE)
+    with pin_config(prefill.KERNEL_NAME, config):
+        _prefill(shape, q, k, v, [0, n], window=window, sinks=None, out=out, lse=None)
+    _check_one_poisoned_key(out, want, pos, window, shape.dtype)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("which,value", ONE_KEY)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_extend_poisoned_key_reaches_only_rows_that_see_it(shape, which, value, window):
+    """100 cached keys, the last 70 new (positions 30..99)."""
+    gen = torch.Generator().manual_seed(5)
+    seq_k, n_q = 100, 70
+    k_cache, v_cache, table, per_seq, _ = _paged_cache(
+        gen, shape, [seq_k], poison=(which, value, slice(POISONED, POISONED + 1))
+    )
+    q = torch.randn(n_q, shape.heads_q, shape.dim, generator=gen).to(shape.dtype)
+    (want,), _ = _paged_expected(
+        q, per_seq, [slice(0, n_q)], [seq_k], table, k_cache.shape[0], shape.page_size,
+        window_left=window, sinks=None, scale=0.125,
+    )  # fmt: skip
+    out = torch.empty(n_q, shape.heads_q, shape.dim, dtype=shape.dtype, device=DEVICE)
+    _extend(q, (k_cache, v_cache, table), [0, n_q], [seq_k], window=window, sinks=None,
+            out=out, lse=None)  # fmt: skip
+    _check_one_poisoned_key(out, want, torch.arange(seq_k - n_q, seq_k), window, shape.dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("which,value", ONE_KEY)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_poisoned_key_reaches_only_rows_that_see_it(shape, which, value, window, splits):
+    """50 cached keys, 16 new tokens (positions 34..49) in one tile."""
+    gen = torch.Generator().manual_seed(6)
+    seq_k, q_len = 50, 16
+    k_cache, v_cache, table, per_seq, _ = _paged_cache(
+        gen, shape, [seq_k], poison=(which, value, slice(POISONED, POISONED + 1))
+    )
+    q = torch.randn(1, q_len, shape.heads_q, shape.dim, generator=gen).to(shape.dtype)
+    (want,), _ = _paged_expected(
+        q[0], per_seq, [slice(0, q_len)], [seq_k], table, k_cache.shape[0], shape.page_size,
+        window_left=window, sinks=None, scale=0.125,
+    )  # fmt: skip
+    out, _ = _decode(q, (k_cache, v_cache, table), [seq_k], window=window, sinks=None,
+                     splits=splits)  # fmt: skip
+    positions = torch.arange(seq_k - q_len, seq_k)
+    _check_one_poisoned_key(out[0], want, positions, window, shape.dtype)
 
 
 # ----------------------------------------------------------------------------- sinks of +-inf
