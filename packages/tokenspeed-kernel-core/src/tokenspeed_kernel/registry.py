@@ -320,6 +320,28 @@ def _changed() -> None:
         listener()
 
 
+def add_rankings(source: Any, *, origin: str | None = None) -> Any:
+    """Add a measured rankings file (a path, or its parsed JSON as a mapping) that the selector
+    consults before priorities: how a vendor package ships what `tokenspeed-kernel tune`
+    measured (call it from the plugin's `register()`). Validated here: malformed JSON, a
+    wrong format or an unknown op raise `ValueError` naming the file; kernels it names that
+    are not registered are ignored with a warning when it is used. Files in
+    TOKENSPEED_KERNEL_RANKINGS take precedence. Returns the loaded `rankings.Source`."""
+    from . import rankings  # noqa: PLC0415  (rankings validates against this module)
+
+    loaded = rankings.add(source, origin=origin)
+    rankings_changed()
+    return loaded
+
+
+def rankings_changed() -> None:
+    """Selections made from other rankings are stale: drop them (`rankings.reload()`)."""
+    global _generation
+    with _lock:
+        _generation += 1
+        _changed()
+
+
 def on_change(listener: Callable[[], None]) -> None:
     """Call `listener` whenever the registry changes (the selector drops its cache)."""
     _listeners.append(listener)

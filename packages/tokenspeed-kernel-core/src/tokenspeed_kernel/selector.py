@@ -1,8 +1,13 @@
 """Kernel selection: a pure, cached function of (op, platform, request, override).
 
-Filter by platform, traits and the kernel's own `supports`, then order by (-priority, name).
-Overrides (`TOKENSPEED_KERNEL_FORCE="op=kernel,..."` or `use_kernel(op, name)`) still have to
-pass the same checks: a forced kernel never runs on a request it declared it cannot serve.
+Filter by platform, traits and the kernel's own `supports`; among the kernels left, the
+measured fastest where a ranking covers the request (`rankings.py`), else order by
+(-priority, name). Overrides (`TOKENSPEED_KERNEL_FORCE="op=kernel,..."` or
+`use_kernel(op, name)`) still have to pass the same checks: a forced kernel never runs on a
+request it declared it cannot serve.
+
+The cached path (every op call) is one dict read per op keyed by the request, plus an
+identity test of the platform; rankings and overrides are resolved when the cache misses.
 """
 
 from __future__ import annotations
@@ -14,20 +19,28 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import env, registry
+from . import env, rankings, registry
 from .errors import Candidate, UnsupportedError
 from .platform import Platform
 from .registry import KernelSpec
 
 FORCE_ENV = "TOKENSPEED_KERNEL_FORCE"
 
+# Every selection: (op, platform, request, forced) -> kernel.
 _cache: dict[tuple, KernelSpec] = {}
+# The hot path: op -> request -> (platform, kernel) of the last platform that selected it
+# without an override. Keyed without the platform because Platform hashes in Python (~0.1 µs);
+# the identity test is exact, and another platform falls back to `_cache`.
+_last: dict[str, dict[Any, tuple[Platform, KernelSpec]]] = {}
 _cache_lock = threading.Lock()
+# `use_kernel` blocks open in any thread: while 0, select skips the ContextVar read.
+_open_scopes = 0
 
 
 def _clear_cache() -> None:
     with _cache_lock:
         _cache.clear()
+        _last.clear()
 
 
 registry.on_change(_clear_cache)
@@ -46,6 +59,8 @@ class Explanation:
     candidates: tuple[Candidate, ...]
     selected: str | None
     forced: str | None
+    # The ranking that decided the choice; None where priorities did (or an override).
+    measured: rankings.Measured | None = None
 
     def __str__(self) -> str:
         head = f"{self.op} on {self.platform}"
@@ -54,16 +69,34 @@ class Explanation:
         lines = [head, f"  request: {self.request}"]
         lines += [f"  {'*' if c.name == self.selected else '-'} {c}" for c in self.candidates]
         lines.append(f"  selected: {self.selected or 'none'}")
+        if self.measured is not None:
+            lines.append(f"  why: {self.measured}")
+        elif self.selected and not self.forced:
+            lines.append("  why: highest priority (no measured ranking covers this request)")
         return "\n".join(lines)
 
 
 def select(op: str, request: Any, platform: Platform) -> KernelSpec:
     """The kernel that serves `request` on `platform`; raises UnsupportedError if none."""
-    forced = forced_kernel(op)
+    if _open_scopes or env.get(FORCE_ENV):
+        return _select_keyed(op, request, platform, forced_kernel(op))
+    per_op = _last.get(op)  # dict reads are atomic: the hit path needs no lock
+    if per_op is not None:
+        hit = per_op.get(request)
+        if hit is not None and hit[0] is platform:
+            return hit[1]
+    return _select_keyed(op, request, platform, None)
+
+
+def _select_keyed(op, request, platform, forced) -> KernelSpec:
     key = (op, platform, request, forced)
-    spec = _cache.get(key)  # one dict read: atomic, so the hit path needs no lock
+    spec = _cache.get(key)
     if spec is None:
         spec = _select_and_cache(key, op, request, platform, forced)
+    elif forced is None:
+        with _cache_lock:
+            if _cache.get(key) is spec:  # not dropped by a registry change meanwhile
+                _last.setdefault(op, {})[request] = (platform, spec)
     return spec
 
 
@@ -76,18 +109,35 @@ def _select_and_cache(key, op, request, platform, forced) -> KernelSpec:
     with _cache_lock:
         if registry.generation() == generation:
             _cache[key] = spec
+            if forced is None:
+                _last.setdefault(op, {})[request] = (platform, spec)
     return spec
 
 
 def explain(op: str, request: Any, platform: Platform) -> Explanation:
     forced = forced_kernel(op)
     candidates = tuple(_verdicts(op, request, platform))
+    measured = None
     if forced is not None:
         chosen = next((c for c in candidates if c.name == forced), None)
         selected = forced if chosen is not None and chosen.accepted else None
     else:
-        selected = next((c.name for c in candidates if c.accepted), None)
-    return Explanation(op, platform, request, candidates, selected, forced)
+        specs = {s.name: s for s in registry.kernels(op)}
+        accepted = [specs[c.name] for c in candidates if c.accepted and c.name in specs]
+        spec, measured = _choose(op, request, platform, accepted)
+        selected = None if spec is None else spec.name
+    return Explanation(op, platform, request, candidates, selected, forced, measured)
+
+
+def _choose(op, request, platform, accepted: list[KernelSpec]):
+    """(kernel, ranking that chose it or None) among `accepted` (in priority order)."""
+    if not accepted:
+        return None, None
+    measured = rankings.lookup(op, request, platform, (s.name for s in accepted))
+    if measured is None:
+        return accepted[0], None
+    best = measured.order[0][0]
+    return next(s for s in accepted if s.name == best), measured
 
 
 def _verdicts(op: str, request: Any, platform: Platform) -> Iterator[Candidate]:
@@ -107,9 +157,16 @@ def _select_uncached(op: str, request: Any, platform: Platform, forced: str | No
                 list(_verdicts(op, request, platform)),
             )
         return spec
-    for spec in registry.kernels(op):
-        if spec.supports(request, platform).ok:
+    specs = registry.kernels(op)
+    if rankings.sources():
+        accepted = [spec for spec in specs if spec.supports(request, platform).ok]
+        spec, _ = _choose(op, request, platform, accepted)
+        if spec is not None:
             return spec
+    else:  # priorities alone: the first kernel that accepts, without asking the rest
+        for spec in specs:
+            if spec.supports(request, platform).ok:
+                return spec
     raise UnsupportedError(
         op, f"no kernel supports {request} on {platform}", list(_verdicts(op, request, platform))
     )
@@ -149,9 +206,14 @@ def _parse_force(raw: str) -> dict[str, str]:
 @contextlib.contextmanager
 def use_kernel(op: str, name: str) -> Iterator[KernelSpec]:
     """Force kernel `name` for `op` inside the block (validated against each request)."""
+    global _open_scopes
     spec = registry.get_kernel(op, name)
+    with _cache_lock:
+        _open_scopes += 1
     token = _scoped.set(_scoped.get() + ((op, name),))
     try:
         yield spec
     finally:
         _scoped.reset(token)
+        with _cache_lock:
+            _open_scopes -= 1
