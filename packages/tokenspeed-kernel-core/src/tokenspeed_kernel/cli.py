@@ -4,6 +4,7 @@ tokenspeed-kernel                 platform, plugins, kernels, GPT-OSS-120B selec
 tokenspeed-kernel list            every op with its kernels, platforms and traits
 tokenspeed-kernel explain OP      every candidate for a preset's (or explicit) request
 tokenspeed-kernel plugins         loaded, failed and skipped plugins
+tokenspeed-kernel tune            measure kernels per request bucket, write a rankings file
 
 --platform and --preset may come before or after the command. --platform only changes what
 selection sees (the report, list, explain); commands that run kernels refuse it.
@@ -21,6 +22,7 @@ import torch
 
 from . import __version__, plugins, registry
 from .errors import UnsupportedError
+from .ops.attention.request import size_bucket
 from .platform import (
     AOT_TARGETS,
     KNOWN_PLATFORMS,
@@ -36,7 +38,7 @@ from .tools._common import platform_words
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 # Commands that run kernels on this machine's device: a faked platform would run them on
 # hardware they were not selected for.
-RUNS_KERNELS = ("check", "bench", "profile", "aot")
+RUNS_KERNELS = ("check", "bench", "profile", "aot", "tune")
 # Commands that run the Triton kernels through the Triton interpreter when there is no GPU.
 INTERPRETS_ON_CPU = ("check",)
 
@@ -120,10 +122,17 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--head-dim", type=_positive_int, help="override the preset's head dim")
     ex.add_argument("--heads", type=str, help="override heads as HQ/HKV, e.g. 64/8")
     ex.add_argument("--page-size", type=_positive_int, help="override the preset's page size")
+    ex.add_argument(
+        "--tokens",
+        type=_positive_int,
+        help="query tokens of the call (decode: B*Q; store: tokens written): the size bucket "
+        "measured rankings choose by (default: none, which ranks over every measured size)",
+    )
+    ex.add_argument("--seqlen", type=_positive_int, help="prefill/extend: longest query sequence")
     ex.add_argument("--no-sinks", action="store_true")
     ex.add_argument("--lse", action="store_true")
     ex.set_defaults(run=_explain)
-    from .tools import add_tool_commands  # noqa: PLC0415  (check, bench, profile)
+    from .tools import add_tool_commands  # noqa: PLC0415  (check, bench, profile, aot, tune)
 
     add_tool_commands(sub)
     return parser
@@ -289,6 +298,10 @@ def _request_from_args(op: str, preset: ModelPreset, args: argparse.Namespace):
         overrides["head_dim"] = args.head_dim
     if args.page_size and op != "mha_prefill":
         overrides["page_size"] = args.page_size
+    if args.tokens:
+        overrides["tokens"] = size_bucket(args.tokens)
+    if args.seqlen and op in ("mha_prefill", "mha_extend_with_kvcache"):
+        overrides["seqlen"] = size_bucket(args.seqlen)
     if args.heads:
         hq, _, hkv = args.heads.partition("/")
         if not (hq.isdigit() and hkv.isdigit()) or 0 in (int(hq), int(hkv)) or int(hq) % int(hkv):

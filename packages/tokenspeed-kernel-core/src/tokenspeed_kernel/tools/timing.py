@@ -27,6 +27,9 @@ class Timing:
     runs: int
     method: str  # "cuda events" | "cuda graph replay" | "wall clock"
     note: str = ""
+    # The 10th and 90th percentile run: how far one run strays from the median.
+    low_s: float | None = None
+    high_s: float | None = None
 
 
 class Timer:
@@ -67,7 +70,7 @@ class Timer:
                 graph = False
         timing = self._events(fn)
         method = "cuda graph replay" if graph else "cuda events"
-        return Timing(timing.median_s, timing.runs, method, note)
+        return Timing(timing.median_s, timing.runs, method, note, timing.low_s, timing.high_s)
 
     def _count(self, fn, clock) -> int:
         """Warm up; return how many runs fit the budget."""
@@ -85,7 +88,7 @@ class Timer:
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
-        return Timing(statistics.median(times), runs, "wall clock")
+        return Timing(statistics.median(times), runs, "wall clock", "", *_spread(times))
 
     def _events(self, fn) -> Timing:
         def clock():
@@ -103,7 +106,14 @@ class Timer:
             end.record()
         torch.cuda.synchronize(self.device)
         times = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True)]
-        return Timing(statistics.median(times), runs, "cuda events")
+        return Timing(statistics.median(times), runs, "cuda events", "", *_spread(times))
+
+
+def _spread(times: list[float]) -> tuple[float, float]:
+    """(10th, 90th) percentile of the runs (nearest rank)."""
+    ordered = sorted(times)
+    last = len(ordered) - 1
+    return ordered[round(0.1 * last)], ordered[round(0.9 * last)]
 
 
 def _capture(fn, device) -> Callable[[], None]:

@@ -1,0 +1,268 @@
+"""`tokenspeed-kernel tune`: time every kernel that supports each of a preset's requests on this
+device, and write the rankings file the selector consults (format and bucket key:
+`tokenspeed_kernel.rankings`).
+
+On a GPU each kernel is timed as CUDA-graph replays with the L2 flushed between runs (the
+reference kernels synchronize, and a kernel whose capture fails is timed eagerly; the entry
+says so); on the CPU with the wall clock. Figures are medians with the 10th-90th percentile
+spread. Points of the preset that fall into one bucket (same request key and sizes) are merged
+by the geometric mean of each kernel's times over them.
+
+    tokenspeed-kernel tune --preset gpt-oss-120b --out rankings-h100.json
+    TOKENSPEED_KERNEL_RANKINGS=rankings-h100.json python serve.py   # select from it
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import rankings
+from ..ops.attention.request import size_bucket
+from ..platform import Platform, platform_of
+from ..registry import KernelSpec, kernels
+from ..testing.cases import Case
+from ._common import Progress, format_table, resolve_device, run_metadata, tool_parser, write_json
+from .timing import Timer
+from .workloads import MoEWeightsCache, Point, bench_points, build_inputs, kernel_call
+
+TUNED_OPS = (
+    "mha_prefill",
+    "mha_extend_with_kvcache",
+    "mha_decode_with_kvcache",
+    "kvcache_store",
+    "moe_apply",
+)
+
+
+def add_parser(sub) -> None:
+    p = tool_parser(
+        sub,
+        "tune",
+        __doc__,
+        summary="measure every kernel per request bucket and write a rankings file",
+        preset="shapes to measure (default: gpt-oss-120b on a GPU, tiny on the CPU)",
+    )
+    p.add_argument(
+        "--op",
+        action="append",
+        choices=TUNED_OPS,
+        help="only this op (repeatable; default: every op)",
+    )
+    p.add_argument("--kernels", metavar="GLOB", help="kernel name glob (default: all)")
+    p.add_argument(
+        "--with-reference",
+        action="store_true",
+        help="time the reference kernels on a GPU too (skipped there by default: they are the "
+        "lowest-priority fallback, never the fastest, and slow at large shapes)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        help="rankings file to write (default: rankings-<arch>.json in the current directory)",
+    )
+    p.add_argument("--warmup", type=int, help="warm-up calls (default: 10 GPU, 1 CPU)")
+    p.add_argument("--iters", type=int, help="most timed runs (default: 100 GPU, 5 CPU)")
+    p.add_argument(
+        "--budget-ms",
+        type=float,
+        default=500.0,
+        help="stop timing a kernel after this long (at least 3 runs)",
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    gpu = device.type == "cuda"
+    preset = args.tool_preset or ("gpt-oss-120b" if gpu else "tiny")
+    timer = Timer(
+        device,
+        warmup=args.warmup or (10 if gpu else 1),
+        iters=args.iters or (100 if gpu else 5),
+        budget_s=args.budget_ms / 1e3,
+    )
+    platform = platform_of(device)
+    print(f"tune on {device} ({platform}); timing: {timer.method}, preset {preset}")
+    ops = tuple(args.op) if args.op else TUNED_OPS
+    skip_reference = gpu and not args.with_reference
+    measured = measure(
+        ops, preset, device, timer, kernel_glob=args.kernels, skip_reference=skip_reference
+    )
+    created = run_metadata(device)
+    created.update(preset=preset, timing=timer.method, graphs=gpu, l2_flush=gpu)
+    payload = rankings_payload(platform, measured, created)
+    out = Path(args.out or f"rankings-{platform.arch}.json")
+    write_json(out, payload)
+    rankings.load(out)  # what was written must load: the selector will read it
+    _print(payload["rankings"])
+    print(f"wrote {out} ({len(payload['rankings'])} buckets); select from it with")
+    print(f"  {rankings.RANKINGS_ENV}={out}")
+    return 0
+
+
+def bucketed_request(case: Case) -> Any:
+    """The request the public op builds for this case's call (sizes as `size_bucket`s)."""
+    s, request = case.shape, case.request
+    if case.op == "mha_prefill":
+        return request._replace(
+            tokens=size_bucket(sum(s.seqlens)), seqlen=size_bucket(max(s.seqlens, default=0))
+        )
+    if case.op == "mha_extend_with_kvcache":
+        return request._replace(
+            tokens=size_bucket(sum(s.q_lens)), seqlen=size_bucket(max(s.q_lens, default=0))
+        )
+    if case.op == "mha_decode_with_kvcache":
+        return request._replace(tokens=size_bucket(len(s.seqlens) * s.q_lens[0]))
+    if case.op == "kvcache_store":
+        return request._replace(tokens=size_bucket(s.num_tokens))
+    return request  # moe_apply: the plan's max_num_tokens is the call's token count here
+
+
+def _sizes(case: Case, request: Any) -> dict[str, int]:
+    if case.op == "moe_apply":
+        return {"tokens": size_bucket(case.shape.num_tokens)}
+    return {k: v for k, v in rankings.request_sizes(request).items() if v}
+
+
+def measure(
+    ops,
+    preset: str,
+    device: torch.device,
+    timer: Timer,
+    *,
+    kernel_glob: str | None = None,
+    skip_reference: bool = False,
+) -> list[dict[str, Any]]:
+    """One record per (point, kernel that supports it): op, key, sizes, label, kernel, figures."""
+    platform = platform_of(device)
+    plan: list[tuple[Point, Any, list[KernelSpec]]] = []
+    for op in ops:
+        specs = [
+            s
+            for s in kernels(op)
+            if (kernel_glob is None or fnmatch.fnmatchcase(s.name, kernel_glob))
+            and not (skip_reference and s.backend == "reference")
+        ]
+        for point in bench_points(op, preset):
+            request = bucketed_request(point.case)
+            eligible = [s for s in specs if s.supports(request, platform).ok]
+            plan.append((point, request, eligible))
+    progress = Progress(sum(len(e) for _, _, e in plan), "tune")
+    weights = MoEWeightsCache(device)
+    max_tokens = max((p.x for p, _, _ in plan if p.op == "moe_apply"), default=0)
+    records = []
+    for point, request, eligible in plan:
+        inputs = build_inputs(point.case, device)
+        for spec in eligible:
+            progress.step(f"{spec.name} {point.label}")
+            records.append(
+                _time_kernel(spec, point, request, inputs, device, timer, weights, max_tokens)
+            )
+        del inputs
+    progress.close()
+    weights.clear()
+    return records
+
+
+def _time_kernel(spec, point, request, inputs, device, timer, weights, max_tokens) -> dict:
+    record = dict(
+        op=point.op,
+        key=rankings.request_key(request),
+        sizes=_sizes(point.case, request),
+        label=f"{point.series} {point.label}",
+        kernel=spec.name,
+        median_us=None,
+        low_us=None,
+        high_us=None,
+        method=None,
+        note="",
+    )
+    graph = device.type == "cuda" and spec.backend != "reference"
+    try:
+        call = kernel_call(spec, point.case, inputs, device, weights, max_tokens)
+        timing = timer.measure(call, graph=graph)
+    except Exception as exc:  # one broken kernel must not end the run: it goes unranked
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        record["note"] = f"{type(exc).__name__}: {exc}"[:300]
+        return record
+    record.update(
+        median_us=timing.median_s * 1e6,
+        low_us=None if timing.low_s is None else timing.low_s * 1e6,
+        high_us=None if timing.high_s is None else timing.high_s * 1e6,
+        method=timing.method,
+        note=timing.note,
+    )
+    return record
+
+
+def rankings_payload(
+    platform: Platform, records: list[dict[str, Any]], created: dict[str, Any]
+) -> dict[str, Any]:
+    """The rankings file: one entry per (op, key, sizes); points sharing a bucket merged by
+    the geometric mean over them, of the kernels timed at every one of those points."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["op"], r["key"], tuple(sorted(r["sizes"].items())))].append(r)
+    entries = []
+    for (op, key, sizes), rows in groups.items():
+        labels = list(dict.fromkeys(r["label"] for r in rows))
+        per_kernel: dict[str, list[dict]] = defaultdict(list)
+        for r in rows:
+            per_kernel[r["kernel"]].append(r)
+        times, spread, notes = {}, {}, {}
+        for name, runs in per_kernel.items():
+            ok = [r for r in runs if r["median_us"] is not None]
+            failed = [r["note"] for r in runs if r["median_us"] is None]
+            if failed or len(ok) != len(labels):
+                notes[name] = "not ranked: " + (failed[0] if failed else "missing a point")
+                continue
+            times[name] = round(_geomean([r["median_us"] for r in ok]), 3)
+            if all(r["low_us"] is not None for r in ok):
+                low = _geomean([r["low_us"] for r in ok])
+                high = _geomean([r["high_us"] for r in ok])
+                spread[name] = [round(low, 3), round(high, 3)]
+            methods = {r["method"] for r in ok} | {r["note"] for r in ok if r["note"]}
+            notes[name] = "; ".join(sorted(m for m in methods if m))
+        if not times:
+            continue
+        entries.append(
+            dict(
+                op=op,
+                key=key,
+                sizes=dict(sizes),
+                label=", ".join(labels),
+                times_us=dict(sorted(times.items(), key=lambda kv: kv[1])),
+                spread_us=spread,
+                notes=notes,
+            )
+        )
+    return dict(
+        format=rankings.FORMAT,
+        version=rankings.VERSION,
+        platform=dict(vendor=platform.vendor, arch=platform.arch, name=platform.name),
+        created=created,
+        rankings=entries,
+    )
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _print(entries: list[dict[str, Any]]) -> None:
+    rows = []
+    for e in entries:
+        order = list(e["times_us"].items())
+        best, t = order[0]
+        runner = f"{order[1][0]} {order[1][1]:.1f}" if len(order) > 1 else "-"
+        sizes = rankings.describe_sizes(e["sizes"])
+        rows.append((e["op"], e["label"][:32], sizes, best, f"{t:.1f}", runner))
+    print(format_table(("op", "points", "bucket", "fastest", "us", "next (us)"), rows, "lllllr"))

@@ -1,0 +1,343 @@
+"""Selection by measurement: rankings files, their validation, and `tokenspeed-kernel tune`.
+
+Fake kernels (a slow one at high priority, a fast one at low priority) make every test one
+that fails when the rankings are ignored: priorities alone pick the slow kernel."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import tokenspeed_kernel as tk
+from tokenspeed_kernel import cli, rankings, registry, selector
+from tokenspeed_kernel.ops.attention.request import size_bucket
+from tokenspeed_kernel.platform import KNOWN_PLATFORMS, platform_of
+from tokenspeed_kernel.presets import get_preset
+from tokenspeed_kernel.tools import tune
+from tokenspeed_kernel.tools.timing import Timer
+
+OP = "mha_decode_with_kvcache"
+SLOW, FAST = "tunetest.decode.slow", "tunetest.decode.fast"
+TRAITS = {
+    "dtype": tk.ANY,
+    "kv_dtype": tk.ANY,
+    "head_dim": tk.ANY,
+    "gqa_ratio": tk.ANY,
+    "page_size": tk.ANY,
+    "q_len": tk.ANY,
+    "window": True,
+    "sinks": True,
+}
+CPU = platform_of(torch.device("cpu"))
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """SLOW (priority 99, sleeps 2 ms) and FAST (priority 1) for decode, recording each call;
+    no rankings from the environment; everything registered or added is removed after."""
+    monkeypatch.delenv(rankings.RANKINGS_ENV, raising=False)
+    rankings.reload()
+    calls: list[str] = []
+
+    def kernel(name, delay):
+        def run(*args, **kwargs):
+            calls.append(name)
+            if delay:
+                time.sleep(delay)
+
+        return run
+
+    names_before = registry.registered_names()
+    sources_before = list(rankings._registered)
+    for name, priority, delay in ((SLOW, 99, 0.002), (FAST, 1, 0.0)):
+        tk.register_kernel(
+            OP, name=name, backend="tunetest", platforms=["*"], traits=TRAITS, priority=priority
+        )(kernel(name, delay))
+    yield calls
+    for source in [s for s in rankings._registered if s not in sources_before]:
+        rankings.remove(source)
+    for name in registry.registered_names() - names_before:
+        registry.unregister_kernel(name)
+    monkeypatch.delenv(rankings.RANKINGS_ENV, raising=False)
+    rankings.reload()
+
+
+def _decode(batch: int):
+    """A GPT-OSS-shaped decode call (heads 8/1, hd 64) on CPU tensors; returns its request."""
+    q = torch.randn(batch, 8, 64, dtype=torch.bfloat16)
+    cache = torch.randn(4, 16, 1, 64, dtype=torch.bfloat16)
+    table = torch.zeros(batch, 2, dtype=torch.int32)
+    lens = torch.full((batch,), 5, dtype=torch.int32)
+    tk.mha_decode_with_kvcache(q, cache, cache, page_table=table, cache_seqlens=lens)
+    return tk.AttentionRequest(
+        torch.bfloat16, torch.bfloat16, 64, 8, 1, 16, 1, tokens=size_bucket(batch)
+    )
+
+
+def _file(entries, *, platform=None):
+    return {
+        "format": rankings.FORMAT,
+        "version": rankings.VERSION,
+        "platform": platform or {"vendor": CPU.vendor, "arch": CPU.arch, "name": CPU.name},
+        "rankings": entries,
+    }
+
+
+def _entry(request, times, **sizes):
+    return {"op": OP, "key": rankings.request_key(request), "sizes": sizes, "times_us": times}
+
+
+def test_tune_then_select_round_trip(fakes, tmp_path):
+    """Tune measures both fakes on the tiny preset's decode points; selecting from the file
+    it writes picks the fast kernel that priorities would not."""
+    request = _decode(4)
+    assert fakes[-1] == SLOW  # priorities alone
+    timer = Timer(torch.device("cpu"), warmup=1, iters=3, budget_s=0.05)
+    records = tune.measure((OP,), "tiny", torch.device("cpu"), timer, kernel_glob="tunetest.*")
+    assert {r["kernel"] for r in records} == {SLOW, FAST}
+    payload = tune.rankings_payload(CPU, records, {"command": "test"})
+    path = tmp_path / "rankings.json"
+    path.write_text(json.dumps(payload))
+    assert all(next(iter(e["times_us"])) == FAST for e in payload["rankings"])
+    registry.add_rankings(path)
+    # The tiny preset's request (heads, sizes) is not this call's: the points must cover it.
+    tiny = get_preset("tiny")
+    point = tiny.attention_request(OP)._replace(tokens=4)
+    assert selector.select(OP, point, CPU).name == FAST
+    explanation = tk.explain(OP, point, CPU)
+    assert explanation.selected == FAST
+    assert f"measured fastest on {CPU.name} for tokens <= 4" in str(explanation)
+    assert str(path) in str(explanation)
+    assert selector.select(OP, request, CPU).name == SLOW  # other heads: no ranking covers it
+
+
+def test_selection_follows_the_bucket_of_each_call(fakes):
+    """Entries at B=1 (SLOW measured faster) and B=64 (FAST faster): each call picks by its
+    batch, nearest bucket on the log2 scale, ties to the larger."""
+    base = _decode(1)
+    registry.add_rankings(
+        _file([
+            _entry(base, {SLOW: 5.0, FAST: 9.0}, tokens=1),
+            _entry(base, {SLOW: 50.0, FAST: 20.0}, tokens=64),
+        ])
+    )  # fmt: skip
+    for batch, expected in ((1, SLOW), (2, SLOW), (8, FAST), (40, FAST), (64, FAST)):
+        fakes.clear()
+        _decode(batch)
+        assert fakes == [expected], batch
+    assert "nearest measured to tokens <= 2" in str(tk.explain(OP, base._replace(tokens=2), CPU))
+
+
+def test_cached_selection_changes_when_rankings_are_added(fakes):
+    request = _decode(4)
+    assert selector.select(OP, request, CPU).name == SLOW
+    registry.add_rankings(_file([_entry(request, {SLOW: 30.0, FAST: 10.0}, tokens=4)]))
+    assert selector.select(OP, request, CPU).name == FAST
+    fakes.clear()
+    _decode(4)
+    assert fakes == [FAST]
+
+
+def test_explain_states_figures_and_file(fakes):
+    request = _decode(4)
+    registry.add_rankings(
+        _file([_entry(request, {SLOW: 15.0, FAST: 12.3}, tokens=4)]), origin="vendor.json"
+    )
+    text = str(tk.explain(OP, request, CPU))
+    assert (
+        f"why: measured fastest on {CPU.name} for tokens <= 4: {FAST} 12.3 us vs {SLOW} 15.0 us "
+        "(vendor.json)"
+    ) in text
+    plain = str(tk.explain(OP, request._replace(head_dim=128), CPU))
+    assert "why: highest priority (no measured ranking covers this request)" in plain
+
+
+def test_unmeasured_and_unsupported_kernels(fakes, caplog):
+    """A kernel the file names but nobody registered is ignored with a warning; a measured
+    kernel that declines the request is never chosen; unmeasured kernels come after."""
+    request = _decode(4)
+    entry = _entry(request, {"gone.decode": 1.0, FAST: 10.0, SLOW: 20.0}, tokens=4)
+    registry.add_rankings(_file([entry]), origin="stale.json")
+    with caplog.at_level(logging.WARNING, logger="tokenspeed_kernel.rankings"):
+        assert selector.select(OP, request, CPU).name == FAST
+    assert "stale.json: kernel gone.decode is not registered here" in caplog.text
+    with tk.use_kernel(OP, SLOW):  # an override still wins over a ranking
+        assert selector.select(OP, request, CPU).name == SLOW
+    tk.register_kernel(
+        OP, name="tunetest.decode.new", backend="tunetest", platforms=["*"], traits=TRAITS,
+        priority=500,
+    )(lambda *a, **k: None)  # fmt: skip
+    assert selector.select(OP, request, CPU).name == FAST  # measured beats unmeasured
+    fp8_only = {**TRAITS, "kv_dtype": {torch.float8_e4m3fn}}
+    tk.register_kernel(
+        OP, name="tunetest.decode.fp8", backend="tunetest", platforms=["*"], traits=fp8_only,
+        priority=0,
+    )(lambda *a, **k: None)  # fmt: skip
+    registry.add_rankings(_file([_entry(request, {"tunetest.decode.fp8": 1.0}, tokens=4)]))
+    assert selector.select(OP, request, CPU).name == FAST  # the fp8 kernel declines a bf16 cache
+
+
+def test_environment_file_wins_over_registered(fakes, tmp_path, monkeypatch):
+    request = _decode(4)
+    registry.add_rankings(_file([_entry(request, {SLOW: 30.0, FAST: 10.0}, tokens=4)]))
+    assert selector.select(OP, request, CPU).name == FAST
+    user = tmp_path / "mine.json"
+    user.write_text(json.dumps(_file([_entry(request, {SLOW: 1.0, FAST: 10.0}, tokens=4)])))
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps(_file([])))
+    monkeypatch.setenv(rankings.RANKINGS_ENV, os.pathsep.join([str(empty), str(user)]))
+    rankings.reload()
+    assert selector.select(OP, request, CPU).name == SLOW
+    assert f"{user} ({rankings.RANKINGS_ENV})" in str(tk.explain(OP, request, CPU))
+
+
+def test_platform_name_then_arch(fakes):
+    """A file of the same GPU wins over one of the same arch; another arch gets none."""
+    h100, b200 = KNOWN_PLATFORMS["h100"], KNOWN_PLATFORMS["b200"]
+    request = tk.AttentionRequest(torch.bfloat16, torch.bfloat16, 64, 8, 1, 16, 1, tokens=4)
+    sm90 = {"vendor": "nvidia", "arch": "sm_90"}
+    registry.add_rankings(
+        _file(
+            [_entry(request, {SLOW: 9.0, FAST: 10.0}, tokens=4)], platform={**sm90, "name": "H200"}
+        )
+    )
+    assert selector.select(OP, request, h100).name == SLOW  # same arch, another GPU
+    registry.add_rankings(
+        _file(
+            [_entry(request, {SLOW: 20.0, FAST: 10.0}, tokens=4)],
+            platform={**sm90, "name": h100.name},
+        )
+    )
+    assert selector.select(OP, request, h100).name == FAST  # same GPU wins
+    assert selector.select(OP, request, b200).name == SLOW  # no sm_100 ranking: priorities
+
+
+def test_moe_ranks_over_the_sizes_a_plan_serves():
+    request = tk.MoERequest("mxfp4", "bf16", True, "topk_softmax", 128, 4, 2880, 2880, 16)
+    entries = [
+        {"op": "moe_apply", "key": rankings.request_key(request), "sizes": {"tokens": m},
+         "times_us": times}
+        for m, times in ((1, {"a.moe": 10.0, "b.moe": 40.0}), (16, {"a.moe": 30.0, "b.moe": 20.0}),
+                         (4096, {"a.moe": 100.0, "b.moe": 900.0}))
+    ]  # fmt: skip
+    source = rankings.load(_file(entries))
+    rankings._registered.append(source)
+    try:
+        small = rankings.lookup("moe_apply", request, CPU, ["a.moe", "b.moe"])
+        big = rankings.lookup(
+            "moe_apply", request._replace(max_num_tokens=8192), CPU, ["a.moe", "b.moe"]
+        )
+    finally:
+        rankings._registered.remove(source)
+    # up to 16 tokens: geomeans a sqrt(300) ~ 17.3, b sqrt(800) ~ 28.3; up to 8192 b loses more
+    assert [name for name, _ in small.order] == ["a.moe", "b.moe"]
+    assert small.order[0][1] == pytest.approx(300**0.5)
+    assert "geometric mean over 2 measured sizes" in small.bucket
+    assert [name for name, _ in big.order] == ["a.moe", "b.moe"]
+    assert "over 3 measured sizes" in big.bucket
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("{not json", r"rankings file .*bad.json: not valid JSON"),
+        ("[]", r"bad.json: top level is list, expected a JSON object"),
+        (json.dumps({"format": "other", "version": 1}), r"bad.json: format 'other' version 1"),
+        (json.dumps(_file([{"op": "mha_bogus", "key": "", "times_us": {"a.x": 1}}])),
+         r"bad.json: rankings\[0\]: unknown op 'mha_bogus', expected one of .*mha_prefill"),
+        (json.dumps(_file([{"op": OP, "key": "", "times_us": {"a.x": -1}}])),
+         r"times_us\['a.x'\] is -1, expected a positive number"),
+        (json.dumps(_file([{"op": OP, "key": "", "sizes": {"batch": 4}, "times_us": {"a.x": 1}}])),
+         r"sizes is \{'batch': 4\}, expected ints >= 0 named by tokens, seqlen"),
+        (json.dumps({**_file([]), "platform": {"vendor": "nvidia"}}), r"bad.json: platform is"),
+    ],
+)  # fmt: skip
+def test_malformed_files_raise_naming_the_file(tmp_path, content, match):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        registry.add_rankings(path)
+
+
+def test_missing_file_and_wrong_source_type(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"rankings file .*nope.json: cannot read it"):
+        registry.add_rankings(tmp_path / "nope.json")
+    with pytest.raises(TypeError, match="expected a path or a mapping"):
+        registry.add_rankings(42)
+    monkeypatch.setenv(rankings.RANKINGS_ENV, str(tmp_path / "missing.json"))
+    rankings.reload()
+    request = tk.AttentionRequest(torch.bfloat16, torch.bfloat16, 64, 8, 1, 16, 1, tokens=2)
+    with pytest.raises(ValueError, match=r"missing.json \(TOKENSPEED_KERNEL_RANKINGS\)"):
+        selector.select(OP, request, CPU)
+    monkeypatch.delenv(rankings.RANKINGS_ENV)
+    rankings.reload()
+
+
+def test_tune_cli_writes_a_file_the_selector_uses(fakes, tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    argv = ["tune", "--op", OP, "--kernels", "tunetest.*", "--iters", "3", "--out", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed and FAST in printed
+    data = json.loads(out.read_text())
+    assert data["platform"] == {"vendor": "cpu", "arch": "cpu", "name": CPU.name}
+    assert {tuple(e["sizes"].items()) for e in data["rankings"]} == {
+        (("tokens", 1),),
+        (("tokens", 4),),
+    }
+    assert all(e["spread_us"][FAST][0] <= e["spread_us"][FAST][1] for e in data["rankings"])
+    registry.add_rankings(out)
+    point = get_preset("tiny").attention_request(OP, window=True)._replace(tokens=1)
+    assert selector.select(OP, point, CPU).name == FAST
+
+
+def test_tune_refuses_a_faked_platform(capsys):
+    assert cli.main(["--platform", "h100", "tune"]) == 2
+    assert "runs kernels on this machine" in capsys.readouterr().err
+
+
+def test_explain_cli_takes_a_size_bucket(fakes, capsys):
+    request = get_preset("tiny").attention_request(OP)._replace(tokens=4)
+    registry.add_rankings(_file([_entry(request, {SLOW: 30.0, FAST: 10.0}, tokens=4)]))
+    assert cli.main(["--preset", "tiny", "explain", OP, "--tokens", "3"]) == 0
+    assert f"selected: {FAST}" in capsys.readouterr().out
+
+
+def test_cached_path_tracks_platforms_and_threads(fakes):
+    """The hot path keys by request and tests the platform's identity: an equal platform
+    object, another platform, and a use_kernel block in another thread all select right."""
+    request = tk.AttentionRequest(torch.bfloat16, torch.bfloat16, 64, 8, 1, 16, 1, tokens=4)
+    sm100_only = {**TRAITS}
+    tk.register_kernel(
+        OP, name="tunetest.decode.sm100", backend="tunetest", platforms=["nvidia:sm_100+"],
+        traits=sm100_only, priority=1000,
+    )(lambda *a, **k: None)  # fmt: skip
+    h100, b200 = KNOWN_PLATFORMS["h100"], KNOWN_PLATFORMS["b200"]
+    twin = type(h100)(**{f: getattr(h100, f) for f in h100.__dataclass_fields__ if f != "_hash"})
+    for _ in range(2):
+        assert selector.select(OP, request, h100).name == SLOW
+        assert selector.select(OP, request, b200).name == "tunetest.decode.sm100"
+        assert selector.select(OP, request, twin).name == SLOW
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with tk.use_kernel(OP, FAST):
+            inside.set()
+            release.wait(5)
+
+    worker = threading.Thread(target=hold)
+    worker.start()
+    inside.wait(5)
+    try:
+        assert selector._open_scopes == 1
+        assert selector.select(OP, request, h100).name == SLOW  # the other thread's override only
+    finally:
+        release.set()
+        worker.join()
+    assert selector._open_scopes == 0
