@@ -71,6 +71,7 @@ def test_traits_are_only_what_is_tested():
         "activation_format": frozenset({"bf16", "fp8"}),
         "routing": frozenset({"topk_softmax"}),
         "bias": True,
+        "expert_parallel": True,
     }
 
 
@@ -201,3 +202,43 @@ def test_pinned_grouped_config_reaches_the_launch(monkeypatch):
     launched.clear()
     run_grouped("gfx942", config, t, x, weights, ids, out)
     assert launched["gemm1"]["BLOCK_M"] == grouped_config(16, 4).block_m
+
+
+@pytest.mark.parametrize("m", [2, 9])
+def test_expert_parallel_routes_globally_and_hands_local_ids_to_both_paths(monkeypatch, m):
+    """A rank holding experts 3..5 of 8: routing over all 8 logits, then ids 3..5 become 0..2
+    and every other id -1 (which both paths skip) before the tiny (M <= 4) or grouped path;
+    the weights are prepared for the 3 local experts. Launches are intercepted."""
+    from tokenspeed_kernel_amd.moe import mxfp4_moe
+
+    seen = {}
+
+    def capture(name):
+        def run(*args):
+            seen[name] = args
+
+        return run
+
+    monkeypatch.setattr(mxfp4_moe, "run_tiny", capture("tiny"))
+    monkeypatch.setattr(mxfp4_moe, "run_grouped", capture("grouped"))
+    config = MoEConfig(8, 2, 128, 128, "mxfp4", "bf16", expert_offset=3, num_local_experts=3)
+    with fake_platform("mi300x"):
+        plan = moe_plan(config, device="cpu")
+    assert plan.kernel == "amd.moe_apply"
+    local_weights = _weights(MoEConfig(3, 2, 128, 128, "mxfp4", "bf16"))
+    prepared = moe_prepare_weights(plan, local_weights)
+    assert prepared.tensors["w13"].shape[0] == 3
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(m, 8, generator=g)
+    x, out = torch.randn(m, 128).bfloat16(), torch.empty(m, 128, dtype=torch.bfloat16)
+    with fake_platform("mi300x"):
+        plan.impl.apply(plan, x, prepared, router_logits=logits, topk_weights=None,
+                        topk_ids=None, out=out)  # fmt: skip
+    want_w, want_ids = reference_topk(logits, 2)
+    want_local = torch.where((want_ids >= 3) & (want_ids < 6), want_ids - 3, -1)
+    if m <= 4:
+        logits_arg, weights_arg, ids_arg = seen["tiny"][5], seen["tiny"][6], seen["tiny"][7]
+        assert logits_arg is None
+    else:
+        weights_arg, ids_arg = seen["grouped"][4], seen["grouped"][5]
+    assert torch.equal(ids_arg, want_local.int()) and torch.equal(weights_arg, want_w)

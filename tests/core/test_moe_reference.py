@@ -157,7 +157,11 @@ def oracle(config: MoEConfig, x, weights: MoEWeights, ids, route_w, act: SwiGLU)
         xt = x[t].to(torch.float64)
         if fp8:
             xt = fake_quant_fp8(xt.unsqueeze(0), weights.w13_input_scale)[0]
-        for e, r in zip(ids[t], route_w[t], strict=True):
+        for global_id, r in zip(ids[t], route_w[t], strict=True):
+            # Expert parallel: the weights hold experts offset .. offset + local - 1 only.
+            e = global_id - config.expert_offset
+            if not 0 <= e < config.num_local_experts:
+                continue
             h = w13[e] @ xt + (b13[e] if b13 is not None else 0.0)
             gate, up = h[0::2], h[1::2]
             clamped_gate += int((gate > act.limit).sum())

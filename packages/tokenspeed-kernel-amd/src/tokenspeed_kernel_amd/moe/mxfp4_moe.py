@@ -6,6 +6,10 @@ GEMM2), larger M the grouped GEMMs (`grouped_gemm.py`). FP8 activations: static 
 scales (GEMM1 requantizes in its epilogue and stores fp8) or, when the checkpoint has none,
 dynamic per-token scales as the reference defines them (the row amax is taken with torch
 between launches and the consumer quantizes on load).
+
+Expert parallel (the weights hold experts expert_offset .. of the E the router ranks): routing
+runs on the host over all E and the ids become local ones, -1 for other ranks' experts, which
+both paths already skip; so M <= 4 pays the host top-k the fused path otherwise avoids.
 """
 
 from __future__ import annotations
@@ -115,6 +119,11 @@ class AmdMxfp4MoE:
         # The tests' NVIDIA instantiation builds the same source with mma_v2 and plain loads.
         arch = platform.arch if platform.vendor == "amd" else "nvidia"
         t, config = prepared.tensors, plan.config
+        if config.expert_parallel:
+            if router_logits is not None:
+                topk_weights, topk_ids = topk_softmax(router_logits, config.top_k)
+                router_logits = None
+            topk_ids = local_ids(topk_ids, config.expert_offset, config.num_local_experts)
         if x.shape[0] <= TINY_MAX_TOKENS:
             run_tiny(arch, platform.sm_count, config, t, x, router_logits, topk_weights,
                      topk_ids, out)  # fmt: skip
@@ -124,12 +133,18 @@ class AmdMxfp4MoE:
         run_grouped(arch, config, t, x, topk_weights, topk_ids, out)
 
 
+def local_ids(topk_ids: torch.Tensor, offset: int, count: int) -> torch.Tensor:
+    """Global ids [M, k] -> ids of the experts held here ([0, count)), -1 for the others."""
+    local = topk_ids - offset
+    return torch.where((local >= 0) & (local < count), local, -1).to(torch.int32).contiguous()
+
+
 def prepare_tensors(config, w, h_pad: int, i_pad: int) -> dict:
     if config.weight_format != "mxfp4":
         raise ValueError(
             f"AmdMxfp4MoE: weight_format is {config.weight_format!r}, expected 'mxfp4'"
         )
-    E, H, I = config.num_experts, config.hidden_size, config.intermediate_size  # noqa: E741
+    E, H, I = config.num_local_experts, config.hidden_size, config.intermediate_size  # noqa: E741
     dev = w.w13.device
     # Gate (even rows) and up (odd rows) become two planes so one program reads both halves of
     # the same outputs and the SwiGLU needs no cross-lane shuffle.
@@ -192,9 +207,10 @@ def _gemm2_input(config, t, inter, out_mode):
 def run_grouped(arch, config, t, x, topk_weights, topk_ids, out) -> None:
     """The grouped-GEMM path; the config is the one pinned for GROUPED_PIN, else the table's."""
     M, H = x.shape
-    k, E = config.top_k, config.num_experts
+    k, E = config.top_k, config.num_local_experts
     h_pad, i_pad = t["w2"].shape[1], t["w13"].shape[2]
-    cfg = pinned_config(GROUPED_PIN) or grouped_config(M * k, E)
+    # Rows per expert: the pairs spread over every expert, wherever they are held.
+    cfg = pinned_config(GROUPED_PIN) or grouped_config(M * k, config.num_experts)
     rows, block_expert = group_by_expert(topk_ids, E, cfg.block_m)
     blocks = block_expert.numel()
     scaled = arch == "gfx950" and config.activation_format == "fp8"
@@ -235,7 +251,7 @@ def run_tiny(arch, cus, config, t, x, router_logits, topk_weights, topk_ids, out
     """The tiny-batch path; the config is the one pinned for TINY_PIN, else `tiny_config`'s
     for `cus` compute units."""
     M, H = x.shape
-    k, E = config.top_k, config.num_experts
+    k, E = config.top_k, config.num_local_experts
     h_pad, i_pad = t["w2"].shape[1], t["w13"].shape[2]
     pairs = M * k
     cfg = pinned_config(TINY_PIN) or tiny_config(pairs, h_pad, i_pad, cus)
@@ -276,6 +292,7 @@ TRAITS = {
     "activation_format": {"bf16", "fp8"},
     "routing": {"topk_softmax"},
     "bias": True,
+    "expert_parallel": True,
 }
 # Every activation flavour (bf16; fp8 with static or dynamic scales) on each path: M=1 takes
 # the tiny-batch kernels (E=128 gives their 128-wide routing block), M=128 and M=2048 the

@@ -6,7 +6,8 @@ odd sizes, one token, empty sequences, head dims 64 and 128, GQA ratios 1 and 8,
 128, sinks on and off, windows 0/1/127, lse, extend with a partial prefix, decode Q=1 and Q>1, FP8
 KV caches with scales; kvcache_store in bf16/fp16/fp8 with padded (negative) slots; MoE with
 mxfp4/fp8/bf16 weights, bf16 and fp8 (static and dynamic) activations, bias on and off, logits,
-ties and precomputed routing. `preset=` adds a model's real shapes (for GPU runs).
+ties and precomputed routing, tensor-parallel shard sizes and expert-parallel ranges.
+`preset=` adds a model's real shapes (for GPU runs).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def store_case(name: str, shape: StoreShape, preset: str | None = None) -> Case:
 
 
 def moe_case(name: str, shape: MoEShape, preset: str | None = None) -> Case:
+    config = shape.config()
     request = MoERequest(
         shape.weight_format,
         shape.activation_format,
@@ -111,6 +113,8 @@ def moe_case(name: str, shape: MoEShape, preset: str | None = None) -> Case:
         shape.hidden_size,
         shape.intermediate_size,
         shape.num_tokens,
+        config.expert_offset,
+        config.num_local_experts,
     )
     return Case(name, "moe_apply", request, shape, preset)
 
@@ -205,6 +209,20 @@ _MOE = [
     ("bf16-bf16-bias", M(7, 8, 2, 96, 128, weight_format="bf16")),
     ("bf16-bf16-nobias-precomputed", M(4, 4, 1, 128, 64, weight_format="bf16", has_bias=False,
                                        routing="precomputed")),
+    # Tensor-parallel shards are ordinary layers with a small I: GPT-OSS-120B's last TP 8 shard
+    # (192) and 7 scale groups (224), both padded by the kernels.
+    ("mxfp4-bf16-tp-shard-I192", M(7, 8, 2, 128, 192)),
+    ("mxfp4-bf16-tp-shard-I224-nobias", M(5, 8, 4, 128, 224, has_bias=False)),
+    # Expert parallel: a rank's middle and last experts (global ids; pairs of the other
+    # experts contribute nothing), logits and precomputed ids, the multi-kernel router.
+    ("mxfp4-bf16-ep-experts-2-4", M(9, 8, 2, 128, 128, expert_offset=2, num_local_experts=3)),
+    ("mxfp4-bf16-ep-last-precomputed", M(6, 8, 4, 128, 96, expert_offset=4, num_local_experts=4,
+                                         routing="precomputed")),
+    ("mxfp4-bf16-ep-70-tokens-E16", M(70, 16, 4, 128, 128, expert_offset=4,
+                                      num_local_experts=4)),
+    ("mxfp4-fp8-ep-first", M(5, 8, 2, 128, 128, activation_format="fp8", num_local_experts=3)),
+    ("bf16-bf16-ep-one-expert", M(7, 8, 2, 96, 128, weight_format="bf16", expert_offset=7,
+                                  num_local_experts=1)),
 ]  # fmt: skip
 
 _DEFAULT: dict[str, list[Case]] = {

@@ -90,22 +90,31 @@ def route_for_gemms(
     router_logits: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
     topk_ids: torch.Tensor | None = None,
+    expert_offset: int = 0,
     **options,
 ) -> tuple:
     """routing.route for the grouped GEMMs: ((weights, sorted pairs, tiles, tile count on the
     device, tile-count bound, top_k), the ids the combine checks). The forwards pass their
     routing keywords through: either router_logits [M, E] or precomputed topk_weights [M, k]
-    float32 + topk_ids [M, k] int32. Ids the router picks are always in range (None to check);
-    precomputed ones go to the combine, which skips the pairs routing left out.
-    options: route's launch_dependents, ready and prescale."""
-    weights, _, sorted_pairs, tiles, num_tiles, max_tiles = route(
+    float32 + topk_ids [M, k] int32. The prepared weights hold experts expert_offset ..
+    expert_offset + prepared["num_experts"] - 1 (all E, unless expert-parallel). Ids the router
+    picks are in range when it holds every expert (None to check); otherwise the ids go to
+    the combine, which skips the pairs routing left out. options: route's launch_dependents,
+    ready and prescale."""
+    local = prepared["num_experts"]
+    # A router's width is the global expert count; precomputed ids only need the local range.
+    num_experts = router_logits.shape[1] if router_logits is not None else expert_offset + local
+    weights, ids, sorted_pairs, tiles, num_tiles, max_tiles = route(
         router_logits,
         topk_weights,
         topk_ids,
         top_k=top_k,
-        num_experts=prepared["num_experts"],
+        num_experts=num_experts,
         block_m=block_m,
+        expert_offset=expert_offset,
+        num_local_experts=local,
         **options,
     )
     routing = (weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k)
-    return routing, (topk_ids if router_logits is None else None)
+    every_pair_local = router_logits is not None and local == num_experts
+    return routing, (None if every_pair_local else ids)

@@ -2,8 +2,9 @@
 
 GEMM2 already added the second bias and multiplied by the routing weight (bias first, as the
 contract says); this sums the k fp32 rows in a fixed order (deterministic) and rounds once.
-With precomputed ids, the rows of pairs whose id is outside [0, E) were never written (routing
-leaves them out): their rows are skipped, a compare on k ids per program.
+Where routing may have left pairs out (precomputed ids outside [0, E); with expert
+parallelism, ids of other ranks' experts) their rows were never written: they are skipped, a
+compare on k ids per program.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def _combine_kernel(
     y_ptr,
     out_ptr,
     ids_ptr,
+    E_OFF,
     E,
     H,
     stride_y,
@@ -43,7 +45,7 @@ def _combine_kernel(
     for j in tl.static_range(TOPK * SPLITS):
         row_ok = mask
         if CHECK_IDS:
-            expert = tl.load(ids_ptr + token * TOPK + j // SPLITS)
+            expert = tl.load(ids_ptr + token * TOPK + j // SPLITS) - E_OFF
             row_ok = mask & (expert >= 0) & (expert < E)
         row = token * (TOPK * SPLITS) + j
         acc += tl.load(y_ptr + row * stride_y + offs, mask=row_ok, other=0.0)
@@ -51,12 +53,21 @@ def _combine_kernel(
 
 
 def combine(
-    y, out, *, top_k: int, splits: int = 1, topk_ids=None, num_experts: int = 0, pdl=False
+    y,
+    out,
+    *,
+    top_k: int,
+    splits: int = 1,
+    topk_ids=None,
+    num_experts: int = 0,
+    expert_offset: int = 0,
+    pdl=False,
 ) -> None:
     """y [M * top_k * splits, H] float32 (`splits` consecutive partial rows per pair) -> out
-    [M, H] bfloat16. topk_ids [M, top_k] (precomputed ids): skip the pairs whose id is outside
-    [0, num_experts). pdl: launch with programmatic dependent launch (CUDA sm_90+), behind a
-    kernel that triggers it (wgmma_gemm_sm90's PDL)."""
+    [M, H] bfloat16. topk_ids [M, top_k] (global ids): skip the pairs whose id is outside
+    [expert_offset, expert_offset + num_experts), the experts routing grouped. pdl: launch with
+    programmatic dependent launch (CUDA sm_90+), behind a kernel that triggers it
+    (wgmma_gemm_sm90's PDL)."""
     M, H = out.shape
     if M == 0:
         return
@@ -67,6 +78,7 @@ def combine(
         y,
         out,
         topk_ids if topk_ids is not None else y,
+        expert_offset,
         num_experts,
         H,
         y.stride(0),

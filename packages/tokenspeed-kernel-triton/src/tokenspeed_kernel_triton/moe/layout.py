@@ -70,6 +70,7 @@ class PaddedMoEKernel:
             topk_ids=topk_ids,
             alpha=config.activation.alpha,
             limit=config.activation.limit,
+            expert_offset=config.expert_offset,
             **self.forward_options(config, tensors),
         )
 

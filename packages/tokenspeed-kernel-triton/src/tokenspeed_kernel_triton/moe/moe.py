@@ -81,13 +81,16 @@ def moe_forward(
     w2_input_scale: float | None = None,
     alpha: float = 1.702,
     limit: float = 7.0,
+    expert_offset: int = 0,
     **routing_inputs,
 ) -> torch.Tensor:
     """out [M, H] = sum_e r_e (W2[e] swiglu(W13[e] x + b13[e]) + b2[e]) for x [M, H] bf16.
 
     routing_inputs: router_logits= [M, E] (top-k, ties to the lower index, softmax over the k) or
     precomputed topk_weights= [M, k] float32 + topk_ids= [M, k] int32 (a pair whose id is
-    outside [0, E) contributes nothing: routing.py's module doc). FP8 activations: static
+    outside [0, E) contributes nothing: routing.py's module doc). Expert parallel: the
+    prepared weights are global experts expert_offset .. (ids stay global; pairs of experts
+    not held here contribute nothing). FP8 activations: static
     per-tensor input scales when given, else dynamic per-token (per pair for the second GEMM).
     """
     M = x.shape[0]
@@ -95,7 +98,9 @@ def moe_forward(
         return out
     platform = platform_of(x.device)
     config = pick_config(M * top_k, platform.vendor)
-    routing, ids_to_check = route_for_gemms(prepared, top_k, config.block_m, **routing_inputs)
+    routing, ids_to_check = route_for_gemms(
+        prepared, top_k, config.block_m, expert_offset=expert_offset, **routing_inputs
+    )
     fp8 = activation_format == "fp8"
     a_in, a_in_scale = quantize_rows(x, w13_input_scale) if fp8 else (x, None)
     common = dict(
@@ -116,7 +121,10 @@ def moe_forward(
     y = torch.empty(M * top_k, H, dtype=torch.float32, device=x.device)
     w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
     grouped_gemm(act, act_scale, *w2, y, routing, gemm1=False, k_valid=Ip, n_valid=H, **common)
-    combine(y, out, top_k=top_k, topk_ids=ids_to_check, num_experts=prepared["num_experts"])
+    combine(
+        y, out, top_k=top_k, topk_ids=ids_to_check, num_experts=prepared["num_experts"],
+        expert_offset=expert_offset,
+    )  # fmt: skip
     return out
 
 
@@ -191,6 +199,7 @@ def register() -> None:
             "activation_format": {"bf16", "fp8"},
             "routing": {"topk_softmax"},
             "bias": True,
+            "expert_parallel": True,
         },
         priority=100,
         supports=supports,

@@ -44,10 +44,11 @@ def moe_forward_sm90(
     out: torch.Tensor,
     alpha: float = 1.702,
     limit: float = 7.0,
+    expert_offset: int = 0,
     **routing_inputs,
 ) -> torch.Tensor:
-    """moe_forward (moe.py, the same routing_inputs) on Hopper for x [M, H] bf16 and weights
-    prepared in fragment order (layout.prepare_weights(..., word_order="fragment"))."""
+    """moe_forward (moe.py, the same routing_inputs and expert_offset) on Hopper for x [M, H] bf16
+    and weights prepared in fragment order (layout.prepare_weights(..., word_order="fragment"))."""
     # The SwiGLU intermediate: fp16 where prepare_weights laid w2 out to decode to fp16 (one MMA
     # per K step, and as accurate as bf16 hi + lo); else bf16 [hi | lo] halves.
     M = x.shape[0]
@@ -63,6 +64,7 @@ def moe_forward_sm90(
     # Post-scaling needs raw shift-decoded halves in both GEMMs.
     post_scalable = prepared["w13_decode"] == "bf16" and f16_intermediate
     config = pick_config(M * top_k, post_scalable)
+    routing_inputs = dict(routing_inputs, expert_offset=expert_offset)
     routing, ids_to_check, ready, x_exp, x_in = _route(x, prepared, top_k, config, routing_inputs)
     H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
     Ip = prepared["padded_intermediate_size"]
@@ -108,7 +110,7 @@ def moe_forward_sm90(
     # A token's rows: its top_k pairs, each in `splits` consecutive partial rows.
     combine(
         y, out, top_k=top_k, splits=splits, topk_ids=ids_to_check,
-        num_experts=prepared["num_experts"], pdl=config.pdl,
+        num_experts=prepared["num_experts"], expert_offset=expert_offset, pdl=config.pdl,
     )  # fmt: skip
     return out
 
@@ -193,6 +195,7 @@ def register() -> None:
             "activation_format": {"bf16"},
             "routing": {"topk_softmax"},
             "bias": True,
+            "expert_parallel": True,
         },
         priority=110,
         supports=supports,

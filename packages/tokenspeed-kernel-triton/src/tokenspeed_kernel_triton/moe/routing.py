@@ -11,12 +11,16 @@ batches use a top-k kernel over token blocks, a one-program histogram/align kern
 kernel whose atomics order rows within an expert arbitrarily (every GEMM row is computed
 independently of its neighbours, so results do not depend on that order).
 
-Out-of-range ids: a precomputed topk_ids entry outside [0, E) (-1 included) is left out of the
-counts and the sorted rows, so no GEMM reads an expert's weights for it and its pair
-contributes nothing (the combine skips it). The cost is an integer compare per pair where the
-pairs are counted and sorted. NaN router logits rank as +inf (as torch.topk ranks NaN above
-every number): the picked ids stay in [0, E), and a token with a NaN among its top-k gets NaN
-weights, as the reference softmax gives; one compare per logit.
+Expert parallelism: the layer holds experts expert_offset .. expert_offset + E_local - 1 of the E
+the router ranks (ids stay global); tiles name the local expert (id - expert_offset), and the
+counts, the tile table and its bound are sized for E_local.
+
+Out-of-range ids: a topk id outside the local range (another rank's expert, or a precomputed entry
+outside [0, E), -1 included) is left out of the counts and the sorted rows, so no GEMM reads an
+expert's weights for it and its pair contributes nothing (the combine skips it). The cost is an
+integer compare per pair where the pairs are counted and sorted. NaN router logits rank as +inf (as
+torch.topk ranks NaN above every number): the picked ids stay in [0, E), and a token with a NaN
+among its top-k gets NaN weights, as the reference softmax gives; one compare per logit.
 """
 
 from __future__ import annotations
@@ -101,13 +105,21 @@ def _topk_kernel(
 def _write_tiles(
     tiles_ptr,
     num_tiles_ptr,
+    sorted_ptr,
     counts,
     max_tiles,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     TILE_CHUNK: tl.constexpr,
 ):
-    """Tile table from per-expert counts; returns each expert's first sorted row."""
+    """Tile table from per-expert counts; returns each expert's first sorted row.
+
+    Every entry of the buffers is written, the unused ones with 0: the tiles past num_tiles and
+    the sorted rows no pair fills (an expert's last tile past its count, every tile past
+    num_tiles). The GEMMs read a whole tile's table entry and sorted rows before they know
+    whether the tile exists or where it ends (one load latency, not two in a row); those
+    reads must find written memory (compute-sanitizer initcheck). The real rows are stored
+    elsewhere (the caller's sort), never to these addresses: no ordering between the two."""
     experts = tl.arange(0, BLOCK_E)
     ntiles = (counts + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(ntiles, 0)
@@ -121,8 +133,13 @@ def _write_tiles(
         hit = experts[None, :] == e[:, None]
         row_end = tl.sum(tl.where(hit, (tile_begin * BLOCK_M + counts)[None, :], 0), axis=1)
         ok = t < total
-        tl.store(tiles_ptr + 2 * t, e, mask=ok)
-        tl.store(tiles_ptr + 2 * t + 1, row_end, mask=ok)
+        row_end = tl.where(ok, row_end, 0)
+        in_table = t < max_tiles
+        tl.store(tiles_ptr + 2 * t, tl.where(ok, e, 0), mask=in_table)
+        tl.store(tiles_ptr + 2 * t + 1, row_end, mask=in_table)
+        rows = t[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        padding = in_table[:, None] & (rows >= row_end[:, None])
+        tl.store(sorted_ptr + rows, tl.zeros([TILE_CHUNK, BLOCK_M], tl.int32), mask=padding)
     return tile_begin * BLOCK_M
 
 
@@ -156,6 +173,8 @@ def _route_small_kernel(
     exp_ptr,
     M,
     E,
+    E_OFF,
+    E_LOCAL,
     H,
     stride_lm,
     stride_x,
@@ -165,6 +184,7 @@ def _route_small_kernel(
     HAS_LOGITS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    BLOCK_EL: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_CHUNK: tl.constexpr,
@@ -201,16 +221,17 @@ def _route_small_kernel(
         tl.store(weights_ptr + offs, weights, mask=valid)
     else:
         ids = tl.load(ids_ptr + offs, mask=valid, other=0)
-        # An id outside [0, E) is no pair: not counted, never sorted (see the module doc).
-        valid = valid & (ids >= 0) & (ids < E)
+    # An id outside the local range is no pair here: not counted, never sorted (module doc).
+    ids = ids - E_OFF
+    valid = valid & (ids >= 0) & (ids < E_LOCAL)
     ids = tl.reshape(ids, [BLOCK_T * BLOCK_K])
     pairs = tl.reshape(offs, [BLOCK_T * BLOCK_K])
     valid = tl.reshape(valid, [BLOCK_T * BLOCK_K])
-    experts = tl.arange(0, BLOCK_E)
+    experts = tl.arange(0, BLOCK_EL)
     hit = (ids[:, None] == experts[None, :]) & valid[:, None]
     counts = tl.sum(hit.to(tl.int32), axis=0)
     row_begin = _write_tiles(
-        tiles_ptr, num_tiles_ptr, counts, max_tiles, BLOCK_M, BLOCK_E, TILE_CHUNK
+        tiles_ptr, num_tiles_ptr, sorted_ptr, counts, max_tiles, BLOCK_M, BLOCK_EL, TILE_CHUNK
     )
     # Stable rank within the expert: earlier pairs (lower index) of the same expert come first.
     same = (ids[:, None] == ids[None, :]) & valid[None, :] & (pairs[None, :] < pairs[:, None])
@@ -223,9 +244,11 @@ def _route_small_kernel(
 def _align_kernel(
     ids_ptr,
     num_pairs,
+    E_OFF,
     E,
     tiles_ptr,
     num_tiles_ptr,
+    sorted_ptr,
     cursor_ptr,
     max_tiles,
     BLOCK_M: tl.constexpr,
@@ -237,19 +260,19 @@ def _align_kernel(
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         ok = offs < num_pairs
-        ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+        ids = tl.load(ids_ptr + offs, mask=ok, other=0) - E_OFF
         counts += tl.histogram(ids, BLOCK_E, mask=ok & (ids >= 0) & (ids < E))
     row_begin = _write_tiles(
-        tiles_ptr, num_tiles_ptr, counts, max_tiles, BLOCK_M, BLOCK_E, TILE_CHUNK
+        tiles_ptr, num_tiles_ptr, sorted_ptr, counts, max_tiles, BLOCK_M, BLOCK_E, TILE_CHUNK
     )
     tl.store(cursor_ptr + tl.arange(0, BLOCK_E), row_begin)
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, num_pairs, E, cursor_ptr, sorted_ptr, CHUNK: tl.constexpr):
+def _scatter_kernel(ids_ptr, num_pairs, E_OFF, E, cursor_ptr, sorted_ptr, CHUNK: tl.constexpr):
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     ok = offs < num_pairs
-    ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+    ids = tl.load(ids_ptr + offs, mask=ok, other=0) - E_OFF
     ok = ok & (ids >= 0) & (ids < E)
     pos = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
     tl.store(sorted_ptr + pos, offs, mask=ok)
@@ -272,6 +295,8 @@ def route(
     top_k: int,
     num_experts: int,
     block_m: int,
+    expert_offset: int = 0,
+    num_local_experts: int | None = None,
     launch_dependents: bool = False,
     ready: torch.Tensor | None = None,
     prescale: tuple | None = None,
@@ -281,14 +306,17 @@ def route(
     with programmatic dependent launch start early; ready, int32 [>= max_tiles], is zeroed for
     the GEMMs' per-tile counters; prescale = (x [M, H] bf16, scaled [M, H] bf16, exponents [M]
     int32) also writes `_prescale_row` of each row of x into scaled and exponents.
-    router_logits [M, E] (or None with precomputed topk_weights [M, k] float32 and topk_ids
-    [M, k] int32). Returns (topk_weights, topk_ids, sorted_pairs [max_tiles * block_m] int32,
-    tiles [max_tiles, 2] int32 (expert, row_end), num_tiles [1] int32, max_tiles)."""
+    router_logits [M, E] (or None with precomputed topk_weights [M, k] float32 and topk_ids [M, k]
+    int32); num_experts = E (the logits' width), num_local_experts (None: E) of them from
+    expert_offset on held here: only their pairs are grouped. Returns (topk_weights, topk_ids,
+    sorted_pairs [max_tiles * block_m] int32, tiles [max_tiles, 2] int32 (expert, row_end),
+    num_tiles [1] int32, max_tiles)."""
     has_logits = router_logits is not None
     M = router_logits.shape[0] if has_logits else topk_ids.shape[0]
     device = router_logits.device if has_logits else topk_ids.device
     num_pairs = M * top_k
-    n_tiles = max_tiles(num_pairs, num_experts, block_m)
+    local = num_experts if num_local_experts is None else num_local_experts
+    n_tiles = max_tiles(num_pairs, local, block_m)
     if has_logits:
         topk_ids = torch.empty(M, top_k, dtype=torch.int32, device=device)
         topk_weights = torch.empty(M, top_k, dtype=torch.float32, device=device)
@@ -320,6 +348,8 @@ def route(
             exponents,
             M,
             num_experts,
+            expert_offset,
+            local,
             hidden,
             stride,
             x.stride(0) if prescale is not None else 0,
@@ -329,6 +359,7 @@ def route(
             HAS_LOGITS=has_logits,
             BLOCK_T=block_t,
             BLOCK_E=block_e,
+            BLOCK_EL=triton.next_power_of_2(local),
             BLOCK_K=block_k,
             BLOCK_M=block_m,
             TILE_CHUNK=tile_chunk,
@@ -342,7 +373,8 @@ def route(
         )
         return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
     grouping = (sorted_pairs, tiles, num_tiles, n_tiles, tile_chunk)
-    _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m, num_experts)
+    experts = (num_experts, expert_offset, local)
+    _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts)
     return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
 
 
@@ -359,11 +391,12 @@ def _check_one_program_options(num_pairs: int, n_tiles: int, ready, prescale) ->
         raise ValueError(f"route: prescale needs at most {FUSED_MAX_PAIRS} pairs, got {num_pairs}")
 
 
-def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m, num_experts):
+def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts):
     """route beyond FUSED_MAX_PAIRS pairs: top-k over token blocks (with logits), then the
     one-program histogram/align kernel and the scatter. grouping: (sorted_pairs, tiles,
-    num_tiles, tile-count bound, TILE_CHUNK)."""
+    num_tiles, tile-count bound, TILE_CHUNK); experts: (E, expert_offset, E_local)."""
     sorted_pairs, tiles, num_tiles, n_tiles, tile_chunk = grouping
+    num_experts, expert_offset, local = experts
     has_logits = router_logits is not None
     M, num_pairs = topk_ids.shape[0], topk_ids.shape[0] * top_k
     block_e = triton.next_power_of_2(num_experts)
@@ -385,21 +418,24 @@ def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m
             BLOCK_E=block_e,
             BLOCK_K=block_k,
         )
-    cursor = torch.empty(block_e, dtype=torch.int32, device=device)
+    block_el = triton.next_power_of_2(local)
+    cursor = torch.empty(block_el, dtype=torch.int32, device=device)
     _align_kernel[(1,)](
         topk_ids,
         num_pairs,
-        num_experts,
+        expert_offset,
+        local,
         tiles,
         num_tiles,
+        sorted_pairs,
         cursor,
         n_tiles,
         BLOCK_M=block_m,
-        BLOCK_E=block_e,
+        BLOCK_E=block_el,
         CHUNK=_CHUNK,
         TILE_CHUNK=tile_chunk,
         num_warps=16,
     )
     _scatter_kernel[(triton.cdiv(num_pairs, _CHUNK),)](
-        topk_ids, num_pairs, num_experts, cursor, sorted_pairs, CHUNK=_CHUNK
+        topk_ids, num_pairs, expert_offset, local, cursor, sorted_pairs, CHUNK=_CHUNK
     )
