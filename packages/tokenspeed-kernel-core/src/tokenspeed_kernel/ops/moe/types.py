@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ...validation import INT32_MAX
+
 WEIGHT_FORMATS = ("mxfp4", "fp8", "bf16")
 ACTIVATION_FORMATS = ("bf16", "fp8")
 ROUTINGS = ("topk_softmax",)
@@ -117,6 +119,9 @@ def _set_int(config: MoEConfig, name: str, *, minimum: int) -> None:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
         expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"MoEConfig: {name} is {value!r}, expected {expected}")
+    # Kernels take the sizes as 32-bit arguments.
+    if value > INT32_MAX:
+        raise ValueError(f"MoEConfig: {name} is {value!r}, expected an int <= {INT32_MAX}")
     object.__setattr__(config, name, int(value))  # numpy ints too, stored plain
 
 
