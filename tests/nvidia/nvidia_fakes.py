@@ -15,9 +15,9 @@ documented contract we map to; where the documentation is silent, the assumption
   logits = bmm1_scale * q.k over the cache's raw values, out = bmm2_scale * sum p v, window
   keys [L-1-W, L-1], sinks float32 [Hq]; out in q's dtype; seq_lens read as uint32.
 - FlashInfer `BatchAttentionWithAttentionSinkWrapper` (attention/_core.py + jit variants.py):
-  plan(qo_indptr, kv_indptr, kv_indices, last_page_len, Hq, Hkv, D, P, causal=, sm_scale=,
-  window_left=), run(q, (k, v), sink, sm_scale, out=, lse=, return_lse=); kv_len =
-  (pages - 1) * P + last_page_len; run needs q.shape[0] == qo_indptr[-1]; lse in base 2.
+  plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, Hq, Hkv, D, P,
+  causal=, sm_scale=, window_left=), run(q, (k, v), sink, sm_scale, out=, lse=, return_lse=);
+  kv_len = (pages - 1) * P + last_page_len; run needs q.shape[0] == qo_indptr[-1]; lse base 2.
 - FlashInfer `cutlass_fused_moe(use_w4_group_scaling=True)` (fused_moe/core.py, vLLM's Hopper
   test): fc1 rows [up; gate], e8m0 scales [E, K/128, N*4] (element (n, 4j+t) of [N, K/32] at
   (j, 4n+t)), bf16 biases, SwiGLU min(g, limit) * sigmoid(alpha g) * (clamp(u) + beta). The
@@ -235,28 +235,32 @@ class _SinkWrapper:
         self.planned = None
 
     def plan(
-        self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads,
-        head_dim, page_size, *, causal, sm_scale, window_left, q_data_type, kv_data_type,
+        self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+        num_qo_heads, num_kv_heads, head_dim_qk, page_size, *, causal, sm_scale, window_left,
+        q_data_type, kv_data_type,
     ):  # fmt: skip
-        for t in (qo_indptr, kv_indptr, kv_indices, last_page_len):
+        self.planned = dict(locals())
+        for t in (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len):
             assert t.dtype == torch.int32
         assert (window_left >= 0) == (self.init["window_left"] >= 0)
-        assert head_dim == self.init["head_dim"] and q_data_type == self.init["dtype"]
-        self.planned = dict(locals())
+        assert head_dim_qk == self.init["head_dim"] and q_data_type == self.init["dtype"]
         self.fake.calls.append(("plan", self.planned))
 
     def run(self, q, kv, sink, sm_scale, *, out, lse, return_lse):
         plan = self.planned
-        qo, kv_indptr = plan["qo_indptr"], plan["kv_indptr"]
+        qo, kv_indptr = plan["qo_indptr"], plan["paged_kv_indptr"]
         assert q.shape[0] == int(qo[-1]), "q.shape[0] does not match qo_indptr[-1]"
         assert sink.dtype == torch.float32 and (lse is not None) == return_lse
         k_pages, v_pages = kv
         page = plan["page_size"]
-        self.fake.calls.append(("run", dict(q=q, sink=sink, sm_scale=sm_scale, out=out)))
+        self.fake.calls.append(
+            ("run", dict(self=self, q=q, paged_kv_cache=kv, args=(sink, sm_scale), out=out,
+                         lse=lse, return_lse=return_lse))
+        )  # fmt: skip
         for b in range(qo.numel() - 1):
             rows = slice(int(qo[b]), int(qo[b + 1]))
-            ids = plan["kv_indices"][int(kv_indptr[b]) : int(kv_indptr[b + 1])]
-            length = (ids.numel() - 1) * page + int(plan["last_page_len"][b])
+            ids = plan["paged_kv_indices"][int(kv_indptr[b]) : int(kv_indptr[b + 1])]
+            length = (ids.numel() - 1) * page + int(plan["paged_kv_last_page_len"][b])
             keys = _paged_keys(k_pages, ids, length)
             vals = _paged_keys(v_pages, ids, length)
             o, row_lse = _attend(q[rows].to(F64), keys, vals, scale=sm_scale,

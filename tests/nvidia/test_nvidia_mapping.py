@@ -11,6 +11,7 @@ is a library whose real behaviour differs from its documentation: the GPU tests 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 
 import pytest
@@ -235,9 +236,9 @@ def test_sink_extend_page_list_and_one_wrapper(fi):
     plans = [c for name, c in fi.calls if name == "plan"]
     assert len(plans) == 2 and plans[0]["self"] is plans[1]["self"]  # one wrapper, re-planned
     plan = plans[-1]
-    assert plan["kv_indptr"].tolist() == [0, 3, 3]
-    assert plan["kv_indices"].tolist() == [3, 1, 5]  # 9 clamped into the 6 pages
-    assert plan["last_page_len"].tolist() == [1, 4]  # a length-0 sequence: (0 - 1) * 4 + 4
+    assert plan["paged_kv_indptr"].tolist() == [0, 3, 3]
+    assert plan["paged_kv_indices"].tolist() == [3, 1, 5]  # 9 clamped into the 6 pages
+    assert plan["paged_kv_last_page_len"].tolist() == [1, 4]  # a length-0 sequence: (0 - 1) * 4 + 4
     assert plan["qo_indptr"].tolist() == [0, 3, 4]
 
 
@@ -332,3 +333,82 @@ def test_trtllm_fp4_moe_preparation_and_call(fi):
     assert call["routing_method_type"] == 5 and call["intermediate_size"] == 256
     assert call["hidden_states"].shape == (3, 256) and call["output"].shape == (3, 256)
     assert (out == 0).all()  # the stand-in's zero output, cut back to H columns
+
+
+# --- the recorded calls against the installed libraries' real signatures ------------------------
+
+
+@pytest.fixture
+def real_flashinfer():
+    """The installed flashinfer (imported before a stand-in replaces it), else skip."""
+    if FLASHINFER.installed_version() is None:
+        pytest.skip("flashinfer-python is not installed here")
+    import importlib
+
+    return importlib.import_module("flashinfer")
+
+
+def _bind(real, call: dict) -> None:
+    """Raises TypeError if `real` does not take these arguments (names, required ones)."""
+    kwargs = dict(call)
+    args = kwargs.pop("args", ())
+    if "paged_kv_cache" in kwargs:  # run(self, q, paged_kv_cache, *args, ...)
+        inspect.signature(real).bind(kwargs.pop("self"), kwargs.pop("q"),
+                                     kwargs.pop("paged_kv_cache"), *args, **kwargs)  # fmt: skip
+    else:
+        inspect.signature(real).bind(**kwargs)
+
+
+def test_recorded_flashinfer_calls_bind_to_the_installed_library(real_flashinfer, fi):
+    decode = real_flashinfer.decode
+    real = {
+        "trtllm_batch_decode_with_kv_cache": decode.trtllm_batch_decode_with_kv_cache,
+        "cutlass_fused_moe": real_flashinfer.fused_moe.cutlass_fused_moe,
+        "trtllm_fp4_block_scale_routed_moe": (
+            real_flashinfer.fused_moe.trtllm_fp4_block_scale_routed_moe
+        ),
+        "plan": real_flashinfer.BatchAttentionWithAttentionSinkWrapper.plan,
+        "run": real_flashinfer.BatchAttentionWithAttentionSinkWrapper.run,
+    }
+    _call(xqa_decode.mha_decode_with_kvcache, _decode_args(lse=False))
+    test_sink_extend_page_list_and_one_wrapper(fi)
+    test_cutlass_moe_layout_and_call(fi)
+    test_trtllm_fp4_moe_preparation_and_call(fi)
+    checked = set()
+    for name, call in fi.calls:
+        if name in real:
+            _bind(
+                real[name],
+                {k: v for k, v in call.items() if k != "self" or name in ("plan", "run")},
+            )
+            checked.add(name)
+    assert checked == set(real)
+    for name in ("reorder_rows_for_gated_act_gemm", "shuffle_matrix_a", "shuffle_matrix_sf_a"):
+        assert callable(getattr(real_flashinfer, name))
+
+
+def test_recorded_fa3_call_names_exist_in_the_installed_op_schema(monkeypatch):
+    if not _real_fa3_available():
+        pytest.skip("tokenspeed-fa3 is not installed (or does not load) here")
+    schema = {a.name for a in torch.ops.flash_attn_3.fwd.default._schema.arguments}
+    fake = FakeFA3()
+    _install(monkeypatch, FA3, "flash_attn_interface", fake, "3.0.0.post20260810")
+    try:
+        _call(fa3_decode.mha_decode_with_kvcache, _decode_args())
+    finally:
+        FA3.reset()
+    names = set(fake.calls[-1]) - {"q", "k", "v"}
+    assert names <= schema, names - schema
+
+
+def _real_fa3_available() -> bool:
+    try:
+        import importlib.metadata
+
+        importlib.metadata.version("tokenspeed-fa3")
+        import importlib
+
+        importlib.import_module("flash_attn_interface")
+    except Exception:  # noqa: BLE001 - absent or unloadable: nothing to compare with
+        return False
+    return True

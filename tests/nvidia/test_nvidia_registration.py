@@ -234,7 +234,9 @@ def test_library_kernels_rank_below_ours_until_measured(op):
     specs = kernels(op)
     ours = [s.priority for s in specs if s.backend == "triton"]
     theirs = [s.priority for s in specs if s.backend in ("fa3", "flashinfer")]
-    assert theirs and ours and max(theirs) < min(ours)
+    if not ours:
+        pytest.skip("tokenspeed-kernel-triton is not installed here")
+    assert theirs and max(theirs) < min(ours)
 
 
 def test_traits_agree_with_the_installed_flashinfer_source():
