@@ -341,3 +341,34 @@ def test_cached_path_tracks_platforms_and_threads(fakes):
         release.set()
         worker.join()
     assert selector._open_scopes == 0
+
+
+class _FakeMoE:
+    weight_layout = "checkpoint"
+
+    def padded_sizes(self, config):
+        return config.hidden_size, config.intermediate_size
+
+
+def test_moe_plan_selects_by_measurement_and_says_so(fakes):
+    config = tk.MoEConfig(8, 2, 64, 64)
+    moe_traits = {"weight_format": tk.ANY, "activation_format": tk.ANY, "routing": tk.ANY}
+    for name, priority in (("tunetest.moe.slow", 99), ("tunetest.moe.fast", 1)):
+        tk.register_kernel(
+            "moe_apply", name=name, backend="tunetest", platforms=["*"],
+            traits={**moe_traits, "bias": True}, priority=priority,
+        )(_FakeMoE())  # fmt: skip
+    assert tk.moe_plan(config, device="cpu", max_num_tokens=16).kernel == "tunetest.moe.slow"
+    request = tk.ops.moe.api.request_for(config, 16)
+    times = {"tunetest.moe.slow": 20.0, "tunetest.moe.fast": 10.0}
+    registry.add_rankings(
+        _file([
+            {"op": "moe_apply", "key": rankings.request_key(request), "sizes": {"tokens": 16},
+             "times_us": times},
+        ]),
+        origin="moe.json",
+    )  # fmt: skip
+    plan = tk.moe_plan(config, device="cpu", max_num_tokens=16)
+    assert plan.kernel == "tunetest.moe.fast"
+    assert plan.reason.startswith(f"measured fastest on {CPU.name} for max_num_tokens 16")
+    assert plan.reason.endswith("(moe.json)")

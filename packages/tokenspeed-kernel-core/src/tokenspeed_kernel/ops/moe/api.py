@@ -83,6 +83,8 @@ def _reason(request, platform, selected: str) -> str:
     explanation = explain("moe_apply", request, platform)
     if explanation.forced:
         return f"forced ({explanation.forced})"
+    if explanation.measured is not None:
+        return str(explanation.measured)
     chosen = next(c for c in explanation.candidates if c.name == selected)
     passed = [
         c.name for c in explanation.candidates if not c.accepted and c.priority >= chosen.priority
