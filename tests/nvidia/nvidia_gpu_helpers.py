@@ -8,12 +8,15 @@ require those libraries; unset, a missing library skips its tests.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 
-from tokenspeed_kernel.testing import conformance_params
+from tokenspeed_kernel.registry import get_kernel
+from tokenspeed_kernel.testing import conformance_cases, conformance_params
+from tokenspeed_kernel.testing.cases import attention_case
 
 GPU_DTYPES = (torch.bfloat16, torch.float16)
 PRESET = "gpt-oss-120b"
@@ -30,8 +33,12 @@ def require(library) -> None:
     pytest.skip(verdict.reason)
 
 
-def kernel_params(op: str, kernel: str, *, dtypes=GPU_DTYPES, preset: bool = True):
-    """(spec, case) params of one kernel: the default cases in `dtypes`, then the preset's."""
+def kernel_params(op: str, kernel: str, *, dtypes=GPU_DTYPES, preset: bool = True, **replace):
+    """(spec, case) params of one kernel: the default cases in `dtypes`, then the preset's.
+    With `replace` (e.g. lse=False, q_lens=(1,) for a kernel without lse), every attention case
+    is rebuilt with those shape fields replaced, so such a kernel still meets every shape."""
+    if replace:
+        return _replaced_params(op, kernel, dtypes, preset, replace)
     params = conformance_params(op=op, kernel=kernel, dtypes=dtypes)
     if preset:
         params += [
@@ -41,4 +48,19 @@ def kernel_params(op: str, kernel: str, *, dtypes=GPU_DTYPES, preset: bool = Tru
             )
             if p.values[1].preset == PRESET
         ]
+    return params
+
+
+def _replaced_params(op, kernel, dtypes, preset, replace):
+    cases = conformance_cases(op, dtypes=dtypes)
+    if preset:
+        cases += [c for c in conformance_cases(op, preset=PRESET, dtypes=(torch.bfloat16,))
+                  if c.preset == PRESET]  # fmt: skip
+    spec = get_kernel(op, kernel)
+    suffix = "-".join(f"{k}={v}" for k, v in replace.items())
+    params = []
+    for case in cases:
+        shape = dataclasses.replace(case.shape, **replace)
+        new = attention_case(f"{case.name}[{suffix}]", op, shape, case.preset)
+        params.append(pytest.param(spec, new, id=f"{kernel}::{new.name}"))
     return params

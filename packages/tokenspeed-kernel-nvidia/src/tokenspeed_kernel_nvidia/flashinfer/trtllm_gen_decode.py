@@ -49,12 +49,13 @@ def mha_decode_with_kvcache(
     query = dense_last_dim(q[:, 0])
     out3 = out[:, 0]
     target = out3 if out3.stride(-1) == 1 else torch.empty_like(out3)
+    seq_lens = clamp_seqlens(cache_seqlens, page_table, page_size)
     flashinfer().decode.trtllm_batch_decode_with_kv_cache(
         query=query,
         kv_cache=(k_cache, v_cache),
         workspace_buffer=decode_workspace("trtllm_gen", q.device),
         block_tables=clamp_page_table(page_table, k_cache.shape[0]),
-        seq_lens=clamp_seqlens(cache_seqlens, page_table, page_size),
+        seq_lens=seq_lens,
         max_seq_len=page_table.shape[1] * page_size,
         bmm1_scale=softmax_scale * k_scale,
         bmm2_scale=v_scale,
@@ -65,6 +66,9 @@ def mha_decode_with_kvcache(
         backend="trtllm-gen",
         q_len_per_req=1,
     )
+    # A sequence with no key has output 0 in the contract (a sink has no value vector); the
+    # kernel divides by an empty row sum there, so those rows are set here (one small kernel).
+    target.masked_fill_(seq_lens.view(-1, 1, 1) == 0, 0.0)
     if target is not out3:
         out3.copy_(target)
 
