@@ -372,3 +372,48 @@ def test_moe_plan_selects_by_measurement_and_says_so(fakes):
     assert plan.kernel == "tunetest.moe.fast"
     assert plan.reason.startswith(f"measured fastest on {CPU.name} for max_num_tokens 16")
     assert plan.reason.endswith("(moe.json)")
+
+
+class _Selected(Exception):
+    pass
+
+
+def _public_call(op, args, kw):
+    """The public op call whose normalized kernel arguments `build_inputs` made."""
+    fp8 = args[2].dtype == torch.float8_e4m3fn
+    scales = dict(k_scale=kw["k_scale"], v_scale=kw["v_scale"]) if fp8 else {}
+    if op == "kvcache_store":
+        return lambda: tk.kvcache_store(*args, slot_mapping=kw["slot_mapping"], **scales)
+    common = dict(
+        window_left=kw["window_left"], sinks=kw["sinks"], softmax_scale=kw["softmax_scale"],
+        return_lse=kw["lse"] is not None, out=kw["out"],
+    )  # fmt: skip
+    if op == "mha_prefill":
+        ragged = dict(cu_seqlens=kw["cu_seqlens"], max_seqlen=kw["max_seqlen"])
+        return lambda: tk.mha_prefill(*args, causal=kw["causal"], **ragged, **common)
+    paged = dict(page_table=kw["page_table"], cache_seqlens=kw["cache_seqlens"], **scales)
+    if op == "mha_decode_with_kvcache":
+        return lambda: tk.mha_decode_with_kvcache(*args, **paged, **common)
+    ragged = dict(cu_seqlens_q=kw["cu_seqlens_q"], max_seqlen_q=kw["max_seqlen_q"])
+    return lambda: tk.mha_extend_with_kvcache(*args, **ragged, **paged, **common)
+
+
+@pytest.mark.parametrize("op", [op for op in tune.TUNED_OPS if op != "moe_apply"])
+def test_tune_buckets_are_the_requests_the_ops_build(op, monkeypatch):
+    """tune keys its entries by `bucketed_request(case)`: it must be exactly the request the
+    public op builds for that call, or a measured file would never match a real call."""
+    from tokenspeed_kernel.ops.attention import api
+    from tokenspeed_kernel.tools.workloads import bench_points, build_inputs
+
+    seen = []
+
+    def record(op_name, request, platform):
+        seen.append(request)
+        raise _Selected
+
+    monkeypatch.setattr(api, "select", record)
+    for point in bench_points(op, "tiny"):
+        with pytest.raises(_Selected):
+            _public_call(op, *build_inputs(point.case, torch.device("cpu")))()
+        assert seen[-1] == tune.bucketed_request(point.case), point.label
+    assert seen
