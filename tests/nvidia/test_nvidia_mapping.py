@@ -412,3 +412,36 @@ def _real_fa3_available() -> bool:
     except Exception:  # noqa: BLE001 - absent or unloadable: nothing to compare with
         return False
     return True
+
+
+def test_cutlass_moe_passes_one_workspace_where_the_library_takes_it(fi):
+    """FlashInfer 0.7 takes a caller-owned scratch buffer sized by
+    `cutlass_fused_moe_workspace_size`: allocated once per device and layer shape."""
+    sizes = []
+
+    def workspace_size(max_num_tokens, hidden, inter, experts, top_k, **kwargs):
+        sizes.append((max_num_tokens, hidden, inter, experts, top_k, kwargs))
+        return 4096
+
+    def cutlass_fused_moe_07(*, workspace_buffer=None, **kwargs):
+        fi.calls.append(("workspace", dict(buffer=workspace_buffer)))
+        return fi.cutlass_fused_moe(**kwargs)
+
+    fi.fused_moe.cutlass_fused_moe = cutlass_fused_moe_07
+    fi.fused_moe.cutlass_fused_moe_workspace_size = workspace_size
+    for _ in range(2):
+        test_cutlass_moe_layout_and_call(fi)
+    buffers = [c["buffer"] for name, c in fi.calls if name == "workspace"]
+    assert len(buffers) == 2 and buffers[0] is buffers[1] and buffers[0].numel() == 4096
+    assert len(sizes) == 1 and sizes[0][:5] == (8, 256, 128, 4, 2)
+    assert sizes[0][5]["use_w4_group_scaling"] and sizes[0][5]["weight_dtype"] == torch.uint8
+
+
+def test_cutlass_workspace_size_call_binds_to_the_installed_library(real_flashinfer):
+    size = getattr(real_flashinfer.fused_moe, "cutlass_fused_moe_workspace_size", None)
+    if size is None:
+        pytest.skip("this flashinfer allocates the CUTLASS MoE workspace itself (0.6.x)")
+    inspect.signature(size).bind(
+        8, 256, 128, 4, 2, x_dtype=torch.bfloat16, weight_dtype=torch.uint8,
+        use_w4_group_scaling=True, device=torch.device("cpu"),
+    )  # fmt: skip
