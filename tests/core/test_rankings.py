@@ -417,3 +417,20 @@ def test_tune_buckets_are_the_requests_the_ops_build(op, monkeypatch):
             _public_call(op, *build_inputs(point.case, torch.device("cpu")))()
         assert seen[-1] == tune.bucketed_request(point.case), point.label
     assert seen
+
+
+def test_tune_merge_measures_ops_over_several_runs(fakes, tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    first = ["tune", "--op", OP, "--kernels", "tunetest.*", "--iters", "3", "--out", str(out)]
+    assert cli.main(first) == 0
+    store = ["tune", "--op", "kvcache_store", "--iters", "3", "--out", str(out), "--merge"]
+    assert cli.main(store) == 0
+    assert f"kept 4 entries of other ops from {out}" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert {e["op"] for e in data["rankings"]} == {OP, "kvcache_store"}
+    merged = data["created"].pop("merged")
+    assert [sorted(m) for m in merged] == [sorted(data["created"])]  # the first run's record
+    data["platform"] = {"vendor": "nvidia", "arch": "sm_90", "name": "NVIDIA H100"}
+    out.write_text(json.dumps(data))
+    assert cli.main(store) == 2
+    assert "was measured on {'vendor': 'nvidia'" in capsys.readouterr().err

@@ -67,6 +67,12 @@ def add_parser(sub) -> None:
         metavar="FILE",
         help="rankings file to write (default: rankings-<arch>.json in the current directory)",
     )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the entries of ops not measured now from an existing --out file of this "
+        "platform (measure ops over several runs into one file)",
+    )
     p.add_argument("--warmup", type=int, help="warm-up calls (default: 10 GPU, 1 CPU)")
     p.add_argument("--iters", type=int, help="most timed runs (default: 100 GPU, 5 CPU)")
     p.add_argument(
@@ -99,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
     created.update(preset=preset, timing=timer.method, graphs=gpu, l2_flush=gpu)
     payload = rankings_payload(platform, measured, created)
     out = Path(args.out or f"rankings-{platform.arch}.json")
+    if args.merge and out.exists():
+        kept = merge_into(payload, rankings.load(out), ops)
+        print(f"kept {kept} entries of other ops from {out}")
     write_json(out, payload)
     rankings.load(out)  # what was written must load: the selector will read it
     _print(payload["rankings"])
@@ -251,6 +260,23 @@ def rankings_payload(
         created=created,
         rankings=entries,
     )
+
+
+def merge_into(payload: dict[str, Any], old: rankings.Source, ops) -> int:
+    """Add `old`'s entries for ops not in `ops` to `payload` (same platform only); returns
+    how many were kept. Each run's provenance is kept under created["merged"]."""
+    mine = {k: payload["platform"][k] for k in ("vendor", "arch", "name")}
+    theirs = {k: old.platform.get(k) for k in ("vendor", "arch", "name")}
+    if mine != theirs:
+        raise ValueError(
+            f"tune --merge: {old.origin} was measured on {theirs}, this is {mine}; "
+            "write to another file"
+        )
+    kept = [dict(e) for e in old.entries if e["op"] not in ops]
+    payload["rankings"] = kept + payload["rankings"]
+    earlier = {k: v for k, v in old.created.items() if k != "merged"}
+    payload["created"]["merged"] = [earlier, *old.created.get("merged", [])]
+    return len(kept)
 
 
 def _geomean(values: list[float]) -> float:
