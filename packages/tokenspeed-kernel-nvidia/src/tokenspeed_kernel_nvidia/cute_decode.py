@@ -5,16 +5,17 @@ Why: at B=1 a two-launch split/reduce decode sits about 2x above the copy floor;
 CTAs of one (sequence, KV head) each reduce a chunk of keys for all 8 query heads, and the
 last CTA to finish (an atomic counter) merges the chunks, so the merge costs no second launch.
 
-A CTA is 4 warps; warp w takes key tiles of 16 keys, w, w+4, ... of its chunk. Lane
-(kg = lane / 8, dc = lane % 8) holds the 8 heads' query slice q[g, 8dc:8dc+8] and reads 16
-bytes of K and of V per key for keys kg, kg+4, kg+8, kg+12 of a tile (one page per tile: the
-page size is a multiple of 16). Scores are reduced over the 8 lanes of a key group by
-shuffles; softmax runs online in the log2 domain per lane, then lanes, warps (shared memory)
-and chunks (global workspace) are merged with the same max/rescale rule. Keys past the
-sequence are read at the last visible key's address (never outside the visible cache) and
-weighted 0. The per-(sequence, KV head) counters live in a zeroed per-device buffer and are
-reset by the last CTA, so the kernel replays in CUDA graphs; two streams must not run this
-kernel on the same device at the same time (their counters would mix).
+A CTA is 4 warps; warp w takes key tiles of 16 keys, w, w+4, ... of its chunk (one page per
+tile: the page size is a multiple of 16). Scores and P@V run on tensor cores (mma.sync
+m16n8k16, the 8 heads in rows 0..7 of A) straight from registers, with no shared memory: the
+MMAs' reduction indices are permuted so that every lane's operands are 16 contiguous bytes
+of a K or V row (see the kernel's comments), and P's accumulator fragment is the next MMA's
+A fragment as it stands. Softmax runs online in the log2 domain; warps (shared memory) and
+chunks (global workspace) merge with the same max/rescale rule. Keys past the sequence are
+read at the last visible key's address (never outside the visible cache) and weighted 0.
+The per-(sequence, KV head) counters live in a zeroed per-device buffer that the last CTA
+resets, so the kernel replays in CUDA graphs; two streams must not run it on one device at
+the same time (their counters would mix).
 
 The DSL is needed only to compile (see `_cute_runtime`).
 """
@@ -42,7 +43,8 @@ LOG2E = math.log2(math.e)
 # Shared memory: the 4 warps' (m, l, o) for the CTA merge, the counter's old value, and
 # slack for the allocator's alignment.
 SMEM_BYTES = WARPS * GROUP * (HEAD_DIM + 2) * 4 + 16 + 1024
-# Enough CTAs to give every SM two (the kernel's registers allow about that many).
+# Two CTAs per SM: the kernel's 128 registers would allow four, but every extra chunk adds
+# to the last CTA's merge, which no other work overlaps.
 CTAS_PER_SM = 2
 MAX_COUNTERS = 1 << 18
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -55,6 +57,8 @@ def _dsl():
     import cutlass.cute as cute
     import cutlass.utils as utils
     from cutlass import Float32, Int32, Int64
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
 
     neg_inf = float("-inf")
 
@@ -74,30 +78,88 @@ def _dsl():
         page = scalar(page_table, Int64(b) * stride_pt + column)
         return Int64(cutlass.max(cutlass.min(page, num_pages - 1), 0))
 
-    def load_tile(buf, cache, page, stride_p, stride_s, head_off, kb, kg, hi, page_size):
-        """16 bytes of keys kb+kg, +4, +8, +12 (one page) into buf [4, 8]; keys past hi read
-        the last visible key, or slot 0 where the tile lies past it."""
+    def key_slot(key, hi, page_start):
+        """The page slot read for `key`: past the sequence, the last visible key, or slot 0
+        where the whole tile lies past it (never outside the page)."""
+        return Int64(cutlass.max(cutlass.min(key, hi - 1) - page_start, 0))
+
+    def load_k(buf, cache, page, kb, hi, g, head_off, stride_p, stride_s, page_size):
+        """Lane g's K rows of the two 8-key tiles (keys kb+g, kb+8+g): 16 dims, 8 words each."""
         page_start = kb - kb % page_size
         base = page * stride_p + head_off
-        for u in range(4):
-            slot = cutlass.max(cutlass.min(kb + kg + 4 * u, hi - 1) - page_start, 0)
-            buf[u, None].store(row(cache, base + Int64(slot) * stride_s, 8).load())
+        for j in range(2):
+            offset = base + key_slot(kb + 8 * j + g, hi, page_start) * stride_s
+            for half in range(2):
+                words = row(cache, offset + 4 * half, 4).load()
+                for i in range(4):
+                    buf[j, 4 * half + i] = words[i]
 
-    @cute.jit
-    def merge_lanes(m_r, l_r, acc, offset: cutlass.Constexpr):
-        """Merge each head's (m, l, acc) with the lane `offset` away (butterfly)."""
-        for g in cutlass.range_constexpr(GROUP):
-            m_o = cute.arch.shuffle_sync_bfly(m_r[g], offset)
-            l_o = cute.arch.shuffle_sync_bfly(l_r[g], offset)
-            m_new = cute.arch.fmax(m_r[g], m_o)
-            shift = shift_of(m_new)
-            a = cute.math.exp2(m_r[g] - shift, fastmath=True)
-            b = cute.math.exp2(m_o - shift, fastmath=True)
-            l_r[g] = l_r[g] * a + l_o * b
-            for j in cutlass.range_constexpr(8):
-                acc_o = cute.arch.shuffle_sync_bfly(acc[g, j], offset)
-                acc[g, j] = acc[g, j] * a + acc_o * b
-            m_r[g] = m_new
+    def load_v(buf, cache, page, kb, hi, t, head_off, stride_p, stride_s, page_size):
+        """Lane t's V rows (keys kb+2t, +1, kb+8+2t, +1): 8 dims, 4 words each."""
+        page_start = kb - kb % page_size
+        base = page * stride_p + head_off
+        for r in range(4):
+            key = kb + 2 * t + r % 2 + 8 * (r // 2)
+            words = row(cache, base + key_slot(key, hi, page_start) * stride_s, 4).load()
+            for i in range(4):
+                buf[r, i] = words[i]
+
+    @dsl_user_op
+    def mma(a0, a2, b0, b1, c0, c1, kind: str, *, loc=None, ip=None):
+        """One m16n8k16 tensor-core MMA whose A rows 8..15 are zero: (c0, c1) += row
+        lane/4 of A times columns 2*(lane%4) and +1 of B (fp32 accumulate)."""
+        operands = [x.ir_value(loc=loc, ip=ip) for x in (a0, a2, b0, b1, c0, c1)]
+        result = llvm.inline_asm(
+            llvm.StructType.get_literal([T.f32(), T.f32()]),
+            operands,
+            "{\n\t.reg .f32 z0, z1, z2, z3;\n\t.reg .b32 zr;\n\t"
+            "mov.b32 zr, 0;\n\tmov.b32 z0, 0;\n\tmov.b32 z1, 0;\n\t"
+            f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+            "{$0, $1, z2, z3}, {$2, zr, $3, zr}, {$4, $5}, {$6, $7, z0, z1};\n\t}",
+            "=f,=f,r,r,r,r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+        return (
+            Float32(llvm.extractvalue(T.f32(), result, [0], loc=loc, ip=ip)),
+            Float32(llvm.extractvalue(T.f32(), result, [1], loc=loc, ip=ip)),
+        )
+
+    @dsl_user_op
+    def pack(lo, hi, kind: str, *, loc=None, ip=None):
+        """Two fp32 values rounded to a 16-bit pair: lo in the low half."""
+        return Int32(
+            llvm.inline_asm(
+                T.i32(),
+                [hi.ir_value(loc=loc, ip=ip), lo.ir_value(loc=loc, ip=ip)],
+                f"cvt.rn.{kind}x2.f32 $0, $1, $2;",
+                "=r,f,f",
+                has_side_effects=False,
+                is_align_stack=False,
+                asm_dialect=llvm.AsmDialect.AD_ATT,
+                loc=loc,
+                ip=ip,
+            )
+        )
+
+    @dsl_user_op
+    def prmt(a, b, selector: int, *, loc=None, ip=None):
+        return Int32(
+            llvm.inline_asm(
+                T.i32(),
+                [a.ir_value(loc=loc, ip=ip), b.ir_value(loc=loc, ip=ip)],
+                f"prmt.b32 $0, $1, $2, {selector:#x};",
+                "=r,r,r",
+                has_side_effects=False,
+                is_align_stack=False,
+                asm_dialect=llvm.AsmDialect.AD_ATT,
+                loc=loc,
+                ip=ip,
+            )
+        )
 
     @cute.kernel
     def decode_kernel(
@@ -134,13 +196,15 @@ def _dsl():
         scale_log2: Float32,
         HAS_SINKS: cutlass.Constexpr,
         HAS_LSE: cutlass.Constexpr,
+        IS_BF16: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         split, h, b = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
-        kg = lane // 8
-        dc = lane % 8
+        g = lane // 4  # the query head of this lane's MMA rows (and its V dims 8g..8g+7)
+        t = lane % 4
+        kind = "bf16" if cutlass.const_expr(IS_BF16) else "f16"
         bh = Int64(b) * num_kv_heads + h
 
         seqlen = scalar(seqlens, Int64(b))
@@ -148,91 +212,99 @@ def _dsl():
         lo = split * chunk
         hi = cutlass.min(lo + chunk, seqlen)
 
-        qf = cute.make_rmem_tensor((GROUP, 8), Float32)
-        for g in cutlass.range_constexpr(GROUP):
-            q_off = Int64(b) * stride_qb + Int64(h * GROUP + g) * stride_qh + dc * 8
-            qv = row(q, q_off, 8).load().to(Float32)
-            for j in cutlass.range_constexpr(8):
-                qf[g, j] = qv[j] * scale_log2
-        m_r = cute.make_rmem_tensor(GROUP, Float32)
-        l_r = cute.make_rmem_tensor(GROUP, Float32)
-        acc = cute.make_rmem_tensor((GROUP, 8), Float32)
-        for g in cutlass.range_constexpr(GROUP):
-            m_r[g] = neg_inf
-            l_r[g] = 0.0
-            for j in cutlass.range_constexpr(8):
-                acc[g, j] = 0.0
+        # q, K and V are read as 32-bit words (strides in words). The MMA's reduction index
+        # is permuted so that each lane's operands are 16 contiguous dims of a row: in k-step
+        # ks, lane t's columns (2t, 2t+1, 2t+8, 2t+9) are dims 16t + 4ks + (0, 1, 2, 3). Q
+        # (A) and K (B) use the same permutation, so the dot products are unchanged.
+        qw = cute.make_rmem_tensor(8, Int32)
+        q_off = Int64(b) * stride_qb + Int64(h * GROUP + g) * stride_qh + t * 8
+        for half in cutlass.range_constexpr(2):
+            words = row(q, q_off + half * 4, 4).load()
+            for i in cutlass.range_constexpr(4):
+                qw[half * 4 + i] = words[i]
+        acc = cute.make_rmem_tensor((8, 2), Float32)
+        for nt in cutlass.range_constexpr(8):
+            acc[nt, 0] = 0.0
+            acc[nt, 1] = 0.0
+        m_run = Float32(neg_inf)
+        l_run = Float32(0.0)
 
-        # Software pipeline, per warp: K of the next tile and the page id of the one after
-        # are in flight while this tile computes; V is loaded at the top of its own tile and
-        # arrives during the scores. Every address is inside the cache: tiles past the
-        # sequence read the last visible key (or slot 0 of a clamped page) and weigh 0.
+        # Per warp, 16 keys an iteration (two 8-key QK tiles, one 16-key PV step); K of the
+        # next tile and the page id of the one after are in flight while this one computes,
+        # V is loaded at the top of its own tile and arrives during the scores.
         pages = cute.make_rmem_tensor(3, Int64)
-        k_cur = cute.make_rmem_tensor((4, 8), k_cache.value_type)
-        k_next = cute.make_rmem_tensor((4, 8), k_cache.value_type)
-        v_cur = cute.make_rmem_tensor((4, 8), v_cache.value_type)
-        s = cute.make_rmem_tensor((4, GROUP), Float32)
-        k_head = Int64(h) * stride_kh + dc * 8
-        v_head = Int64(h) * stride_vh + dc * 8
+        k_cur = cute.make_rmem_tensor((2, 8), Int32)
+        k_next = cute.make_rmem_tensor((2, 8), Int32)
+        v_cur = cute.make_rmem_tensor((4, 4), Int32)
+        ml = cute.make_rmem_tensor(2, Float32)
+        ml[0] = m_run
+        ml[1] = l_run
+        k_head = Int64(h) * stride_kh + t * 8
+        v_head = Int64(h) * stride_vh + g * 4
         kb0 = lo + warp * TILE
         step = WARPS * TILE
         pages[0] = page_of(page_table, b, stride_pt, kb0, page_size, max_pages, num_pages)
         pages[1] = page_of(page_table, b, stride_pt, kb0 + step, page_size, max_pages, num_pages)
-        load_tile(k_cur, k_cache, pages[0], stride_kp, stride_ks, k_head, kb0, kg, hi, page_size)
+        load_k(k_cur, k_cache, pages[0], kb0, hi, g, k_head, stride_kp, stride_ks, page_size)
         for kb in cutlass.range(kb0, hi, step, unroll=1):
-            load_tile(v_cur, v_cache, pages[0], stride_vp, stride_vs, v_head, kb, kg, hi, page_size)
-            load_tile(
-                k_next,
-                k_cache,
-                pages[1],
-                stride_kp,
-                stride_ks,
-                k_head,
-                kb + step,
-                kg,
-                hi,
+            load_v(v_cur, v_cache, pages[0], kb, hi, t, v_head, stride_vp, stride_vs, page_size)
+            load_k(
+                k_next, k_cache, pages[1], kb + step, hi, g, k_head, stride_kp, stride_ks,
                 page_size,
-            )
+            )  # fmt: skip
             pages[2] = page_of(
                 page_table, b, stride_pt, kb + 2 * step, page_size, max_pages, num_pages
             )
-            for u in cutlass.range_constexpr(4):
-                kf = k_cur[u, None].load().to(Float32)
-                for g in cutlass.range_constexpr(GROUP):
-                    dot = qf[g, 0] * kf[0]
-                    for j in cutlass.range_constexpr(1, 8):
-                        dot = dot + qf[g, j] * kf[j]
-                    dot = dot + cute.arch.shuffle_sync_bfly(dot, 1)
-                    dot = dot + cute.arch.shuffle_sync_bfly(dot, 2)
-                    dot = dot + cute.arch.shuffle_sync_bfly(dot, 4)
-                    visible = kb + kg + 4 * u < hi
-                    s[u, g] = Float32(cutlass.select_(visible, dot, Float32(neg_inf)))
-            v0 = v_cur[0, None].load().to(Float32)
-            v1 = v_cur[1, None].load().to(Float32)
-            v2 = v_cur[2, None].load().to(Float32)
-            v3 = v_cur[3, None].load().to(Float32)
-            for g in cutlass.range_constexpr(GROUP):
-                m_new = m_r[g]
-                for u in cutlass.range_constexpr(4):
-                    m_new = cute.arch.fmax(m_new, s[u, g])
-                shift = shift_of(m_new)
-                alpha = cute.math.exp2(m_r[g] - shift, fastmath=True)
-                p0 = cute.math.exp2(s[0, g] - shift, fastmath=True)
-                p1 = cute.math.exp2(s[1, g] - shift, fastmath=True)
-                p2 = cute.math.exp2(s[2, g] - shift, fastmath=True)
-                p3 = cute.math.exp2(s[3, g] - shift, fastmath=True)
-                l_r[g] = l_r[g] * alpha + (p0 + p1) + (p2 + p3)
-                for j in cutlass.range_constexpr(8):
-                    pv = p0 * v0[j] + p1 * v1[j] + p2 * v2[j] + p3 * v3[j]
-                    acc[g, j] = acc[g, j] * alpha + pv
-                m_r[g] = m_new
-            k_cur.store(k_next.load())
+            s = cute.make_rmem_tensor(4, Float32)
+            for j in cutlass.range_constexpr(2):
+                c0 = Float32(0.0)
+                c1 = Float32(0.0)
+                for ks in cutlass.range_constexpr(4):
+                    c0, c1 = mma(
+                        qw[2 * ks], qw[2 * ks + 1], k_cur[j, 2 * ks], k_cur[j, 2 * ks + 1],
+                        c0, c1, kind,
+                    )  # fmt: skip
+                key = kb + 8 * j + 2 * t
+                s[2 * j] = Float32(cutlass.select_(key < hi, c0 * scale_log2, Float32(neg_inf)))
+                s[2 * j + 1] = Float32(
+                    cutlass.select_(key + 1 < hi, c1 * scale_log2, Float32(neg_inf))
+                )
+            m_old = ml[0]
+            m_new = cute.arch.fmax(cute.arch.fmax(s[0], s[1]), cute.arch.fmax(s[2], s[3]))
+            m_new = cute.arch.fmax(m_new, m_old)
+            m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, 1))
+            m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, 2))
+            shift = shift_of(m_new)
+            alpha = cute.math.exp2(m_old - shift, fastmath=True)
+            p0 = cute.math.exp2(s[0] - shift, fastmath=True)
+            p1 = cute.math.exp2(s[1] - shift, fastmath=True)
+            p2 = cute.math.exp2(s[2] - shift, fastmath=True)
+            p3 = cute.math.exp2(s[3] - shift, fastmath=True)
+            ml[1] = ml[1] * alpha + (p0 + p1) + (p2 + p3)
+            ml[0] = m_new
+            # P as the A operand of the PV MMA: columns 2t, 2t+1 are keys kb+2t, +1 (tile 0);
+            # columns 2t+8, 2t+9 are keys kb+8+2t, +1 (tile 1). V (B) rows are the same keys;
+            # its column n of n-tile nt is dim 8n + nt, so lane g's 16 bytes of V feed it.
+            pa0 = pack(p0, p1, kind)
+            pa2 = pack(p2, p3, kind)
+            for nt in cutlass.range_constexpr(8):
+                selector = 0x5410 if nt % 2 == 0 else 0x7632
+                b0 = prmt(v_cur[0, nt // 2], v_cur[1, nt // 2], selector)
+                b1 = prmt(v_cur[2, nt // 2], v_cur[3, nt // 2], selector)
+                acc[nt, 0], acc[nt, 1] = mma(
+                    pa0, pa2, b0, b1, acc[nt, 0] * alpha, acc[nt, 1] * alpha, kind
+                )
+            for j in cutlass.range_constexpr(2):
+                for i in cutlass.range_constexpr(8):
+                    k_cur[j, i] = k_next[j, i]
             pages[0] = pages[1]
             pages[1] = pages[2]
 
-        # Lanes of the 4 key groups hold the same dims: merge them, then the 4 warps.
-        merge_lanes(m_r, l_r, acc, 8)
-        merge_lanes(m_r, l_r, acc, 16)
+        # The 4 lanes of a head hold partial row sums; lane (g, t) holds dims 16t + nt and
+        # 16t + 8 + nt of head g. Then the 4 warps merge through shared memory.
+        l_run = ml[1]
+        l_run = l_run + cute.arch.shuffle_sync_bfly(l_run, 1)
+        l_run = l_run + cute.arch.shuffle_sync_bfly(l_run, 2)
         smem = utils.SmemAllocator()
         sm_o = smem.allocate_tensor(
             Float32,
@@ -245,36 +317,35 @@ def _dsl():
             byte_alignment=16,
         )
         sm_flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
-        if kg == 0:
-            for g in cutlass.range_constexpr(GROUP):
-                for j in cutlass.range_constexpr(8):
-                    sm_o[warp, g, dc * 8 + j] = acc[g, j]
-                if dc == 0:
-                    sm_ml[warp, g, 0] = m_r[g]
-                    sm_ml[warp, g, 1] = l_r[g]
+        for nt in cutlass.range_constexpr(8):
+            sm_o[warp, g, 16 * t + nt] = acc[nt, 0]
+            sm_o[warp, g, 16 * t + 8 + nt] = acc[nt, 1]
+        if t == 0:
+            sm_ml[warp, g, 0] = ml[0]
+            sm_ml[warp, g, 1] = l_run
         cute.arch.sync_threads()
 
         part = (bh * num_splits + split) * GROUP
         if tidx < GROUP * 8:
-            g = tidx // 8
+            gg = tidx // 8
             d0 = (tidx % 8) * 8
-            m_cta = sm_ml[0, g, 0]
+            m_cta = sm_ml[0, gg, 0]
             for w in cutlass.range_constexpr(1, WARPS):
-                m_cta = cute.arch.fmax(m_cta, sm_ml[w, g, 0])
+                m_cta = cute.arch.fmax(m_cta, sm_ml[w, gg, 0])
             shift = shift_of(m_cta)
             l_cta = Float32(0.0)
             o = cute.make_rmem_tensor(8, Float32)
             for j in cutlass.range_constexpr(8):
                 o[j] = 0.0
             for w in cutlass.range_constexpr(WARPS):
-                scale = cute.math.exp2(sm_ml[w, g, 0] - shift, fastmath=True)
-                l_cta = l_cta + sm_ml[w, g, 1] * scale
+                scale = cute.math.exp2(sm_ml[w, gg, 0] - shift, fastmath=True)
+                l_cta = l_cta + sm_ml[w, gg, 1] * scale
                 for j in cutlass.range_constexpr(8):
-                    o[j] = o[j] + sm_o[w, g, d0 + j] * scale
-            row(part_o, (part + g) * HEAD_DIM + d0, 8).store(o.load())
+                    o[j] = o[j] + sm_o[w, gg, d0 + j] * scale
+            row(part_o, (part + gg) * HEAD_DIM + d0, 8).store(o.load())
             if tidx % 8 == 0:
-                cute.make_tensor(part_ml + (part + g) * 2, cute.make_layout(1))[0] = m_cta
-                cute.make_tensor(part_ml + (part + g) * 2 + 1, cute.make_layout(1))[0] = l_cta
+                cute.make_tensor(part_ml + (part + gg) * 2, cute.make_layout(1))[0] = m_cta
+                cute.make_tensor(part_ml + (part + gg) * 2 + 1, cute.make_layout(1))[0] = l_cta
         # Publish this chunk before counting it (threadFenceReduction's order).
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
@@ -295,24 +366,31 @@ def _dsl():
         g = tidx // 16
         d0 = (tidx % 16) * 4
         first = bh * num_splits * GROUP + g
-        m_all = Float32(neg_inf)
-        for sp in cutlass.range(num_splits, unroll=4):
-            m_sp = cute.arch.load(part_ml + (first + sp * GROUP) * 2, Float32, cop="cg")
-            m_all = cute.arch.fmax(m_all, m_sp)
-        shift = shift_of(m_all)
-        l_all = Float32(0.0)
+        # One pass, merging chunk by chunk: the loads of 8 chunks are independent and in
+        # flight together; only the running (m, l, o) chains.
+        run = cute.make_rmem_tensor(2, Float32)  # the running (m, l)
+        run[0] = neg_inf
+        run[1] = 0.0
         o = cute.make_rmem_tensor(4, Float32)
         for j in cutlass.range_constexpr(4):
             o[j] = 0.0
-        for sp in cutlass.range(num_splits, unroll=4):
+        for sp in cutlass.range(num_splits, unroll=8):
             at = first + sp * GROUP
             m_sp = cute.arch.load(part_ml + at * 2, Float32, cop="cg")
             l_sp = cute.arch.load(part_ml + at * 2 + 1, Float32, cop="cg")
-            scale = cute.math.exp2(m_sp - shift, fastmath=True)
-            l_all = l_all + l_sp * scale
+            o_sp = [
+                cute.arch.load(part_o + at * HEAD_DIM + d0 + j, Float32, cop="cg") for j in range(4)
+            ]
+            m_new = cute.arch.fmax(run[0], m_sp)
+            shift = shift_of(m_new)
+            a = cute.math.exp2(run[0] - shift, fastmath=True)
+            c = cute.math.exp2(m_sp - shift, fastmath=True)
+            run[1] = run[1] * a + l_sp * c
             for j in cutlass.range_constexpr(4):
-                o_sp = cute.arch.load(part_o + at * HEAD_DIM + d0 + j, Float32, cop="cg")
-                o[j] = o[j] + o_sp * scale
+                o[j] = o[j] * a + o_sp[j] * c
+            run[0] = m_new
+        m_all = run[0]
+        l_all = run[1]
         head = h * GROUP + g
         m_fin = m_all
         l_fin = l_all
@@ -377,13 +455,14 @@ def _dsl():
         stream,
         HAS_SINKS: cutlass.Constexpr,
         HAS_LSE: cutlass.Constexpr,
+        IS_BF16: cutlass.Constexpr,
     ):
         decode_kernel(
             q, k_cache, v_cache, page_table, seqlens, sinks, out, lse, part_o, part_ml,
             counters, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp,
             stride_vs, stride_vh, stride_pt, stride_ob, stride_oh, stride_lb, stride_lh,
             num_pages, max_pages, page_size, chunk, num_splits, num_kv_heads, scale_log2,
-            HAS_SINKS, HAS_LSE,
+            HAS_SINKS, HAS_LSE, IS_BF16,
         ).launch(
             grid=[num_splits, num_kv_heads, batch], block=[THREADS, 1, 1], stream=stream
         )  # fmt: skip
@@ -405,14 +484,16 @@ def _compile(dtype, sink_dtype, has_lse, arch) -> rt.Cubin:
     def ptr(torch_dtype, align):
         return make_ptr(types[torch_dtype], 0, cute.AddressSpace.gmem, assumed_align=align)
 
-    half = ptr(dtype, 16)
+    # q and the caches are read as 32-bit words (16-byte aligned rows, checked at launch).
+    words = ptr(torch.int32, 16)
     f32 = ptr(torch.float32, 16)
     i32 = ptr(torch.int32, 4)
     sinks = ptr(sink_dtype or torch.float32, 4)
-    pointers = [half, half, half, i32, i32, sinks, ptr(dtype, 8), ptr(torch.float32, 4), f32, f32]
-    pointers.append(i32)
+    pointers = [words, words, words, i32, i32, sinks, ptr(dtype, 8), ptr(torch.float32, 4)]
+    pointers += [f32, f32, i32]
     scalars = [cutlass.Int64(1)] * 13 + [cutlass.Int32(1)] * 7 + [cutlass.Float32(1.0)]
-    args = [*pointers, *scalars, make_fake_stream(), sink_dtype is not None, has_lse]
+    flags = [sink_dtype is not None, has_lse, dtype == torch.bfloat16]
+    args = [*pointers, *scalars, make_fake_stream(), *flags]
     return rt.compile_cubin(host, args, arch)
 
 
@@ -522,10 +603,11 @@ def mha_decode_with_kvcache(
         part_o.data_ptr(),
         part_ml.data_ptr(),
         _counters_for(q.device).data_ptr(),
-        q.stride(0),
-        q.stride(2),
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
+        # q and cache strides in 32-bit words (even: the alignment check above).
+        q.stride(0) // 2,
+        q.stride(2) // 2,
+        *(x // 2 for x in k_cache.stride()[:3]),
+        *(x // 2 for x in v_cache.stride()[:3]),
         page_table.stride(0),
         out.stride(0),
         out.stride(2),
