@@ -5,6 +5,7 @@ that fails when the rankings are ignored: priorities alone pick the slow kernel.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -335,12 +336,16 @@ def test_cached_path_tracks_platforms_and_threads(fakes):
     worker.start()
     inside.wait(5)
     try:
-        assert selector._open_scopes == 1
         assert selector.select(OP, request, h100).name == SLOW  # the other thread's override only
     finally:
         release.set()
         worker.join()
-    assert selector._open_scopes == 0
+    # A context copied inside a block (how asyncio starts a task) keeps its override after
+    # the block ends.
+    with tk.use_kernel(OP, FAST):
+        copied = contextvars.copy_context()
+    assert selector.select(OP, request, h100).name == SLOW
+    assert copied.run(selector.select, OP, request, h100).name == FAST
 
 
 class _FakeMoE:

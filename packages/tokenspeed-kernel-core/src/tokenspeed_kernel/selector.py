@@ -7,7 +7,8 @@ measured fastest where a ranking covers the request (`rankings.py`), else order 
 request it declared it cannot serve.
 
 The cached path (every op call) is one dict read per op keyed by the request, plus an
-identity test of the platform; rankings and overrides are resolved when the cache misses.
+identity test of the platform (plus the ContextVar read once `use_kernel` has been used);
+rankings are resolved when the cache misses.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ _cache: dict[tuple, KernelSpec] = {}
 # the identity test is exact, and another platform falls back to `_cache`.
 _last: dict[str, dict[Any, tuple[Platform, KernelSpec]]] = {}
 _cache_lock = threading.Lock()
-# `use_kernel` blocks open in any thread: while 0, select skips the ContextVar read.
-_open_scopes = 0
+# Whether `use_kernel` ever ran in this process: until it does, no context (thread, task, or
+# a context copied inside a block, which keeps the override after the block ends) can hold
+# an override, and select skips the ContextVar read.
+_scopes_used = False
 
 
 def _clear_cache() -> None:
@@ -78,8 +81,10 @@ class Explanation:
 
 def select(op: str, request: Any, platform: Platform) -> KernelSpec:
     """The kernel that serves `request` on `platform`; raises UnsupportedError if none."""
-    if _open_scopes or env.get(FORCE_ENV):
-        return _select_keyed(op, request, platform, forced_kernel(op))
+    if _scopes_used or env.get(FORCE_ENV):
+        forced = forced_kernel(op)
+        if forced is not None:
+            return _select_keyed(op, request, platform, forced)
     per_op = _last.get(op)  # dict reads are atomic: the hit path needs no lock
     if per_op is not None:
         hit = per_op.get(request)
@@ -206,14 +211,11 @@ def _parse_force(raw: str) -> dict[str, str]:
 @contextlib.contextmanager
 def use_kernel(op: str, name: str) -> Iterator[KernelSpec]:
     """Force kernel `name` for `op` inside the block (validated against each request)."""
-    global _open_scopes
+    global _scopes_used
     spec = registry.get_kernel(op, name)
-    with _cache_lock:
-        _open_scopes += 1
+    _scopes_used = True
     token = _scoped.set(_scoped.get() + ((op, name),))
     try:
         yield spec
     finally:
         _scoped.reset(token)
-        with _cache_lock:
-            _open_scopes -= 1
