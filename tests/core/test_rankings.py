@@ -439,3 +439,12 @@ def test_tune_merge_measures_ops_over_several_runs(fakes, tmp_path, capsys):
     out.write_text(json.dumps(data))
     assert cli.main(store) == 2
     assert "was measured on {'vendor': 'nvidia'" in capsys.readouterr().err
+
+
+def test_report_lists_the_rankings_in_use(fakes, capsys):
+    assert cli.main([]) == 0
+    assert "rankings: none (priorities decide" in capsys.readouterr().out
+    request = _decode(4)
+    registry.add_rankings(_file([_entry(request, {FAST: 1.0}, tokens=4)]), origin="x.json")
+    assert cli.main([]) == 0
+    assert f"rankings: x.json: cpu cpu {CPU.name}, 1 buckets" in capsys.readouterr().out

@@ -148,6 +148,7 @@ def _report(args: argparse.Namespace) -> int:
     print(f"platform: {describe_platform(platform)}")
     print()
     _plugins(args)
+    _rankings()
     print()
     _list(args, traits=False)
     preset = get_preset(args.preset)
@@ -238,6 +239,21 @@ def _plugins(args: argparse.Namespace) -> int:
             what = f"skipped ({r.detail})"
         print(f"  {r.name:<10} {r.target:<50} {what}")
     return 1 if args.command == "plugins" and any(r.status == "failed" for r in results) else 0
+
+
+def _rankings() -> None:
+    from . import rankings  # noqa: PLC0415
+
+    sources = rankings.sources()
+    if not sources:
+        print(
+            "rankings: none (priorities decide; `tokenspeed-kernel tune` measures, "
+            f"{rankings.RANKINGS_ENV}=FILE uses what it wrote)"
+        )
+    for source in sources:
+        p = source.platform
+        where = " ".join(x for x in (p["vendor"], p["arch"], p.get("name")) if x)
+        print(f"rankings: {source.origin}: {where}, {len(source.entries)} buckets")
 
 
 def _list(args: argparse.Namespace, traits: bool = True) -> int:
