@@ -300,7 +300,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     record.add_record_argument(parser)
     args = parser.parse_args()
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    # An indexed device, as tensors report it: platform_of caches one Platform per device key.
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     rows = measure(device, args.calls, args.repeats)
     name = record.device_name()
     cpu = f"host CPU {host.processor() or host.machine()} ({os.cpu_count()} cores)"
