@@ -30,17 +30,20 @@ NUM_BLOCKS = 24
 FP8 = torch.float8_e4m3fn
 
 
-def make_layer(vllm_config, *, sliding_window, kv_cache_dtype="bfloat16", sinks=True):
+def make_layer(vllm_config, *, sliding_window, kv_cache_dtype="bfloat16", sinks=True,
+               heads=(HQ, HKV), device="cpu"):  # fmt: skip
     """vLLM's own Attention layer (as GPT-OSS builds it) with our backend. The cache dtype is
     named: "auto" means the model config's dtype, and these tests build no model config."""
     vllm_config.cache_config.block_size = PAGE
     cache_config = CacheConfig(block_size=PAGE, cache_dtype=kv_cache_dtype)
-    sink_param = torch.nn.Parameter(torch.randn(HQ) * 2, requires_grad=False) if sinks else None
+    hq, hkv = heads
+    sink_values = (torch.randn(hq) * 2).to(device)
+    sink_param = torch.nn.Parameter(sink_values, requires_grad=False) if sinks else None
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # vLLM builds models under the model dtype
     try:
         layer = Attention(
-            HQ, D, D**-0.5, num_kv_heads=HKV, cache_config=cache_config,
+            hq, D, D**-0.5, num_kv_heads=hkv, cache_config=cache_config,
             per_layer_sliding_window=sliding_window, prefix="model.layers.0.attn",
             sinks=sink_param, attn_backend=TokenspeedAttentionBackend,
         )  # fmt: skip
@@ -50,18 +53,18 @@ def make_layer(vllm_config, *, sliding_window, kv_cache_dtype="bfloat16", sinks=
     return layer
 
 
-def allocate_cache(layer, vllm_config):
+def allocate_cache(layer, vllm_config, num_blocks, device):
     """The cache as vLLM's GPU runner makes it: a raw byte buffer of the layer's spec,
     reshaped by vLLM's own _reshape_attention_kv_cache to our get_kv_cache_shape."""
     spec = layer.get_kv_cache_spec(vllm_config)
     assert spec.block_size == PAGE
-    raw = torch.zeros(NUM_BLOCKS * spec.page_size_bytes, dtype=torch.int8)
+    raw = torch.zeros(num_blocks * spec.page_size_bytes, dtype=torch.int8, device=device)
     shape = TokenspeedAttentionBackend.get_kv_cache_shape(
-        NUM_BLOCKS, PAGE, HKV, D, cache_dtype_str=layer.kv_cache_dtype
+        num_blocks, PAGE, layer.num_kv_heads, D, cache_dtype_str=layer.kv_cache_dtype
     )
-    kv_cache = _reshape_attention_kv_cache(raw, spec, shape, tuple(range(5)), NUM_BLOCKS, None)
+    kv_cache = _reshape_attention_kv_cache(raw, spec, shape, tuple(range(5)), num_blocks, None)
     # Finite garbage in every slot: only the written ones may matter.
-    garbage = torch.randn(kv_cache.shape)
+    garbage = torch.randn(kv_cache.shape, device=device)
     kv_cache.copy_(garbage.to(FP8).view(torch.uint8) if kv_cache.dtype == torch.uint8 else garbage)
     return spec, kv_cache
 
@@ -80,16 +83,18 @@ class Request:
 class Engine:
     """Plays vLLM's model runner for one layer: slots, block tables, metadata, the two calls."""
 
-    def __init__(self, layer, vllm_config, num_requests, *, sliding_window):
+    def __init__(self, layer, vllm_config, num_requests, *, sliding_window,
+                 num_blocks=NUM_BLOCKS, device="cpu"):  # fmt: skip
         self.layer, self.impl = layer, layer.impl
         # vLLM's window counts the query: it sees itself and sliding_window - 1 keys before.
         self.window_left = -1 if sliding_window is None else sliding_window - 1
-        self.spec, self.kv_cache = allocate_cache(layer, vllm_config)
+        self.device, self.hq, self.hkv = torch.device(device), layer.num_heads, layer.num_kv_heads
+        self.spec, self.kv_cache = allocate_cache(layer, vllm_config, num_blocks, device)
         self.builder = TokenspeedAttentionMetadataBuilder(
-            self.spec, [layer.layer_name], vllm_config, torch.device("cpu")
+            self.spec, [layer.layer_name], vllm_config, self.device
         )
-        blocks = torch.randperm(NUM_BLOCKS).tolist()  # pages in no particular order
-        per = NUM_BLOCKS // num_requests
+        blocks = torch.randperm(num_blocks).tolist()  # pages in no particular order
+        per = num_blocks // num_requests
         self.requests = [Request(blocks[i * per : (i + 1) * per]) for i in range(num_requests)]
 
     def step(self, batch: list[tuple[int, int]], *, padding: int = 0, exact_bound: bool = True):
@@ -97,9 +102,10 @@ class Engine:
         Returns (output, metadata, expected float64 output)."""
         lens = [n for _, n in batch]
         total = sum(lens)
-        q = torch.randn(total + padding, HQ, D).to(torch.bfloat16)
-        k = torch.randn(total + padding, HKV, D).to(torch.bfloat16)
-        v = torch.randn(total + padding, HKV, D).to(torch.bfloat16)
+        dev = self.device
+        q = torch.randn(total + padding, self.hq, D, device=dev).to(torch.bfloat16)
+        k = torch.randn(total + padding, self.hkv, D, device=dev).to(torch.bfloat16)
+        v = torch.randn(total + padding, self.hkv, D, device=dev).to(torch.bfloat16)
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
@@ -109,35 +115,36 @@ class Engine:
             for i in range(n):
                 pos = req.length
                 slots.append(req.blocks[pos // PAGE] * PAGE + pos % PAGE)
-                req.k.append(k[s + i])
-                req.v.append(v[s + i])
+                req.k.append(k[s + i].cpu())
+                req.v.append(v[s + i].cpu())
             seq_lens.append(req.length)
-        slot_mapping = torch.tensor(slots + [-1] * padding, dtype=torch.int64)
+        slot_mapping = torch.tensor(slots + [-1] * padding, dtype=torch.int64, device=dev)
         width = max(len(self.requests[r].blocks) for r, _ in batch)
-        table = torch.tensor([self.requests[r].blocks[:width] for r, _ in batch], dtype=torch.int32)
+        table = [self.requests[r].blocks[:width] for r, _ in batch]
+        table = torch.tensor(table, dtype=torch.int32, device=dev)
         query_start = torch.tensor(starts, dtype=torch.int32)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
         common = CommonAttentionMetadata(
-            query_start_loc=query_start, query_start_loc_cpu=query_start.clone(),
-            seq_lens=seq_lens_t, num_reqs=len(batch), num_actual_tokens=total,
+            query_start_loc=query_start.to(dev), query_start_loc_cpu=query_start,
+            seq_lens=seq_lens_cpu.to(dev), num_reqs=len(batch), num_actual_tokens=total,
             max_query_len=max(lens), max_seq_len=max(seq_lens), block_table_tensor=table,
             slot_mapping=slot_mapping,
-            seq_lens_cpu_upper_bound=seq_lens_t.clone() if exact_bound else None,
+            seq_lens_cpu_upper_bound=seq_lens_cpu if exact_bound else None,
         )  # fmt: skip
         self.impl.do_kv_cache_update(self.layer, k, v, self.kv_cache, slot_mapping)
         metadata = self.builder.build(0, common)
         sentinel = 123.0
-        out = torch.full((total + padding, HQ, D), sentinel, dtype=torch.bfloat16)
+        out = torch.full((total + padding, self.hq, D), sentinel, dtype=torch.bfloat16, device=dev)
         self.impl.forward(self.layer, q, k, v, self.kv_cache, metadata, out)
         assert (out[total:] == sentinel).all(), "rows past num_actual_tokens were written"
         fresh = metadata.prefill is not None and metadata.prefill.fresh
         decode_rows = metadata.num_decode_tokens
         # A fresh prefill attends over the keys passed in; every other row reads the cache.
         expected = torch.cat([
-            self.expected(q[s : s + n], self.requests[r], exact=fresh and s >= decode_rows)
+            self.expected(q[s : s + n].cpu(), self.requests[r], exact=fresh and s >= decode_rows)
             for (r, n), s in zip(batch, starts[:-1], strict=True)
         ])  # fmt: skip
-        return out[:total], metadata, expected
+        return out[:total].cpu(), metadata, expected
 
     def expected(self, q, req: Request, *, exact: bool) -> torch.Tensor:
         """float64 attention of q [n, Hq, D], the last n positions of `req`. `exact`: the keys
@@ -148,8 +155,9 @@ class Engine:
             ks, vs = self.layer._k_scale_float, self.layer._v_scale_float
             k = (k / ks).to(FP8).double() * ks
             v = (v / vs).to(FP8).double() * vs
+        sinks = None if self.impl.sinks is None else self.impl.sinks.cpu()
         return reference_attention(
-            q.double(), k, v, window_left=self.window_left, sinks=self.layer.impl.sinks,
+            q.double(), k, v, window_left=self.window_left, sinks=sinks,
             scale=D**-0.5,
         )  # fmt: skip
 

@@ -6,6 +6,8 @@ at tensor-parallel shards (uneven and padded ones included) and expert-parallel 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM 0.26: run bash scripts/test_vllm_plugin.sh")
@@ -40,13 +42,14 @@ def parallel_config(*, tp=1, tp_rank=0, ep=1, ep_rank=0) -> FusedMoEParallelConf
     )  # fmt: skip
 
 
-def fused_moe_config(par, *, num_experts, top_k, hidden, intermediate, **overrides):
+def fused_moe_config(par, *, num_experts, top_k, hidden, intermediate, device="cpu",
+                     **overrides):  # fmt: skip
     """The FusedMoEConfig vLLM's FusedMoE builds for GPT-OSS's MLPBlock on this rank."""
     args = dict(
         num_experts=num_experts, experts_per_token=top_k, hidden_dim=hidden,
         intermediate_size=intermediate,
         num_local_experts=num_experts // par.ep_size, num_logical_experts=num_experts,
-        activation=MoEActivation.SWIGLUOAI, device="cpu",
+        activation=MoEActivation.SWIGLUOAI, device=device,
         routing_method=RoutingMethodType.RenormalizeNaive, moe_parallel_config=par,
         in_dtype=torch.bfloat16, has_bias=True,
     )  # fmt: skip
@@ -100,20 +103,23 @@ def gpt_oss_slices(ckpt, *, intermediate, tp, tp_rank, ep, ep_rank):
 
 
 def rank_layer(ckpt, *, num_experts, top_k, hidden, intermediate, tp=1, tp_rank=0, ep=1,
-               ep_rank=0):  # fmt: skip
+               ep_rank=0, device="cpu"):  # fmt: skip
     """vLLM's RoutedExperts for one rank with our quant config, loaded and processed."""
     par = parallel_config(tp=tp, tp_rank=tp_rank, ep=ep, ep_rank=ep_rank)
     moe = fused_moe_config(
-        par, num_experts=num_experts, top_k=top_k, hidden=hidden, intermediate=intermediate
-    )
+        par, num_experts=num_experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
+        device=device,
+    )  # fmt: skip
     experts = ExpertMapManager(
         max_num_batched_tokens=64, top_k=top_k, global_num_experts=num_experts,
         num_redundant_experts=0, num_expert_group=None, moe_parallel_config=par,
         placement_strategy="linear", enable_eplb=False,
     )  # fmt: skip
-    layer = RoutedExperts(
-        "model.layers.0.mlp.experts", torch.bfloat16, moe, TokenspeedGptOssMxfp4Config(), experts
-    )
+    with torch.device(device):  # vLLM builds the model under its device
+        layer = RoutedExperts(
+            "model.layers.0.mlp.experts", torch.bfloat16, moe, TokenspeedGptOssMxfp4Config(),
+            experts,
+        )  # fmt: skip
     assert isinstance(layer.quant_method, TokenspeedGptOssMxfp4MoEMethod)
     slices = gpt_oss_slices(
         ckpt, intermediate=intermediate, tp=tp, tp_rank=tp_rank, ep=ep, ep_rank=ep_rank
@@ -127,29 +133,34 @@ def rank_layer(ckpt, *, num_experts, top_k, hidden, intermediate, tp=1, tp_rank=
 
 
 def whole_layer_reference(ckpt, x, logits, *, num_experts, top_k, hidden, intermediate):
+    """The core reference kernel on the whole (unsharded) layer, on x's device."""
     config = tk.MoEConfig(num_experts, top_k, hidden, intermediate)
+    w = {name: t.to(x.device) for name, t in ckpt.items()}
     with tk.use_kernel("moe_apply", REFERENCE):
-        plan = tk.moe_plan(config, device="cpu", max_num_tokens=x.shape[0])
-    weights = tk.MoEWeights(
-        w13=ckpt["w13_weight"], w13_scale=ckpt["w13_weight_scale"], w2=ckpt["w2_weight"],
-        w2_scale=ckpt["w2_weight_scale"], w13_bias=ckpt["w13_bias"], w2_bias=ckpt["w2_bias"],
-    )  # fmt: skip
-    return tk.moe_apply(plan, x, tk.moe_prepare_weights(plan, weights), logits).float()
+        plan = tk.moe_plan(config, device=x.device, max_num_tokens=x.shape[0])
+        weights = tk.MoEWeights(
+            w13=w["w13_weight"], w13_scale=w["w13_weight_scale"], w2=w["w2_weight"],
+            w2_scale=w["w2_weight_scale"], w13_bias=w["w13_bias"], w2_bias=w["w2_bias"],
+        )  # fmt: skip
+        return tk.moe_apply(plan, x, tk.moe_prepare_weights(plan, weights), logits).float()
 
 
-def run_ranks(shape, *, tp=1, ep=1, num_tokens=9, seed=0):
-    """(sum of the ranks' outputs, whole-layer reference, the ranks' layers)."""
+def run_ranks(shape, *, tp=1, ep=1, num_tokens=9, seed=0, device="cpu", kernel=REFERENCE):
+    """(sum of the ranks' outputs, whole-layer reference, the ranks' layers). `kernel`: the
+    MoE kernel the ranks are forced to (None: the selector's choice)."""
     generator = torch.Generator().manual_seed(seed)
     ckpt = checkpoint(shape["num_experts"], shape["hidden"], shape["intermediate"], generator)
     x = torch.randn(num_tokens, shape["hidden"], generator=generator).to(torch.bfloat16)
     logits = torch.randn(num_tokens, shape["num_experts"], generator=generator)
-    logits = logits.to(torch.bfloat16)
-    total = torch.zeros(num_tokens, shape["hidden"])
+    x, logits = x.to(device), logits.to(torch.bfloat16).to(device)
+    total = torch.zeros(num_tokens, shape["hidden"], device=device)
     layers = []
-    with tk.use_kernel("moe_apply", REFERENCE):  # the Triton interpreter would take minutes
+    # On the CPU the Triton interpreter would take minutes: the reference serves there.
+    forced = tk.use_kernel("moe_apply", kernel) if kernel else contextlib.nullcontext()
+    with forced:
         for rank in range(max(tp, ep)):
             ranks = dict(tp=tp, tp_rank=rank if tp > 1 else 0, ep=ep, ep_rank=rank if ep > 1 else 0)
-            layer = rank_layer(ckpt, **shape, **ranks)
+            layer = rank_layer(ckpt, **shape, **ranks, device=device)
             total += layer.quant_method.apply_monolithic(layer, x, logits).float()
             layers.append(layer)
     return total, whole_layer_reference(ckpt, x, logits, **shape), layers
