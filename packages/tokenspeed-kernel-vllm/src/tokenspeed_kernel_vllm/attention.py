@@ -280,6 +280,9 @@ class TokenspeedAttentionMetadataBuilder(AttentionMetadataBuilder[TokenspeedAtte
 
 
 class TokenspeedAttentionImpl(AttentionImpl[TokenspeedAttentionMetadata]):
+    # Decode context parallelism merges shards by their lse, which forward does not return.
+    supports_dcp: bool = False
+
     def __init__(
         self,
         num_heads: int,
