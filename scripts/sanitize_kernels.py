@@ -1,55 +1,152 @@
 """Run every GPU kernel registered here once per conformance case, for compute-sanitizer.
 
-    bash scripts/sanitize.sh [--op OP] [--preset gpt-oss-120b] [--max-cases N]
+    bash scripts/sanitize.sh            # the whole sweep: memcheck, racecheck, initcheck
+    python scripts/sanitize_kernels.py [--op OP] [--preset gpt-oss-120b] [--max-cases N]
+        [--budget-s S]
+    python scripts/sanitize_kernels.py --summarize LOG...   # findings table of sanitizer logs
 
 Each kernel that accepts this GPU runs the op's shared cases (odd sizes, one token, empty
-sequences, page size 1, FP8 caches, ...) and, with --preset, a model's real shapes; outputs are
-compared with the reference so a sanitizer-clean but wrong kernel still fails. Exit status 1 if
-any comparison failed; the sanitizer's own exit code reports memory errors and races.
+sequences, page size 1, FP8 caches, ...) and, with --preset, a model's real shapes first
+(for gpt-oss-120b also MoE at M = 64, the one-program router's largest batch, and at 5 and
+300 tokens, odd batches on both routers); outputs are compared with the reference so a
+sanitizer-clean but wrong kernel still fails. Each run prints a `case:` line before it starts,
+so the summary attributes every sanitizer report to the kernel and case that produced it.
+--budget-s stops starting new runs after that many seconds (the ones left are counted as
+skipped), so a slow tool still finishes in a known time. Exit status 1 if any comparison
+failed; the sanitizer's own exit code reports memory errors and races.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import re
 import sys
 import time
-
-import torch
-
-from tokenspeed_kernel.platform import platform_of
-from tokenspeed_kernel.registry import kernels, op_names
-from tokenspeed_kernel.testing import case_support, conformance_cases, run_case
+from pathlib import Path
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", choices=op_names(), action="append")
-    parser.add_argument("--preset", help="add this model's real shapes (e.g. gpt-oss-120b)")
-    parser.add_argument("--max-cases", type=int, default=0, help="per kernel; 0 = all")
-    args = parser.parse_args()
+def extra_cases(op: str, preset: str | None):
+    """MoE shapes the preset's cases leave out: M = 64 at GPT-OSS-120B (128 experts, top-4,
+    H = I = 2880) and odd batches (5, 300 tokens) on both router paths."""
+    if op != "moe_apply" or preset != "gpt-oss-120b":
+        return []
+    from tokenspeed_kernel.testing.cases import moe_case
+    from tokenspeed_kernel.testing.inputs import MoEShape
+
+    return [
+        moe_case(f"{preset}-moe-mxfp4-bf16-m{m}", MoEShape(m, 128, 4, 2880, 2880), preset)
+        for m in (64, 5, 300)
+    ]
+
+
+def ordered_cases(op: str, preset: str | None):
+    """The model's shapes first (what a budget must not cut), then the shared odd shapes."""
+    from tokenspeed_kernel.testing import conformance_cases
+
+    cases = conformance_cases(op, preset=preset) + extra_cases(op, preset)
+    return sorted(cases, key=lambda case: case.preset is None)
+
+
+def run(args) -> int:
+    import torch
+
+    from tokenspeed_kernel.platform import platform_of
+    from tokenspeed_kernel.registry import kernels, op_names
+    from tokenspeed_kernel.testing import case_support, run_case
+
     if not torch.cuda.is_available():
         print("sanitize_kernels: no GPU here; compute-sanitizer needs one")
         return 2
     device = torch.device("cuda", 0)
     platform = platform_of(device)
-    failed = ran = 0
+    runs = []
     for op in args.op or op_names():
-        cases = conformance_cases(op, preset=args.preset)
+        cases = ordered_cases(op, args.preset)
         for spec in kernels(op):
-            if spec.backend == "reference":
-                continue
-            runnable = [c for c in cases if case_support(spec, c, device).ok]
-            for case in runnable[: args.max_cases or None]:
-                start = time.perf_counter()
-                result = run_case(spec, case, device)
-                torch.cuda.synchronize()
-                seconds = time.perf_counter() - start
-                ran += 1
-                failed += not result.ok
-                status = "ok" if result.ok else f"FAILED {result}"
-                print(f"{spec.name:<36} {case.name:<48} {seconds:6.2f}s {status}")
-    print(f"{ran} kernel-case runs on {platform}, {failed} failed")
+            if spec.backend != "reference":
+                runnable = [c for c in cases if case_support(spec, c, device).ok]
+                runs += [(case.preset is None, i, spec, case) for i, case in enumerate(runnable)]
+    # Every kernel's model shapes before any odd shape, then the odd shapes kernel by kernel
+    # in turn: a budget cuts some of every kernel's odd shapes, never a model shape first.
+    runs.sort(key=lambda run: run[:2])
+    failed = ran = skipped = 0
+    start_all = time.perf_counter()
+    for _, i, spec, case in runs:
+        if args.max_cases and i >= args.max_cases:
+            continue
+        if args.budget_s and time.perf_counter() - start_all > args.budget_s:
+            skipped += 1
+            continue
+        print(f"case: {spec.name} {case.name}", flush=True)
+        start = time.perf_counter()
+        result = run_case(spec, case, device)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        ran += 1
+        failed += not result.ok
+        status = "ok" if result.ok else f"FAILED {result}"
+        print(f"{spec.name:<36} {case.name:<48} {seconds:6.2f}s {status}", flush=True)
+    print(f"runs: {ran} kernel-case runs on {platform}, {failed} failed, {skipped} skipped")
     return 1 if failed or not ran else 0
+
+
+# ----------------------------------------------------------------------------- findings table
+
+_CASE = re.compile(r"^case: (\S+) (\S+)")
+_RUNS = re.compile(r"^runs: (\d+) kernel-case runs .*, (\d+) failed, (\d+) skipped")
+_SUMMARY = re.compile(r"=+ (?:ERROR|RACECHECK) SUMMARY: (\d+) (?:errors|hazards)")
+# A report's first line ("Invalid __global__ read of size 4 bytes", "Uninitialized __global__
+# memory read ...", "Error: Race reported between ...") and its first source location.
+_REPORT = re.compile(r"^=+ ((?:Invalid|Uninitialized|Error|Warning|Program hit|Race)\b.*)")
+_WHERE = re.compile(r"^=+\s+at (\S+?)(?:\+0x[0-9a-f]+)? in (\S+)")
+
+
+def summarize(logs: list[Path]) -> int:
+    """Print one table row per (tool, finding, location, kernel case) over sanitizer logs named
+    <tool>.log, and the totals per tool; exit status 1 if any log reports a finding or a
+    comparison with the reference failed."""
+    totals, findings = {}, collections.Counter()
+    for log in logs:
+        tool = log.stem
+        case, pending, errors, runs, failed = "(startup)", None, 0, "?", 0
+        for line in log.read_text(errors="replace").splitlines():
+            if m := _CASE.match(line):
+                case = f"{m[1]} {m[2]}"
+            elif m := _RUNS.match(line):
+                runs, failed = f"{m[1]} ran, {m[2]} failed, {m[3]} skipped", int(m[2])
+            elif m := _SUMMARY.search(line):
+                errors = max(errors, int(m[1]))
+            elif m := _REPORT.match(line):
+                pending = re.sub(r"0x[0-9a-f]+", "0x..", m[1].split(" at ")[0])[:60]
+            elif pending and (m := _WHERE.match(line)):
+                where = f"{Path(m[2]).name}"
+                findings[(tool, pending, where, case)] += 1
+                pending = None
+        totals[tool] = (runs, errors, failed)
+    print(f"{'tool':<10} {'kernel-case runs':<34} {'errors':>7}")
+    for tool, (runs, errors, _) in totals.items():
+        print(f"{tool:<10} {runs:<34} {errors:>7}")
+    if findings:
+        print(f"\n{'tool':<10} {'n':>5}  {'finding':<60} {'at':<34} case")
+        for (tool, what, where, case), n in sorted(findings.items()):
+            print(f"{tool:<10} {n:>5}  {what:<60} {where:<34} {case}")
+    clean = not findings and all(e == 0 and f == 0 for _, e, f in totals.values())
+    print("\nno findings" if clean else "\nfindings above")
+    return 0 if clean else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--op", action="append")
+    parser.add_argument("--preset", help="add this model's real shapes (e.g. gpt-oss-120b)")
+    parser.add_argument("--max-cases", type=int, default=0, help="per kernel; 0 = all")
+    parser.add_argument("--budget-s", type=float, default=0, help="0 = no limit")
+    parser.add_argument("--summarize", nargs="+", type=Path, metavar="LOG")
+    args = parser.parse_args()
+    if args.summarize:
+        return summarize(args.summarize)
+    return run(args)
 
 
 if __name__ == "__main__":

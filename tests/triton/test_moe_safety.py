@@ -54,6 +54,32 @@ def test_routing_leaves_out_of_range_ids_out(tokens, top_k):
     assert sorted(seen) == torch.nonzero(~bad.reshape(-1)).reshape(-1).tolist()
 
 
+@pytest.mark.parametrize("tokens,top_k,block_m", [(1, 4, 2), (5, 2, 16), (70, 4, 16)])
+def test_routing_writes_every_entry_the_gemms_read(monkeypatch, tokens, top_k, block_m):
+    """The GEMMs read a whole tile's table entry and sorted rows before knowing whether the
+    tile exists or where it ends: tiles past num_tiles and the padding rows of each tile hold 0,
+    not whatever the allocation held (compute-sanitizer initcheck)."""
+    weights, ids, bad = _ids_with_bad_entries(tokens, top_k, "write-all")
+    real_empty = torch.empty
+
+    def filled_empty(*args, **kwargs):
+        return real_empty(*args, **kwargs).fill_(-12345)
+
+    monkeypatch.setattr(torch, "empty", filled_empty)
+    _, _, sorted_pairs, tiles, num_tiles, bound = route(
+        None, weights, ids, top_k=top_k, num_experts=NUM_EXPERTS, block_m=block_m
+    )
+    monkeypatch.undo()
+    n = int(num_tiles)
+    assert (tiles[n:] == 0).all() and (tiles[:n] >= 0).all()
+    assert sorted_pairs.numel() == bound * block_m
+    for t in range(bound):
+        rows = sorted_pairs[t * block_m : (t + 1) * block_m]
+        filled = max(0, min(block_m, int(tiles[t, 1]) - t * block_m)) if t < n else 0
+        assert (rows[filled:] == 0).all(), f"tile {t}: padding rows {rows[filled:].tolist()}"
+        assert (rows[:filled] >= 0).all()
+
+
 def check_bad_ids_against_reference(spec, tokens: int, top_k: int, hidden: int, device: str):
     """Run `spec` on ids with bad entries and compare with the reference on the valid pairs
     only: the bad pairs there point at expert 0 with weight 0, which contributes nothing."""
