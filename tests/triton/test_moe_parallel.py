@@ -1,0 +1,197 @@
+"""Triton MoE on tensor- and expert-parallel shards: the routing groups only a rank's experts,
+pairs of other ranks' experts give exact zeros, tensor-parallel shard sizes (GPT-OSS-120B's
+I = 2880 split 2/4/8 ways in whole scale groups) pad correctly, and the shards' outputs sum
+to the unsharded layer (CPU through the interpreter at small shapes; GPT-OSS-120B on the
+GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokenspeed_kernel as tk
+from tokenspeed_kernel.platform import platform_of
+from tokenspeed_kernel.registry import get_kernel
+from tokenspeed_kernel.testing import assert_close, moe_plan_for
+from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_inputs, moe_weights
+from tokenspeed_kernel.tuning import pin_config
+from tokenspeed_kernel_triton.moe.moe import MoETileConfig
+from tokenspeed_kernel_triton.moe.routing import route
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+KERNEL = "triton.moe_apply"
+HOPPER = "triton.moe_apply.sm90"
+# Wide N blocks: the interpreter runs one numpy program per tile, so fewer programs are faster.
+WIDE = MoETileConfig(16, 256, 128, 128, 4, 1)
+
+
+def _layer(shape: MoEShape, device=DEVICE):
+    weights = moe_weights(shape, generator("moe-parallel", shape))
+    x, routing = moe_inputs(shape, generator("moe-parallel-inputs", shape))
+    weights = tk.MoEWeights(
+        **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(weights).items()}
+    )
+    routing = {k: None if v is None else v.to(device) for k, v in routing.items()}
+    return shape.config(), weights, x.to(device), routing
+
+
+def _run(kernel: str, config, weights, x, routing) -> torch.Tensor:
+    spec = get_kernel("moe_apply", kernel)
+    plan = moe_plan_for(spec, config, max(1, x.shape[0]), x.device)
+    out = torch.full_like(x, float("nan"))
+    spec.fn.apply(plan, x, spec.fn.prepare_weights(plan, weights), out=out, **routing)
+    return out
+
+
+def _sum(outputs) -> torch.Tensor:
+    return torch.stack([o.float() for o in outputs]).sum(0)
+
+
+@pytest.mark.parametrize("tokens,top_k", [(5, 2), (70, 4)])
+def test_routing_groups_only_the_local_experts(tokens, top_k):
+    """Experts 5..10 of 16: tiles name local experts 0..5 in order, every local pair once,
+    no other pair; the one-program (10 pairs) and multi-kernel (280 pairs) routers."""
+    gen = generator("moe-ep-routing", tokens, top_k)
+    logits = torch.randn(tokens, 16, generator=gen).to(DEVICE)
+    weights, ids, sorted_pairs, tiles, num_tiles, bound = route(
+        logits, None, None, top_k=top_k, num_experts=16, block_m=4, expert_offset=5,
+        num_local_experts=6,
+    )  # fmt: skip
+    flat = ids.reshape(-1).long().cpu() - 5
+    local = torch.nonzero((flat >= 0) & (flat < 6)).reshape(-1).tolist()
+    seen, last = [], -1
+    for t in range(int(num_tiles)):
+        expert, row_end = (int(v) for v in tiles[t].cpu())
+        assert last <= expert < 6
+        last = expert
+        rows = sorted_pairs[t * 4 : min((t + 1) * 4, row_end)].long().cpu()
+        assert len(rows) and torch.all(flat[rows] == expert)
+        seen += rows.tolist()
+    assert sorted(seen) == local
+    assert int(num_tiles) <= bound == max(1, (tokens * top_k + 6 * 3) // 4)
+
+
+def test_pairs_of_other_ranks_are_exact_zeros():
+    """Rows whose every pair is another rank's come out as zeros (no bias, no garbage from
+    the unwritten GEMM rows), with precomputed ids and with logits."""
+    shape = MoEShape(4, 8, 2, 64, 64, expert_offset=2, num_local_experts=2)
+    config, weights, x, _ = _layer(shape)
+    ids = torch.tensor([[0, 1], [2, 5], [3, 2], [7, 6]], dtype=torch.int32, device=DEVICE)
+    routing = dict(topk_weights=torch.full((4, 2), 0.5, device=DEVICE), topk_ids=ids)
+    out = _run(KERNEL, config, weights, x, routing)
+    assert torch.count_nonzero(out[0]) == 0 and torch.count_nonzero(out[3]) == 0
+    ref = _run("reference.moe_apply", config, weights, x, routing)
+    assert_close(out, ref, dtype=torch.bfloat16, name="out")
+    logits = torch.full((4, 8), -5.0, device=DEVICE)
+    logits[:, 6:] = 5.0  # every token picks experts 6 and 7, none of them here
+    out = _run(KERNEL, config, weights, x, dict(router_logits=logits))
+    assert torch.count_nonzero(out) == 0
+
+
+@pytest.mark.parametrize("intermediate", [1440, 736, 672, 384, 192])
+def test_tensor_parallel_shard_sizes_pad_correctly(intermediate):
+    """GPT-OSS-120B's shards (TP 2: 1440; TP 4: 736, last 672; TP 8: 384, last 192) padded to
+    whole 128-channel blocks (1536, 768, 768, 384, 256) match the reference."""
+    config, weights, x, routing = _layer(MoEShape(2, 2, 2, 128, intermediate))
+    with pin_config(KERNEL, WIDE):
+        out = _run(KERNEL, config, weights, x, routing)
+    ref = _run("reference.moe_apply", config, weights, x, routing)
+    assert_close(out, ref, dtype=torch.bfloat16, name=f"out (I={intermediate})")
+
+
+def test_gpt_oss_hidden_size_with_the_last_tp8_shard():
+    """H = 2880 (padded to 2944) with I = 192 (padded to 256), the TP 8 rank with the rest."""
+    config, weights, x, routing = _layer(MoEShape(1, 2, 1, 2880, 192))
+    with pin_config(KERNEL, WIDE):
+        out = _run(KERNEL, config, weights, x, routing)
+    ref = _run("reference.moe_apply", config, weights, x, routing)
+    assert_close(out, ref, dtype=torch.bfloat16, name="out")
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param(MoEShape(5, 8, 2, 64, 160), id="mxfp4-logits"),
+        pytest.param(MoEShape(4, 8, 4, 64, 96, weight_format="bf16", routing="precomputed"),
+                     id="bf16-precomputed"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("mode,world_size", [("tp", 2), ("tp", 3), ("ep", 3)])
+def test_shards_sum_to_the_unsharded_layer(shape, mode, world_size):
+    config, weights, x, routing = _layer(shape)
+    split = tk.tensor_parallel_shard if mode == "tp" else tk.expert_parallel_shard
+    outputs = []
+    for rank in range(world_size):
+        shard_config, shard = split(config, weights, rank=rank, world_size=world_size)
+        outputs.append(_run(KERNEL, shard_config, shard, x, routing))
+    ref = _run("reference.moe_apply", config, weights, x, routing)
+    assert_close(_sum(outputs), ref.float(), dtype=torch.bfloat16, name=f"{mode} {world_size}")
+
+
+def test_expert_parallel_multi_kernel_router_sums():
+    """280 pairs (the top-k, align and scatter kernels) over EP 2 ranks of 16 experts."""
+    config, weights, x, routing = _layer(MoEShape(70, 16, 4, 64, 64))
+    outputs = []
+    for rank in range(2):
+        shard_config, shard = tk.expert_parallel_shard(config, weights, rank=rank, world_size=2)
+        outputs.append(_run(KERNEL, shard_config, shard, x, routing))
+    ref = _run("reference.moe_apply", config, weights, x, routing)
+    assert_close(_sum(outputs), ref.float(), dtype=torch.bfloat16, name="EP 2")
+
+
+# ----------------------------------------------------------------------------- GPU
+
+GPT_OSS_120B = dict(num_experts=128, top_k=4, hidden_size=2880, intermediate_size=2880)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_layer():
+    """GPT-OSS-120B MXFP4 experts built on the GPU (1.7 GB), shared by the GPU tests: random
+    e2m1 codes, e8m0 scales aimed at entries ~1/sqrt(K), biases ~0.5."""
+    E, H, I = 128, 2880, 2880  # noqa: E741
+    g = torch.Generator(device="cuda").manual_seed(0)
+    u8 = dict(generator=g, device="cuda", dtype=torch.uint8)
+
+    def mx(rows, cols):
+        center = 120  # 127 + log2(1 / (2.9 * sqrt(2880))): random codes have RMS ~2.9
+        codes = torch.randint(0, 256, (E, rows, cols // 2), **u8)
+        return codes, torch.randint(center - 1, center + 2, (E, rows, cols // 32), **u8)
+
+    w13, s13 = mx(2 * I, H)
+    w2, s2 = mx(H, I)
+    weights = tk.MoEWeights(
+        w13=w13, w2=w2, w13_scale=s13, w2_scale=s2,
+        w13_bias=0.5 * torch.randn(E, 2 * I, generator=g, device="cuda"),
+        w2_bias=0.5 * torch.randn(E, H, generator=g, device="cuda"),
+    )  # fmt: skip
+    return tk.MoEConfig(**GPT_OSS_120B), weights
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [KERNEL, HOPPER])
+@pytest.mark.parametrize("mode,world_size", [(m, n) for m in ("tp", "ep") for n in (2, 4, 8)])
+def test_gpt_oss_120b_shards_sum_to_one_gpu(gpt_oss_layer, kernel, mode, world_size):
+    """TP shards (1440 x 2; 736 x 3 + 672; 384 x 7 + 192) and EP blocks (64/32/16 experts),
+    each prepared, run and freed in turn: their sum matches the unsharded layer on the same
+    kernel at M = 1, 64, 1024."""
+    config, weights = gpt_oss_layer
+    spec = get_kernel("moe_apply", kernel)
+    if all(p.mismatch(platform_of(torch.device("cuda"))) for p in spec.platforms):
+        pytest.skip(f"{kernel} does not run on this GPU")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    inputs = []
+    for m in (1, 64, 1024):
+        x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
+        inputs.append((x, dict(router_logits=torch.randn(m, 128, generator=g, device="cuda"))))
+    expected = [_run(kernel, config, weights, x, routing) for x, routing in inputs]
+    sums = [torch.zeros(x.shape, device="cuda") for x, _ in inputs]
+    split = tk.tensor_parallel_shard if mode == "tp" else tk.expert_parallel_shard
+    for rank in range(world_size):
+        shard_config, shard = split(config, weights, rank=rank, world_size=world_size)
+        for total, (x, routing) in zip(sums, inputs, strict=True):
+            total += _run(kernel, shard_config, shard, x, routing).float()
+        del shard
+    for total, want, (x, _) in zip(sums, expected, inputs, strict=True):
+        name = f"{mode} {world_size} M={x.shape[0]}"
+        assert_close(total, want.float(), dtype=torch.bfloat16, name=name)
