@@ -1,0 +1,220 @@
+"""transformers' GPT-OSS on tokenspeed ops against transformers' own eager implementation.
+
+One tiny random GPT-OSS (2 layers: sliding window 16, then full; head_dim 64, sinks, 8 experts
+top-2, initializer_range 0.1) is written as an MXFP4 checkpoint and loaded twice, eager and
+"tokenspeed". On the CPU the tokenspeed path runs the reference kernels; on a GPU (`-m gpu`) the
+selected kernels.
+
+Greedy tokens are compared for 32 steps on a pinned seed: eager GPT-OSS computes its softmax and
+expert sums in bf16, so the two paths differ by a few bf16 ulps and a near-tie between the two
+best tokens can flip (about half the seeds flip one somewhere in 32 steps). The logits of every
+step are compared within bf16 tolerance on eager's own token sequence, which does not depend on
+ties.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from gpt_oss_checkpoint import load, write_mxfp4_checkpoint  # noqa: E402
+
+from tokenspeed_kernel.formats.mxfp4 import dequantize_mxfp4  # noqa: E402
+from tokenspeed_kernel.integrations import transformers as tk_hf  # noqa: E402
+
+SEED, VOCAB, PROMPT, STEPS = 14, 64, 20, 32
+# Logit error allowed: eager rounds attention probabilities and expert partial sums to bf16,
+# logits are O(3) here (bf16 ulp 0.016). A token whose router logits are a near tie in some
+# layer can take another expert on one path (routing is transformers' own on both, but its
+# input differs by those ulps): such rows may differ by more, up to ROUTING_FLIP_ATOL, and at
+# most one row in ROUTING_FLIP_RATE may.
+LOGIT_ATOL = 0.1
+ROUTING_FLIP_ATOL = 1.0
+ROUTING_FLIP_RATE = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_mxfp4_checkpoint(tmp_path_factory.mktemp("gpt_oss"), seed=SEED, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    tk_hf.register()
+    return load(checkpoint, "eager"), load(checkpoint, "tokenspeed")
+
+
+def _prompt(batch=1, length=PROMPT, seed=SEED):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length), generator=g)  # 0 is the pad token
+
+
+def _greedy(model, ids, steps=STEPS, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=steps, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def assert_logits_close(actual, expected):
+    """actual, expected [..., V]: every row within LOGIT_ATOL but for rare routing flips."""
+    row_error = (actual - expected).abs().amax(dim=-1).flatten()
+    off = row_error > LOGIT_ATOL
+    assert int(off.sum()) <= max(1, row_error.numel() // ROUTING_FLIP_RATE), (
+        f"{int(off.sum())} of {row_error.numel()} rows differ by more than {LOGIT_ATOL}: "
+        f"{row_error[off].tolist()}"
+    )
+    assert float(row_error.max()) <= ROUTING_FLIP_ATOL, f"max row error {float(row_error.max())}"
+
+
+def test_experts_serve_the_checkpoint_mxfp4_bytes(checkpoint, models):
+    from safetensors.torch import load_file
+
+    _, ours = models
+    experts = ours.model.layers[0].mlp.experts
+    plan = tk_hf.prepare_experts(experts)
+    assert plan.config.weight_format == "mxfp4"  # the dequantized weights round-trip exactly
+    state = load_file(checkpoint / "model.safetensors")
+    blocks = state["model.layers.0.mlp.experts.gate_up_proj_blocks"]
+    scales = state["model.layers.0.mlp.experts.gate_up_proj_scales"]
+    values = dequantize_mxfp4(blocks.reshape(*scales.shape[:2], -1), scales)
+    torch.testing.assert_close(experts.gate_up_proj.transpose(1, 2).float(), values, rtol=0, atol=0)
+
+
+def test_prefill_logits_match_eager(models):
+    eager, ours = models
+    ids = _prompt(batch=2, length=40)  # longer than the sliding window
+    with torch.no_grad():
+        expected = eager(ids).logits.float()
+        actual = ours(ids).logits.float()
+    assert_logits_close(actual, expected)
+
+
+def test_greedy_tokens_and_cached_logits_match_eager(models):
+    eager, ours = models
+    ids = _prompt()
+    expected = _greedy(eager, ids)
+    actual = _greedy(ours, ids)
+    assert actual.tolist() == expected.tolist()
+    # Each step's logits through the cache (decode), on eager's sequence: one prefill of the
+    # prompt, then one token at a time.
+    with torch.no_grad():
+        reference = eager(expected[:, :-1]).logits.float()[0, PROMPT - 1 :]
+        out = ours(expected[:, :PROMPT], use_cache=True)
+        steps = [out.logits.float()[0, -1]]
+        cache = getattr(out, "cache", None) or out.past_key_values
+        for t in range(PROMPT, expected.shape[1] - 1):
+            out = ours(expected[:, t : t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits.float()[0, -1])
+    assert_logits_close(torch.stack(steps), reference)
+
+
+def test_left_padded_batch_matches_unpadded_rows(models):
+    _, ours = models
+    long, short = _prompt(length=24, seed=1), _prompt(length=17, seed=2)
+    ids = torch.cat((torch.cat((torch.zeros(1, 7, dtype=torch.long), short), 1), long))
+    mask = (torch.arange(24) >= 7).long().unsqueeze(0).expand(2, -1).clone()
+    mask[1] = 1
+    batched = _greedy(ours, ids, steps=8, attention_mask=mask)
+    assert batched[0, 7:].tolist() == _greedy(ours, short, steps=8)[0].tolist()
+    assert batched[1].tolist() == _greedy(ours, long, steps=8)[0].tolist()
+
+
+def test_packed_sequences_attend_within_their_own_positions(models):
+    _, ours = models
+    first, second = _prompt(length=9, seed=3), _prompt(length=7, seed=4)
+    packed = torch.cat((first, second), dim=1)
+    positions = torch.cat((torch.arange(9), torch.arange(7))).unsqueeze(0)
+    with torch.no_grad():
+        together = ours(packed, position_ids=positions, use_cache=False).logits
+        apart = torch.cat((ours(first).logits, ours(second).logits), dim=1)
+    torch.testing.assert_close(together, apart, rtol=0, atol=0.035)  # 2 bf16 ulps at 4
+
+
+def test_enable_switches_a_loaded_eager_model(checkpoint):
+    model = load(checkpoint, "eager")
+    tk_hf.enable(model)
+    assert model.config._attn_implementation == "tokenspeed"
+    assert model.config._experts_implementation == "tokenspeed"
+    experts = model.model.layers[1].mlp.experts
+    assert experts._tokenspeed_moe[1].config.weight_format == "mxfp4"
+
+
+def test_bf16_weights_that_are_not_mxfp4_stay_bf16(models):
+    _, ours = models
+    experts = ours.model.layers[1].mlp.experts
+    original = experts.gate_up_proj.data.clone()
+    try:
+        with torch.no_grad():
+            experts.gate_up_proj.add_(1e-3)  # values off the MXFP4 grid
+        ids = _prompt(length=5)
+        with torch.no_grad():
+            ours(ids)
+        assert experts._tokenspeed_moe[1].config.weight_format == "bf16"
+    finally:
+        with torch.no_grad():
+            experts.gate_up_proj.copy_(original)
+
+
+def test_float32_activations_are_refused(models):
+    _, ours = models
+    attn = ours.model.layers[0].self_attn
+    q = torch.randn(1, 4, 3, 64)
+    kv = torch.randn(1, 2, 3, 64)
+    with pytest.raises(ValueError, match="activations are torch.float32, expected bfloat16"):
+        tk_hf.attention_forward(attn, q, kv, kv, None, scaling=0.125)
+    experts = ours.model.layers[0].mlp.experts
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="hidden_states are torch.float32, expected bfloat16"):
+        tk_hf.experts_forward(experts, torch.randn(3, 128), ids, torch.ones(3, 2))
+
+
+def test_custom_4d_mask_is_refused(models):
+    _, ours = models
+    attn = ours.model.layers[0].self_attn
+    q = torch.randn(1, 4, 3, 64).bfloat16()
+    kv = torch.randn(1, 2, 3, 64).bfloat16()
+    with pytest.raises(ValueError, match="attention_mask has 4 dimensions, expected the 2-D"):
+        tk_hf.attention_forward(attn, q, kv, kv, torch.zeros(1, 1, 3, 3), scaling=0.125)
+
+
+def test_right_padding_with_a_cache_is_refused(models):
+    _, ours = models
+    ids = _prompt(batch=2, length=6)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, 4:] = 0
+    with pytest.raises(ValueError, match="expected left padding"):
+        _greedy(ours, ids, attention_mask=mask)
+
+
+def test_bad_weight_format_is_named(models):
+    _, ours = models
+    with pytest.raises(ValueError, match="weight_format is 'fp4', expected one of auto"):
+        tk_hf.prepare_experts(ours.model.layers[0].mlp.experts, weight_format="fp4")
+
+
+def test_core_imports_without_loading_transformers():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tokenspeed_kernel, tokenspeed_kernel.integrations.transformers;"
+        "assert 'transformers' not in sys.modules, 'transformers imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.gpu
+def test_gpu_logits_and_greedy_tokens_match_eager(checkpoint):
+    tk_hf.register()
+    eager, ours = load(checkpoint, "eager", "cuda"), load(checkpoint, "tokenspeed", "cuda")
+    ids = _prompt(batch=2, length=40).cuda()
+    with torch.no_grad():
+        assert_logits_close(ours(ids).logits.float(), eager(ids).logits.float())
+    ids = _prompt().cuda()
+    expected = _greedy(eager, ids)
+    with torch.no_grad():
+        reference = eager(expected).logits.float()
+        actual = ours(expected).logits.float()
+    assert_logits_close(actual, reference)
+    assert _greedy(ours, ids)[0, : PROMPT + 8].tolist() == expected[0, : PROMPT + 8].tolist()
