@@ -448,3 +448,35 @@ def test_report_lists_the_rankings_in_use(fakes, capsys):
     registry.add_rankings(_file([_entry(request, {FAST: 1.0}, tokens=4)]), origin="x.json")
     assert cli.main([]) == 0
     assert f"rankings: x.json: cpu cpu {CPU.name}, 1 buckets" in capsys.readouterr().out
+
+
+def test_prefill_bucket_has_two_sizes(fakes):
+    """Prefill entries carry tokens and seqlen (as tune writes them, sorted by name); an exact
+    match is named as such, a different seqlen as the nearest."""
+    traits = {**TRAITS, "page_size": tk.ANY}
+    a, b = "tunetest.prefill.a", "tunetest.prefill.b"
+    tk.register_kernel(
+        "mha_prefill", name="tunetest.prefill.a", backend="tunetest", platforms=["*"],
+        traits=traits, priority=9,
+    )(lambda *a, **k: None)  # fmt: skip
+    tk.register_kernel(
+        "mha_prefill", name="tunetest.prefill.b", backend="tunetest", platforms=["*"],
+        traits=traits, priority=8,
+    )(lambda *a, **k: None)  # fmt: skip
+    request = tk.AttentionRequest(
+        torch.bfloat16, torch.bfloat16, 64, 8, 1, tokens=4096, seqlen=1024
+    )
+    entries = [
+        {"op": "mha_prefill", "key": rankings.request_key(request), "sizes": sizes, "times_us": t}
+        for sizes, t in (
+            ({"seqlen": 1024, "tokens": 4096}, {a: 2.0, b: 1.0}),
+            ({"seqlen": 4096, "tokens": 4096}, {a: 1.0, b: 2.0}),
+        )
+    ]  # fmt: skip
+    registry.add_rankings(_file(entries))
+    exact = tk.explain("mha_prefill", request, CPU)
+    assert exact.selected == "tunetest.prefill.b"
+    assert "for tokens <= 4096, seqlen <= 1024: tunetest.prefill.b" in str(exact)
+    near = tk.explain("mha_prefill", request._replace(seqlen=8192), CPU)
+    assert near.selected == "tunetest.prefill.a"
+    assert "seqlen <= 4096 (nearest measured to tokens <= 4096, seqlen <= 8192)" in str(near)

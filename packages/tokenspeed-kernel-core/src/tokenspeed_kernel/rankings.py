@@ -228,7 +228,8 @@ def request_sizes(request: Any) -> dict[str, int]:
 
 
 def describe_sizes(sizes: Mapping[str, int]) -> str:
-    shown = [f"{name} <= {value}" for name, value in sizes.items() if value]
+    """`tokens <= 64, seqlen <= 16` (in SIZE_FIELDS order, whatever the mapping's)."""
+    shown = [f"{name} <= {sizes[name]}" for name in SIZE_FIELDS if sizes.get(name)]
     return ", ".join(shown) or "any size"
 
 
