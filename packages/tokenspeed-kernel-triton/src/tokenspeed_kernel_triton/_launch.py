@@ -12,8 +12,8 @@ only reused where Triton would have picked the same one: tensors by dtype and 16
 ints by the classes Triton specializes on (== 1, divisible by 16, 32- or 64-bit range), floats
 by type, everything else (constexprs, launch options, None, bools) by value. The first call of
 each signature, a grid given as a callable, an active launch hook (a profiler) and anything that
-is not a compiled CUDA/HIP JIT kernel (the interpreter, the AOT tool's interception) take
-Triton's own path.
+is not a compiled CUDA/HIP JIT kernel (the interpreter, the AOT tool's interception, a
+process that has not initialized CUDA) take Triton's own path.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from triton.compiler.compiler import CompiledKernel
 from triton.runtime.jit import JITFunction
 
 _I32 = (-(1 << 31), (1 << 31) - 1)
+_cuda_ready = torch.cuda.is_initialized
 _U64_FROM = 1 << 63
 
 
@@ -66,6 +67,8 @@ class BoundKernel:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **kwargs):
+        if not _cuda_ready():  # no device (the AOT tool compiles CPU inputs): Triton's path
+            return self.fn[grid](*args, **kwargs)
         try:
             device = torch.cuda.current_device()
             key = (device, tuple(map(_signature_of, args)), tuple(kwargs.items()))

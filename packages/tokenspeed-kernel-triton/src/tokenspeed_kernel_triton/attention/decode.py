@@ -26,6 +26,7 @@ import triton.language as tl
 from tokenspeed_kernel.platform import platform_of
 from tokenspeed_kernel.tuning import pinned_config
 
+from .._launch import bind_launches
 from ._common import (
     ATTENTION_TRAITS,
     FP8,
@@ -182,6 +183,7 @@ def _store_final(
 
 
 # fmt: off
+@bind_launches
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, PageTable, SeqLens, Sinks, Out, Lse, MidO, MidLse,

@@ -12,9 +12,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._launch import bind_launches
 from ._common import LN2, LOG2E
 
 
+@bind_launches
 @triton.jit
 def _decode_reduce_kernel(
     MidO,

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from tokenspeed_kernel.registry import ANY
 
+from .._launch import bind_launches
 from . import _tile_config, _tiles
 from ._common import (
     ATTENTION_TRAITS,
@@ -29,6 +30,7 @@ from ._common import (
 KERNEL_NAME = "triton.mha_extend_with_kvcache"
 
 
+@bind_launches
 @triton.jit
 def _extend_kernel(
     Q, K, V, Out, Lse, Sinks, CuSeqlensQ, PageTable, CacheSeqlens,

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from tokenspeed_kernel.registry import ANY, Support
 
+from .._launch import bind_launches
 from ._common import (
     FP8,
     HALF,
@@ -40,6 +41,7 @@ def _store_tile(Src, Dst, src_off, dst_off, scale, mask, IS_FP8: tl.constexpr):
     tl.store(Dst + dst_off, y, mask=mask)
 
 
+@bind_launches
 @triton.jit
 def _kvcache_store_kernel(
     K,

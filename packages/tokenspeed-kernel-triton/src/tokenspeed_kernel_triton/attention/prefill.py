@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._launch import bind_launches
 from . import _tile_config, _tiles
 from ._common import (
     ATTENTION_TRAITS,
@@ -26,6 +27,7 @@ from ._common import (
 KERNEL_NAME = "triton.mha_prefill"
 
 
+@bind_launches
 @triton.jit
 def _prefill_kernel(
     Q, K, V, Out, Lse, Sinks, CuSeqlens,

@@ -15,9 +15,11 @@ from triton.language.extra.cuda import gdc_wait
 
 from tokenspeed_kernel.platform import interpreting
 
+from .._launch import bind_launches
 from ._common import round_to_bf16
 
 
+@bind_launches
 @triton.jit
 def _combine_kernel(
     y_ptr,

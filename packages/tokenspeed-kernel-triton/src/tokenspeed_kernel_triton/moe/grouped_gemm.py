@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._launch import bind_launches
 from ._common import FP8_MAX, W_FP8, W_MXFP4, WEIGHT_FORMAT_CODES, round_to_bf16, round_to_fp8
 from .mxfp4_words import WORD_ELEMENTS, decode_words, decode_words_ptx
 
@@ -107,6 +108,7 @@ def _swiglu_store(
         tl.store(ptrs, act, mask=row_ok[:, None])
 
 
+@bind_launches
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr,

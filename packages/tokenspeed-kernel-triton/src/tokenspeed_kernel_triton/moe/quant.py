@@ -12,11 +12,13 @@ import triton.language as tl
 
 from tokenspeed_kernel.platform import interpreting
 
+from .._launch import bind_launches
 from ._common import FP8_MAX, round_to_fp8
 
 AMAX_FLOOR = tl.constexpr(1e-12)
 
 
+@bind_launches
 @triton.jit
 def _quant_rows_kernel(
     x_ptr,

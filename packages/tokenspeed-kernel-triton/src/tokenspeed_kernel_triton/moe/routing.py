@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from .._launch import bind_launches
+
 # Pairs (tokens x top_k) that one program routes and ranks on its own: the stable rank compares
 # every pair of a chunk, [CHUNK, CHUNK] elements, cheap at 256.
 FUSED_MAX_PAIRS = 256
@@ -79,6 +81,7 @@ def _topk_softmax(
     return top_i, p / tl.sum(p, axis=1)[:, None]
 
 
+@bind_launches
 @triton.jit
 def _topk_kernel(
     logits_ptr,
@@ -159,6 +162,7 @@ def _prescale_row(x_ptr, scaled_ptr, exp_ptr, row, H, stride_x, stride_s, BLOCK_
     tl.store(exp_ptr + row, exponent)
 
 
+@bind_launches
 @triton.jit
 def _route_small_kernel(
     logits_ptr,
@@ -240,6 +244,7 @@ def _route_small_kernel(
     tl.store(sorted_ptr + base + rank, pairs, mask=valid)
 
 
+@bind_launches
 @triton.jit
 def _align_kernel(
     ids_ptr,
@@ -268,6 +273,7 @@ def _align_kernel(
     tl.store(cursor_ptr + tl.arange(0, BLOCK_E), row_begin)
 
 
+@bind_launches
 @triton.jit
 def _scatter_kernel(ids_ptr, num_pairs, E_OFF, E, cursor_ptr, sorted_ptr, CHUNK: tl.constexpr):
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
