@@ -54,6 +54,8 @@ def device_error(op: str, name: str, x: torch.Tensor, device: torch.device) -> V
 
 
 def stride_error(op: str, name: str, x: torch.Tensor) -> ValueError:
+    if x.layout is not torch.strided:
+        return ValueError(f"{op}: {name} has layout {x.layout}, expected torch.strided (dense)")
     return ValueError(
         f"{op}: {name} has stride {x.stride(-1)} in its last dim, expected 1 (contiguous)"
     )
@@ -117,6 +119,17 @@ def as_int(op: str, name: str, value: object) -> int:
     ):
         raise type_error(op, name, value, "int")
     return int(value)
+
+
+def as_bool(op: str, name: str, value: object) -> bool:
+    """True or False, numpy's bool included (its type is also named `bool`), as a plain bool."""
+    kind = type(value)
+    if kind is bool or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")):
+        return bool(value)
+    qualified = (
+        kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+    )
+    raise TypeError(f"{op}: {name} is {qualified}, expected bool (True or False)")
 
 
 # Kernels take ints as 32-bit arguments; a larger one would overflow inside the launch.

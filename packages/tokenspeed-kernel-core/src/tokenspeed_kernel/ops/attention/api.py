@@ -78,7 +78,7 @@ def prefill_into(q, k, v, cu_seqlens, max_seqlen, causal, options, out, lse):
     if options[3] and lse is None:
         lse = _new_lse(q)
     _kernel("mha_prefill", request, q.device, ("q", "k", "v"))(
-        q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=causal,
+        q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=request.causal,
         window_left=request.window_left, sinks=options[1], softmax_scale=scale, out=out, lse=lse,
     )  # fmt: skip
     return out, lse

@@ -16,6 +16,7 @@ from ...validation import (
     FP8_DTYPES,
     INT32_MAX,
     SINK_DTYPES,
+    as_bool,
     as_int,
     check_int,
     check_positive_float,
@@ -132,6 +133,9 @@ def _paged(op, q, shape, sizes, q_len, cache, options, out, k_scale, v_scale):
         raise dtype_error(op, "page_table", page_table, (_INT32,))
     if page_table.device != device:
         raise device_error(op, "page_table", page_table, device)
+    # Kernels step along a row of page ids and over cache_seqlens by one element.
+    if not dense_last_dim(page_table):
+        raise stride_error(op, "page_table", page_table)
     lens = cache_seqlens.shape if isinstance(cache_seqlens, _Tensor) else ()
     if len(lens) != 1:
         raise _ndim_error(op, "cache_seqlens", cache_seqlens, (1,))
@@ -141,6 +145,8 @@ def _paged(op, q, shape, sizes, q_len, cache, options, out, k_scale, v_scale):
         raise dtype_error(op, "cache_seqlens", cache_seqlens, (_INT32,))
     if cache_seqlens.device != device:
         raise device_error(op, "cache_seqlens", cache_seqlens, device)
+    if not dense_last_dim(cache_seqlens):
+        raise stride_error(op, "cache_seqlens", cache_seqlens)
     if ks[1] < 1:
         raise ValueError(f"{op}: k_cache has shape {list(ks)}, expected page size >= 1")
     request, scale = _request(
@@ -185,7 +191,7 @@ def _request(
     else:
         scale = check_positive_float(op, "softmax_scale", softmax_scale)
     if type(return_lse) is not bool:
-        raise type_error(op, "return_lse", return_lse, "bool")
+        return_lse = as_bool(op, "return_lse", return_lse)
     # tuple.__new__ skips the NamedTuple's Python-level __new__ (~0.1 µs on the decode path).
     request = tuple.__new__(Request, (
         dtype, kv_dtype, head_dim, hq, hkv, page_size, q_len, causal, window_left,
@@ -213,12 +219,13 @@ def check_prefill(q, k, v, cu_seqlens, max_seqlen, causal, options, out):
     _like(op, "k", k, device, (q.dtype,))
     _like(op, "v", v, device, (q.dtype,), ks)
     _tensor(op, "cu_seqlens", cu_seqlens, (1,))
-    _like(op, "cu_seqlens", cu_seqlens, device, (_INT32,), None, False)
+    # Offsets are read at consecutive addresses: a strided view would give other values.
+    _like(op, "cu_seqlens", cu_seqlens, device, (_INT32,))
     if cu_seqlens.shape[0] < 1:
         raise ValueError(f"{op}: cu_seqlens has shape [0], expected [B+1] with B >= 0")
     max_seqlen = check_int(op, "max_seqlen", max_seqlen, minimum=0)
     if type(causal) is not bool:
-        raise type_error(op, "causal", causal, "bool")
+        causal = as_bool(op, "causal", causal)
     request, scale = _request(
         op, device, options, q.dtype, k.dtype, shape[2], shape[1], ks[1], 0, 0, causal,
         shape[0], max_seqlen,
@@ -233,7 +240,7 @@ def check_extend(q, cu_seqlens_q, max_seqlen_q, cache, options, out, k_scale, v_
     op = MHA_EXTEND
     shape = _q(op, q, (3,))
     _tensor(op, "cu_seqlens_q", cu_seqlens_q, (1,))
-    _like(op, "cu_seqlens_q", cu_seqlens_q, q.device, (_INT32,), None, False)
+    _like(op, "cu_seqlens_q", cu_seqlens_q, q.device, (_INT32,))
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_seqs < 0:
         raise ValueError(f"{op}: cu_seqlens_q has shape [0], expected [B+1] with B >= 0")
