@@ -219,6 +219,12 @@ def test_preset_cases_have_the_model_shapes():
     assert {(c.request.num_experts, c.request.top_k, c.request.hidden_size) for c in moe} == {
         (32, 4, 2880)
     }
+    # A TP 8 rank's last slice of I = 2880 and an EP 8 rank's block of 32 experts.
+    assert {c.request.intermediate_size for c in moe} == {2880, 192}
+    assert {(c.request.expert_offset, c.request.num_local_experts) for c in moe} == {
+        (0, 32),
+        (16, 4),
+    }
     merged = conformance_cases("kvcache_store", preset="tiny", dtypes=[torch.bfloat16])
     assert any(c.preset == "tiny" for c in merged) and any(c.preset is None for c in merged)
     assert all(c.dtype == torch.bfloat16 for c in merged)

@@ -21,6 +21,7 @@ import torch
 
 from ..formats.fp8 import FP8_DTYPE
 from ..ops.attention.request import AttentionRequest, KVStoreRequest
+from ..ops.moe.parallel import expert_parallel_bounds, tensor_parallel_bounds
 from ..ops.moe.request import MoERequest
 from ..platform import default_device
 from ..presets import ModelPreset, get_preset
@@ -308,11 +309,17 @@ def preset_cases(op: str, preset: ModelPreset | str) -> list[Case]:
                 ),
             )
     elif op == "moe_apply":
+        layer = (p.num_experts, p.top_k, p.hidden_size, p.intermediate_size)
         for m in (1, 7) if tiny else (1, 16, 128):
-            add(
-                f"moe-mxfp4-bf16-m{m}",
-                M(m, p.num_experts, p.top_k, p.hidden_size, p.intermediate_size),
-            )
+            add(f"moe-mxfp4-bf16-m{m}", M(m, *layer))
+        # One rank's shard, as engines shard the layer (ops/moe/parallel.py): the last
+        # tensor-parallel slice of I (GPT-OSS at TP 8: 192 channels) and an expert block.
+        world, m = (2, 7) if tiny else (8, 16)
+        start, end = tensor_parallel_bounds(p.intermediate_size, rank=world - 1, world_size=world)
+        add(f"moe-mxfp4-bf16-tp{world}-last-m{m}", M(m, *layer[:3], end - start))
+        offset, count = expert_parallel_bounds(p.num_experts, rank=world // 2, world_size=world)
+        shard = dict(expert_offset=offset, num_local_experts=count)
+        add(f"moe-mxfp4-bf16-ep{world}-rank{world // 2}-m{m}", M(m, *layer, **shard))
     return cases
 
 
