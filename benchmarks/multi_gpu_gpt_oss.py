@@ -231,7 +231,7 @@ def run_moe(ctx: Context) -> None:
             ctx, partial(tk.moe_apply, full[0], x, full[1], logits), iters=ctx.args.iters
         )
         for name, layer in prepared.items():
-            what = (name, f"M={m}", shard_label(layer[0].config))
+            what = (name, f"M={m}", shard_label(name, layer[0].config))
             check_moe_shard(ctx, what, layer, x, logits, want, one_gpu)
 
 
@@ -254,8 +254,8 @@ def check_moe_shard(ctx: Context, what: tuple, layer, x, logits, want, one_gpu: 
     check(ctx, what, got, want, (*times, one_gpu))
 
 
-def shard_label(config: tk.MoEConfig) -> str:
-    if config.expert_parallel:
+def shard_label(name: str, config: tk.MoEConfig) -> str:
+    if name == "moe-ep":
         last = config.expert_offset + config.num_local_experts - 1
         return f"experts {config.expert_offset}..{last}"
     return f"I {config.intermediate_size}"

@@ -36,12 +36,22 @@ def _layer(shape: MoEShape, device=DEVICE):
     return shape.config(), weights, x.to(device), routing
 
 
-def _run(kernel: str, config, weights, x, routing) -> torch.Tensor:
+def _layer_fn(kernel: str, config, weights, max_tokens: int, device):
+    """`kernel` planned and prepared for the layer: a function (x, routing) -> out."""
     spec = get_kernel("moe_apply", kernel)
-    plan = moe_plan_for(spec, config, max(1, x.shape[0]), x.device)
-    out = torch.full_like(x, float("nan"))
-    spec.fn.apply(plan, x, spec.fn.prepare_weights(plan, weights), out=out, **routing)
-    return out
+    plan = moe_plan_for(spec, config, max_tokens, device)
+    prepared = spec.fn.prepare_weights(plan, weights)
+
+    def apply(x, routing):
+        out = torch.full_like(x, float("nan"))
+        spec.fn.apply(plan, x, prepared, out=out, **routing)
+        return out
+
+    return apply
+
+
+def _run(kernel: str, config, weights, x, routing) -> torch.Tensor:
+    return _layer_fn(kernel, config, weights, max(1, x.shape[0]), x.device)(x, routing)
 
 
 def _sum(outputs) -> torch.Tensor:
@@ -184,14 +194,17 @@ def test_gpt_oss_120b_shards_sum_to_one_gpu(gpt_oss_layer, kernel, mode, world_s
     for m in (1, 64, 1024):
         x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
         inputs.append((x, dict(router_logits=torch.randn(m, 128, generator=g, device="cuda"))))
-    expected = [_run(kernel, config, weights, x, routing) for x, routing in inputs]
+    unsharded = _layer_fn(kernel, config, weights, 1024, "cuda")
+    expected = [unsharded(x, routing) for x, routing in inputs]
+    del unsharded
     sums = [torch.zeros(x.shape, device="cuda") for x, _ in inputs]
     split = tk.tensor_parallel_shard if mode == "tp" else tk.expert_parallel_shard
     for rank in range(world_size):
         shard_config, shard = split(config, weights, rank=rank, world_size=world_size)
+        layer = _layer_fn(kernel, shard_config, shard, 1024, "cuda")
         for total, (x, routing) in zip(sums, inputs, strict=True):
-            total += _run(kernel, shard_config, shard, x, routing).float()
-        del shard
+            total += layer(x, routing).float()
+        del shard, layer
     for total, want, (x, _) in zip(sums, expected, inputs, strict=True):
         name = f"{mode} {world_size} M={x.shape[0]}"
         assert_close(total, want.float(), dtype=torch.bfloat16, name=name)
