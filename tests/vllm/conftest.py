@@ -83,3 +83,19 @@ def no_reference(monkeypatch):
 @pytest.fixture
 def allow_reference(monkeypatch):
     monkeypatch.setenv("TOKENSPEED_KERNEL_VLLM_REFERENCE", "1")
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_model_config(tmp_path_factory):
+    """vLLM's ModelConfig of a small GPT-OSS (8 query heads, 2 KV heads) from a local
+    config.json, as `vllm serve` builds it (no weights, no tokenizer, no network)."""
+    from transformers import GptOssConfig
+    from vllm.config import ModelConfig
+
+    path = tmp_path_factory.mktemp("gpt_oss")
+    GptOssConfig(
+        num_hidden_layers=2, hidden_size=256, head_dim=64, num_attention_heads=8,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+        intermediate_size=256, vocab_size=1000, sliding_window=128,
+    ).save_pretrained(path)  # fmt: skip
+    return ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="bfloat16")

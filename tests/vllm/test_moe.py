@@ -268,3 +268,35 @@ def test_non_linear_expert_placement_is_refused():
     layer.local_num_experts = 4
     with pytest.raises(NotImplementedError, match="only linear expert placement"):
         layer.quant_method.local_experts(layer)
+
+
+@pytest.mark.usefixtures("no_reference")
+def test_vllm_keeps_its_own_method_where_only_the_reference_serves(
+    gpt_oss_model_config, plugin_log
+):
+    """RoutedExperts built with our config on a GPU no kernel but the reference serves gets
+    vLLM's own GptOssMxfp4MoEMethod, and one log line says why."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4MoEMethod
+
+    config = VllmConfig(model_config=gpt_oss_model_config, device_config=DeviceConfig("cpu"))
+    par = parallel_config()
+    moe = fused_moe_config(par, num_experts=8, top_k=2, hidden=64, intermediate=320)
+    experts = ExpertMapManager(
+        max_num_batched_tokens=64, top_k=2, global_num_experts=8, num_redundant_experts=0,
+        num_expert_group=None, moe_parallel_config=par, placement_strategy="linear",
+        enable_eplb=False,
+    )  # fmt: skip
+    volta = tk.Platform("nvidia", "sm_70", 0, 80, "Tesla V100", 98304, 6 << 20, 98304)
+    with set_current_vllm_config(config), tk.fake_platform(volta):
+        layer = RoutedExperts(
+            "model.layers.0.mlp.experts", torch.bfloat16, moe, TokenspeedGptOssMxfp4Config(),
+            experts,
+        )  # fmt: skip
+    assert type(layer.quant_method) is GptOssMxfp4MoEMethod
+    lines = [r.getMessage() for r in plugin_log]
+    assert any(
+        line.startswith("tokenspeed-kernel: vLLM's own MXFP4 MoE serves GPT-OSS here: moe_apply:")
+        and "on sm_70" in line
+        for line in lines
+    ), lines

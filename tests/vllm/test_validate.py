@@ -125,22 +125,6 @@ def test_layer_construction_checks_its_real_heads():
         TokenspeedAttentionImpl(8, 64, 0.125, 3, None, None, "auto")  # 8 heads over 3 KV heads
 
 
-@pytest.fixture(scope="module")
-def gpt_oss_model_config(tmp_path_factory):
-    """vLLM's ModelConfig of a small GPT-OSS (8 query heads, 2 KV heads) from a local
-    config.json, as `vllm serve` builds it (no weights, no tokenizer, no network)."""
-    from transformers import GptOssConfig
-    from vllm.config import ModelConfig
-
-    path = tmp_path_factory.mktemp("gpt_oss")
-    GptOssConfig(
-        num_hidden_layers=2, hidden_size=256, head_dim=64, num_attention_heads=8,
-        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-        intermediate_size=256, vocab_size=1000, sliding_window=128,
-    ).save_pretrained(path)  # fmt: skip
-    return ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="bfloat16")
-
-
 @pytest.mark.usefixtures("no_reference")
 def test_validate_reads_the_heads_of_the_model_being_built(gpt_oss_model_config):
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
