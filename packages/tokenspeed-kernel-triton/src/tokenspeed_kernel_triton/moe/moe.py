@@ -167,7 +167,7 @@ def supports(request, platform) -> Support:
 # GPT-OSS-120B's H = I = 2880 and top-4 with fewer experts where a config does not depend on
 # the expert count; 128 experts (the routers' BLOCK_E) at small H and I. M = 1 / 4 / 16 take the
 # decode tiles and the one-program router, 4096 (16384 pairs) the mid tiles on NVIDIA and the
-# prefill tiles on AMD, 4500 the prefill tiles everywhere.
+# prefill tiles on AMD, 4500 the prefill tiles everywhere; EP 8 ranks route into 16 experts.
 _GPT_OSS = dict(top_k=4, hidden_size=2880, intermediate_size=2880)
 _ROUTERS = dict(num_experts=128, top_k=4, hidden_size=128, intermediate_size=128)
 AOT_CASES = (
@@ -181,6 +181,9 @@ AOT_CASES = (
     dict(_ROUTERS, num_tokens=4500),
     dict(_ROUTERS, num_tokens=1, weight_format="fp8"),
     dict(_ROUTERS, num_tokens=1, weight_format="bf16"),
+    # Expert parallel at EP 8 (16 of 128 experts): the routers' local block is 16 wide.
+    dict(_ROUTERS, num_tokens=4, expert_offset=16, num_local_experts=16),
+    dict(_ROUTERS, num_tokens=4500, expert_offset=16, num_local_experts=16),
 )
 
 
