@@ -1,6 +1,7 @@
 """The AMD attention kernels (their NVIDIA instantiation) on bad device values and edge inputs:
-masked keys never reach a row whatever their values, sinks = +inf gives out 0 and lse +inf, and
-bad page ids, cache_seqlens and cu_seqlens stay inside the tensors. GPU machine only."""
+masked keys never reach a row whatever their values (a row that sees a non-finite V is NaN),
+sinks = +inf gives out 0 and lse +inf, and bad page ids, cache_seqlens and cu_seqlens stay
+inside the tensors. GPU machine only."""
 
 from __future__ import annotations
 
@@ -67,6 +68,50 @@ def test_extend_window_keeps_masked_non_finite_values_out():
     out = fn(q[64:], k_cache, v_cache, **kw)
     # Query i sits at position 64 + i; positions < 70 are outside its window from i = 9 on.
     assert torch.equal(out[9:], clean[9:])
+
+
+POISONED = 41
+
+
+def _sees_poisoned(positions, window):
+    sees = positions >= POISONED
+    return sees & (positions <= POISONED + window) if window >= 0 else sees
+
+
+@pytest.mark.parametrize("window", [-1, 3, 20])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_prefill_poisoned_value_reaches_only_rows_that_see_it(window, value):
+    """V of key 41 poisoned: rows before it (causal diagonal) and past its window match the
+    clean call bit for bit; the rows that see it are not finite."""
+    q, k, v = _qkv(100)
+    cu = torch.tensor([0, 100], dtype=torch.int32, device="cuda")
+    clean = _prefill(q, k, v, cu, window_left=window)
+    v2 = v.clone()
+    v2[POISONED] = value
+    out = _prefill(q, k, v2, cu, window_left=window)
+    sees = _sees_poisoned(torch.arange(100, device="cuda"), window)
+    assert torch.equal(out[~sees], clean[~sees])
+    assert not out[sees].isfinite().all(dim=-1).any()
+
+
+@pytest.mark.parametrize("window", [-1, 3])
+def test_decode_poisoned_value_reaches_only_rows_that_see_it(window):
+    """16 new tokens at positions 34..49 in one tile, V of key 41 NaN."""
+    q, k, v = _qkv(64)
+    k_cache, v_cache = k.view(8, 8, HKV, D), v.view(8, 8, HKV, D).clone()
+    kw = dict(
+        page_table=torch.arange(8, dtype=torch.int32, device="cuda")[None],
+        cache_seqlens=torch.tensor([50], dtype=torch.int32, device="cuda"),
+        window_left=window, arch="nvidia",
+    )  # fmt: skip
+    fn = _launcher("mha_decode_with_kvcache")
+    qd = q[:16].view(1, 16, HQ, D)
+    clean = fn(qd, k_cache, v_cache, **kw)
+    v_cache.view(64, HKV, D)[POISONED] = float("nan")
+    out = fn(qd, k_cache, v_cache, **kw)
+    sees = _sees_poisoned(torch.arange(34, 50, device="cuda"), window)
+    assert torch.equal(out[0, ~sees], clean[0, ~sees])
+    assert not out[0, sees].isfinite().all(dim=-1).any()
 
 
 def test_infinite_sink_takes_all_the_mass():

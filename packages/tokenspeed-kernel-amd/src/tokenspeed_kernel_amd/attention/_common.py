@@ -215,17 +215,56 @@ def attend(
     ARCH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     INSTR_M: gl.constexpr, NUM_WARPS: gl.constexpr, PAGED: gl.constexpr,
     PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    BUFFER: gl.constexpr, ASYNC: gl.constexpr, WIDE: gl.constexpr,
+    BUFFER: gl.constexpr, ASYNC: gl.constexpr, WIDE: gl.constexpr, MIXED_ROWS: gl.constexpr,
 ):  # fmt: skip
     """Online softmax of the query rows `q` (MMA operand A, [BLOCK_M, HEAD_DIM]; row r at
     position q_pos[r]) over keys k_lo .. k_hi-1, in base 2 (qk_scale includes log2(e)).
 
     Returns the unnormalized accumulator, the running max and the running sum. Keys are
     visible when < k_hi, and (CAUSAL) <= the row's position, and (HAS_WINDOW) >= position - W,
-    and (PAGED) on a page id in [0, num_pages). Tiles that straddle some row's window start
-    read non-finite V entries as 0, so a key masked for a row cannot reach it through
-    0 * NaN in the P.V product; tiles inside every window take the plain path.
+    and (PAGED) on a page id in [0, num_pages).
+
+    A key masked for a row contributes nothing to it whatever its V, and a row that sees a V
+    row holding a NaN or inf gets NaN (the reference's outcome). The tiles mix rows that see a
+    key with rows that mask it (causal diagonal, window edge), where a non-finite V would reach
+    the masking rows as 0 * NaN in the P.V product; that shows as a non-finite accumulator row,
+    and such a tile runs again with EXACT (`_attend_pass`). Finite inputs pay one reduction,
+    and the registers the second pass's code takes (docs/decisions.md). MIXED_ROWS=False:
+    every row sees the same keys and no key outside them is loaded (decode with one token:
+    k_lo and k_hi are its bounds), so one pass is exact.
     """
+    acc, m_i, l_i = _attend_pass(
+        q, q_pos, k_lo, k_hi, qk_scale, window_left, k_ptr, v_ptr, k_base, v_base, page_row_ptr,
+        num_pages, ks_a, ks_b, vs_a, vs_b, k_smem, v_smem, ARCH, BLOCK_M, BLOCK_N, HEAD_DIM,
+        INSTR_M, NUM_WARPS, PAGED, PAGE_SIZE, CAUSAL, HAS_WINDOW, BUFFER, ASYNC, WIDE, False,
+    )  # fmt: skip
+    if MIXED_ROWS:
+        # A row sum is finite iff its terms are (an overflowing one only costs the rerun).
+        finite = (gl.abs(gl.sum(acc, 1)) < float("inf")).to(gl.int32)
+        if gl.min(finite, 0) == 0:
+            acc, m_i, l_i = _attend_pass(
+                q, q_pos, k_lo, k_hi, qk_scale, window_left, k_ptr, v_ptr, k_base, v_base,
+                page_row_ptr, num_pages, ks_a, ks_b, vs_a, vs_b, k_smem, v_smem, ARCH, BLOCK_M,
+                BLOCK_N, HEAD_DIM, INSTR_M, NUM_WARPS, PAGED, PAGE_SIZE, CAUSAL, HAS_WINDOW,
+                BUFFER, ASYNC, WIDE, True,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _attend_pass(
+    q, q_pos, k_lo, k_hi, qk_scale, window_left, k_ptr, v_ptr, k_base, v_base, page_row_ptr,
+    num_pages, ks_a, ks_b, vs_a, vs_b, k_smem, v_smem,
+    ARCH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    INSTR_M: gl.constexpr, NUM_WARPS: gl.constexpr, PAGED: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+    BUFFER: gl.constexpr, ASYNC: gl.constexpr, WIDE: gl.constexpr, EXACT: gl.constexpr,
+):  # fmt: skip
+    """One pass of `attend`. EXACT: V rows holding a NaN or inf are zeroed for the MMA (the
+    dot then gives every row the exact finite sum) and the rows that see one are set to NaN.
+    Its V goes through registers in the copy layout, converted to the MMA operand there;
+    writing the scrubbed V back to LDS instead needed more VGPRs (gfx942 prefill and extend
+    occupancy 2 -> 1)."""
     DTYPE: gl.constexpr = q.dtype
     MMA: gl.constexpr = mma_layout(ARCH, NUM_WARPS, BLOCK_M, INSTR_M)
     VEC: gl.constexpr = 128 // k_ptr.dtype.element_ty.primitive_bitwidth
@@ -236,8 +275,7 @@ def attend(
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, MMA))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, MMA))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, MMA)
-    # Keys below this are outside the window of the block's last row.
-    window_edge = gl.max(q_pos, 0) - window_left
+    poisoned = gl.zeros([BLOCK_M], gl.int32, gl.SliceLayout(1, MMA))
     for start in range(k_lo, k_hi, BLOCK_N):
         kpos = start + offs_n
         k_rows, exists = kv_row_offsets(
@@ -273,15 +311,25 @@ def attend(
         p = gl.exp2(s - gl.expand_dims(m_use, 1))
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.expand_dims(alpha, 1)
-        v = v_smem.load(operand_layout(ARCH, MMA, 1))
-        if HAS_WINDOW:
-            if start < window_edge:
-                v = gl.where(gl.abs(v) < float("inf"), v, gl.zeros_like(v))
+        if EXACT:
+            v_vals = v_smem.load(LD)
+            finite = (gl.abs(v_vals.to(gl.float32)) < float("inf")).to(gl.int32)
+            bad = 1 - gl.min(finite, 1)  # per key: 1 where its V row is not all finite
+            v_vals = gl.where(gl.expand_dims(bad, 1) > 0, gl.zeros_like(v_vals), v_vals)
+            v = gl.convert_layout(v_vals, operand_layout(ARCH, MMA, 1))
+            bad_s = gl.expand_dims(gl.convert_layout(bad, gl.SliceLayout(0, MMA)), 0)
+            sees_bad = (visible & (bad_s > 0)).to(gl.int32)
+            poisoned = gl.maximum(poisoned, gl.max(sees_bad, 1))
+        else:
+            v = v_smem.load(operand_layout(ARCH, MMA, 1))
         p_op = gl.convert_layout(p.to(DTYPE), operand_layout(ARCH, MMA, 0))
         acc = mma(p_op, v, acc, ARCH)
         m_i = m_new
         # The next tile overwrites the LDS buffers every warp just read.
         gl.thread_barrier()
+    if EXACT:
+        nan = gl.full([BLOCK_M, HEAD_DIM], float("nan"), gl.float32, MMA)
+        acc = gl.where(gl.expand_dims(poisoned, 1) > 0, nan, acc)
     return acc, m_i, l_i
 
 

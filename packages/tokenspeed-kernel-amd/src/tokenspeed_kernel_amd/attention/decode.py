@@ -93,7 +93,7 @@ def _decode_kernel(
         q, q_pos, s_lo, s_hi, qk_scale, window_left, k_ptr, v_ptr, kvh * stride_kh,
         kvh * stride_vh, page_table_ptr + seq64 * stride_pt, num_pages, stride_kp, stride_ks,
         stride_vp, stride_vs, k_smem, v_smem, ARCH, BLOCK_M, BLOCK_N, HEAD_DIM, 16, NUM_WARPS, True,
-        PAGE_SIZE, True, HAS_WINDOW, BUFFER, ASYNC, WIDE,
+        PAGE_SIZE, True, HAS_WINDOW, BUFFER, ASYNC, WIDE, Q_LEN > 1,
     )  # fmt: skip
     acc = acc * v_scale
     if SPLITS == 1:

@@ -82,7 +82,7 @@ def _extend_kernel(
             q, q_pos, k_lo, k_hi, qk_scale, window_left, k_ptr, v_ptr, kvh * stride_kh,
             kvh * stride_vh, page_table_ptr + seq.to(gl.int64) * stride_pt, num_pages, stride_kp,
             stride_ks, stride_vp, stride_vs, k_smem, v_smem, ARCH, BLOCK_M, BLOCK_N, HEAD_DIM,
-            INSTR_M, NUM_WARPS, True, PAGE_SIZE, True, HAS_WINDOW, BUFFER, ASYNC, WIDE,
+            INSTR_M, NUM_WARPS, True, PAGE_SIZE, True, HAS_WINDOW, BUFFER, ASYNC, WIDE, True,
         )  # fmt: skip
         # FP8 caches: the key scale is in qk_scale; the value scale multiplies the output.
         acc = acc * v_scale

@@ -77,6 +77,7 @@ def _prefill_kernel(
             v_ptr + base * stride_vt, kvh * stride_kh, kvh * stride_vh, cu_seqlens_ptr, 0,
             stride_kt, 0, stride_vt, 0, k_smem, v_smem, ARCH, BLOCK_M, BLOCK_N, HEAD_DIM,
             INSTR_M, NUM_WARPS, False, 1, CAUSAL, HAS_WINDOW, BUFFER, ASYNC, WIDE,
+            CAUSAL or HAS_WINDOW,
         )  # fmt: skip
         finish_rows(
             acc, m_i, l_i, sinks_ptr, out_ptr, lse_ptr, base, stride_ot, stride_lt, m_start,
