@@ -24,7 +24,8 @@ tests=("$@")
 if [[ ${#tests[@]} -eq 0 ]]; then
     # Every CPU test that imports only the installed packages; tests/tools needs the repo's
     # benchmarks and uv, the full Triton-interpreter suite is .ci/run's.
-    tests=(tests/core tests/amd/test_amd_registration.py tests/triton/test_kvcache_store.py)
+    tests=(tests/core tests/amd/test_amd_registration.py tests/triton/test_kvcache_store.py
+        tests/triton/test_bad_inputs_probe.py)
 fi
 
 work=$(mktemp -d)
@@ -32,6 +33,10 @@ trap 'rm -rf "$work"' EXIT
 "$python" -m uv --version >/dev/null 2>&1 || "$python" -m pip install --quiet uv
 "$python" -m uv build --all-packages --wheel --quiet -o "$work/wheels"
 ls "$work/wheels"
+
+# The built wheels by path: PyPI has unrelated releases under some of these names (a
+# tokenspeed-kernel-amd 0.1.4), which a bare requirement name would let pip prefer.
+ours=("$work"/wheels/tokenspeed_kernel_{core,triton,amd}-*.whl)
 
 "$python" -m venv "$work/venv"
 venv_python="$work/venv/bin/python"
@@ -48,12 +53,10 @@ if [[ -n "$borrow" ]]; then
         esac
     done
     echo "$borrowed" >"$site/borrowed.pth"
-    "${pip[@]}" --no-index --find-links "$work/wheels" \
-        tokenspeed-kernel-triton tokenspeed-kernel-amd
+    "${pip[@]}" --no-index "${ours[@]}"
 else
     # numpy: the Triton 3.6 interpreter (the CPU tests) breaks with numpy 2.4.
-    "${pip[@]}" --find-links "$work/wheels" \
-        tokenspeed-kernel-triton tokenspeed-kernel-amd pytest "numpy<2.4"
+    "${pip[@]}" "${ours[@]}" pytest "numpy<2.4"
 fi
 "$venv_python" -m pip list --disable-pip-version-check 2>/dev/null |
     grep -Ei '^(torch|triton|numpy|tokenspeed-kernel)' || true
@@ -70,4 +73,4 @@ for module in (tokenspeed_kernel, tokenspeed_kernel_amd, tokenspeed_kernel_trito
 print("imports from the installed wheels")
 PY
 "$venv_python" -m pytest -q -p no:cacheprovider "${tests[@]}"
-echo "wheels OK ($repo)"
+echo "wheels OK ($repo, ${SECONDS} s)"
