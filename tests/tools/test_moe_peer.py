@@ -2,8 +2,11 @@
 "not importable" note where triton_kernels is absent, and our checkpoint weights converted to
 triton_kernels' logical layout, run through a plain-torch emulation of the peer's math
 (matmul_ogs on [K, N] weights, `_swiglu_fn` on interleaved pairs, gammas on the second GEMM),
-give the core reference's output. The swizzled layout and the kernels themselves run on the
-GPU only (tests/tools/test_moe_peer_gpu.py)."""
+give the core reference's output. The peer rounds where the reference does not (a bf16 SwiGLU
+intermediate, bf16 per-expert outputs before the top-k sum): `triton_kernels_moe_emulation`
+rounds there too, and at GPT-OSS sizes that rounding alone misses the float32 reference by
+more than the bf16 tolerance, so the GPU test checks the peer against the emulation. The
+swizzled layout and the kernels themselves run on the GPU only (test_moe_peer_gpu.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from tokenspeed_kernel import capture, env
 from tokenspeed_kernel.cli import main
 from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEWeights
 from tokenspeed_kernel.registry import get_kernel
-from tokenspeed_kernel.testing import assert_close, moe_plan_for
+from tokenspeed_kernel.testing import assert_close, compare, moe_plan_for
 from tokenspeed_kernel.testing.cases import moe_case
 from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_inputs, moe_weights
 from tokenspeed_kernel.tools.peers import (
@@ -25,9 +28,11 @@ from tokenspeed_kernel.tools.peers import (
     MOE_PEER,
     SCALE_GROUP_MULTIPLE,
     TritonKernelsWeights,
+    compare_to_emulation,
     peer_calls,
     peer_names,
     triton_kernels_layout,
+    triton_kernels_moe_emulation,
     triton_kernels_origin,
 )
 from tokenspeed_kernel.tools.workloads import Point
@@ -46,13 +51,18 @@ def _dequantize_kn(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return values * torch.exp2(groups - 127).repeat_interleave(32, dim=1)
 
 
-def _peer_math(w: TritonKernelsWeights, x, logits, top_k: int, alpha: float, limit: float):
+def _peer_math(
+    w: TritonKernelsWeights, x, logits, top_k: int, alpha: float, limit: float, rounded=False
+):
     """The peer's forward in plain torch: routing(sm_first=False), matmul_ogs + bias with the
-    fused swiglu (gelu = even column, linear = odd), matmul_ogs + bias, times gammas, summed."""
+    fused swiglu (gelu = even column, linear = odd), matmul_ogs + bias, times gammas, summed;
+    `rounded` stores the swiglu output and each gamma-weighted expert output in bf16, as the
+    kernels do."""
     w13 = _dequantize_kn(w.w13, w.w13_scale)
     w2 = _dequantize_kn(w.w2, w.w2_scale)
     values, ids = torch.topk(logits.float(), top_k, dim=-1)
     gammas = torch.softmax(values, dim=-1)
+    store = (lambda t: t.to(torch.bfloat16).float()) if rounded else (lambda t: t)
     out = torch.zeros(x.shape, dtype=torch.float32)
     for t in range(x.shape[0]):
         for j in range(top_k):
@@ -61,8 +71,8 @@ def _peer_math(w: TritonKernelsWeights, x, logits, top_k: int, alpha: float, lim
             gelu = h[0::2].clamp(max=limit)
             linear = h[1::2].clamp(-limit, limit)
             s = gelu / (1 + torch.exp(-alpha * gelu))
-            a = s * linear + s
-            out[t] += gammas[t, j] * (a @ w2[e] + w.w2_bias[e])
+            a = store(s * linear + s)
+            out[t] += store(gammas[t, j] * (a @ w2[e] + w.w2_bias[e]))
     return out
 
 
@@ -128,6 +138,125 @@ def test_layout_through_the_peers_math_matches_the_reference():
     w13 = _dequantize_kn(w.w13, w.w13_scale)
     assert (x.float() @ w13[0] + w.w13_bias[0])[:, 0::2].max() > swiglu.limit
     assert_close(got.to(torch.bfloat16), expected, dtype=torch.bfloat16, name="peer math")
+
+
+def gpt_oss_weights(num_experts: int, w13_octaves: int, device) -> MoEWeights:
+    """GPT-OSS-120B-sized (H = I = 2880) MXFP4 weights from random bytes. Scales aim entries at
+    1/sqrt(cols) (+-1 octave); w13_octaves shifts W13 up (and W2 down) to push pre-activations
+    past the SwiGLU clamp. The GPU test uses it with the 128 experts of GPT-OSS-120B."""
+    e, h, i = num_experts, 2880, 2880
+    g = torch.Generator(device=device).manual_seed(7 + w13_octaves)
+
+    def mx(rows, cols, shift):
+        u8 = dict(generator=g, device=device, dtype=torch.uint8)
+        packed = torch.randint(0, 256, (e, rows, cols // 2), **u8)
+        center = 120 + shift
+        return packed, torch.randint(center - 1, center + 2, (e, rows, cols // 32), **u8)
+
+    w13, s13 = mx(2 * i, h, w13_octaves)
+    w2, s2 = mx(h, i, -w13_octaves)
+    return MoEWeights(
+        w13=w13,
+        w2=w2,
+        w13_scale=s13,
+        w2_scale=s2,
+        w13_bias=0.5 * torch.randn(e, 2 * i, generator=g, device=device),
+        w2_bias=0.5 * torch.randn(e, h, generator=g, device=device),
+    )
+
+
+def _emulate(config, x, logits, prepared):
+    t = prepared.tensors
+    return triton_kernels_moe_emulation(
+        config, x, logits, t["w13"], t["w2"], t["w13_bias"], t["w2_bias"]
+    )
+
+
+def test_emulation_is_the_peers_math_rounded_where_the_kernels_round():
+    weights, x, logits = _checkpoint()
+    config = SHAPE.config()
+    swiglu = config.activation
+    w = triton_kernels_layout(config, weights)
+    args = (w, x, logits, config.top_k, swiglu.alpha, swiglu.limit)
+    reference = get_kernel("moe_apply", "reference.moe_apply")
+    plan = moe_plan_for(reference, config, SHAPE.num_tokens, "cpu")
+    out, steps = _emulate(config, x, logits, reference.fn.prepare_weights(plan, weights))
+    assert out.dtype == torch.bfloat16 and steps.shape == out.shape and bool((steps > 0).all())
+    # Same rounding points on triton_kernels' layout, summed in another order.
+    rounded = _peer_math(*args, rounded=True).to(torch.bfloat16)
+    result = compare_to_emulation(rounded, out, steps, name="peer math, rounded")
+    assert result.ok, str(result)
+    # The rounding is there: the unrounded math differs somewhere.
+    assert not torch.equal(_peer_math(*args).to(torch.bfloat16), out)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_sized():
+    """4 experts at GPT-OSS-120B's H and I, W13 up 2 octaves (pre-activations past the clamp),
+    64 tokens: the reference-prepared weights, the inputs, and the emulation's (out, steps)."""
+    config = MoEConfig(4, 4, 2880, 2880, weight_format="mxfp4", activation_format="bf16")
+    weights = gpt_oss_weights(4, 2, "cpu")
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 2880, generator=g).to(torch.bfloat16)
+    logits = torch.randn(64, 4, generator=g)
+    reference = get_kernel("moe_apply", "reference.moe_apply")
+    plan = moe_plan_for(reference, config, 64, "cpu")
+    prepared = reference.fn.prepare_weights(plan, weights)
+    expected = torch.empty_like(x)
+    reference.fn.apply(plan, x, prepared, router_logits=logits, out=expected)
+    return config, weights, prepared, x, logits, expected, _emulate(config, x, logits, prepared)
+
+
+def test_peer_rounding_alone_misses_the_reference_by_more_than_bf16_tolerance(gpt_oss_sized):
+    """What the GPU saw for the peer at M=64 on 128 such experts (1290/184320 outside, max abs
+    0.125, rms 1.1e-2) is what its rounding costs: here 0.7% outside, max abs 0.125, rms 1.3e-2
+    on 4 experts."""
+    *_, expected, (out, steps) = gpt_oss_sized
+    result = compare(out, expected, dtype=torch.bfloat16, name="emulated peer")
+    assert not result.ok and 0.001 < result.num_bad / result.numel < 0.02, str(result)
+    assert 0.03 < result.max_abs < 0.25 and 0.005 < result.rms < 0.02, str(result)
+    # So a peer that did not round there would fail the check against the emulation.
+    result = compare_to_emulation(expected, out, steps, name="the reference")
+    assert not result.ok, str(result)
+
+
+def test_emulation_bound_holds_in_another_order_and_catches_a_wrong_scale(gpt_oss_sized):
+    config, weights, prepared, x, logits, _, (out, steps) = gpt_oss_sized
+    t = prepared.tensors
+    # The same function accumulated in another order (as the peer's tensor cores do): H
+    # permuted in GEMM1, the intermediate's gate/up pairs permuted in GEMM2.
+    g = torch.Generator().manual_seed(0)
+    ph = torch.randperm(2880, generator=g)
+    pi = torch.randperm(2880, generator=g)
+    pairs = torch.stack((2 * pi, 2 * pi + 1), dim=1).reshape(-1)
+    shuffled = triton_kernels_moe_emulation(
+        config,
+        x[:, ph],
+        logits,
+        t["w13"][:, pairs][:, :, ph],
+        t["w2"][:, :, pi],
+        t["w13_bias"][:, pairs],
+        t["w2_bias"],
+    )[0]
+    assert not torch.equal(shuffled, out)
+    result = compare_to_emulation(shuffled, out, steps, name="reordered")
+    assert result.ok, str(result)
+    # A layout slip the GPU could make: W2's scales read one K-group late in 1 column of 64.
+    s2 = weights.w2_scale.clone()
+    s2[:, ::64] = s2[:, ::64].roll(1, dims=-1)
+    wrong = MoEWeights(
+        w13=weights.w13,
+        w2=weights.w2,
+        w13_scale=weights.w13_scale,
+        w2_scale=s2,
+        w13_bias=weights.w13_bias,
+        w2_bias=weights.w2_bias,
+    )
+    reference = get_kernel("moe_apply", "reference.moe_apply")
+    plan = moe_plan_for(reference, config, 64, "cpu")
+    slipped = _emulate(config, x, logits, reference.fn.prepare_weights(plan, wrong))[0]
+    result = compare_to_emulation(slipped, out, steps, name="wrong w2 scales")
+    assert not result.ok and result.worst_index[1] % 64 == 0, str(result)
 
 
 def test_layout_refuses_what_the_peer_does_not_run():
