@@ -20,7 +20,10 @@ from record import table
 
 from tokenspeed_kernel.ops.attention.reference import reference_decode, reference_kvcache_store
 from tokenspeed_kernel.testing import compare
+from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_nvidia import _cute_runtime
+from tokenspeed_kernel_nvidia.cute_decode import KERNEL_NAME as CUTE_DECODE
+from tokenspeed_kernel_nvidia.cute_decode import DecodeConfig
 from tokenspeed_kernel_nvidia.cute_decode import mha_decode_with_kvcache as cute_decode
 from tokenspeed_kernel_nvidia.cute_kvcache_store import kvcache_store as cute_store
 from tokenspeed_kernel_triton.attention.decode import mha_decode_with_kvcache as triton_decode
@@ -32,6 +35,12 @@ TOKENS = (1, 16, 64, 1024, 8192)
 KERNELS = {"triton": triton_store, "cute": cute_store}
 DECODERS = {"triton": triton_decode, "cute": cute_decode}
 DECODE_CASES = ((1, 8192), (2, 8192), (4, 8192), (8, 8192), (16, 8192), (64, 8192))
+# CuTe decode configs swept where B is small (the default: 2 CTAs per SM, 8 warps).
+SWEEP = {
+    "1 CTA/SM": DecodeConfig(ctas_per_sm=1),
+    "4 CTAs/SM": DecodeConfig(ctas_per_sm=4),
+    "4 warps": DecodeConfig(ctas_per_sm=2, warps=4),
+}
 METHOD = (
     f"kvcache_store at GPT-OSS-120B shapes: {HKV} KV heads, D={D}, page {P}, bf16 K/V into a "
     "bf16 or FP8 e4m3 cache (scale 0.5), random distinct slots, one in eight padded (-1). "
@@ -170,12 +179,22 @@ def run_decode(batch: int, ctx: int, bw: float, l2_bytes: int, gen) -> dict:
             fn(q, k_cache, v_cache, page_table=table, out=out, **kw)
 
         row[f"{name}_us"] = time_calls(call, len(sets))
+    if batch <= 4:
+
+        def cute_call(i):
+            q, table, out = sets[i]
+            cute_decode(q, k_cache, v_cache, page_table=table, out=out, **kw)
+
+        for label, config in SWEEP.items():
+            with pin_config(CUTE_DECODE, config):
+                row[f"cute {label}"] = time_calls(cute_call, len(sets))
     return row
 
 
 def decode_lines(rows: list[dict]) -> list[str]:
     columns = ["B", "ctx", "triton µs", "cute µs", "triton / cute", "floor µs", "cute / floor"]
     columns += ["triton ok (max err)", "cute ok (max err)"]
+    columns += [f"cute µs, {label}" for label in SWEEP]
     cells = [
         (
             r["batch"],
@@ -187,6 +206,7 @@ def decode_lines(rows: list[dict]) -> list[str]:
             f"{r['cute_us'] / r['floor_us']:.2f}",
             r["triton_ok"],
             r["cute_ok"],
+            *(f"{r[f'cute {label}']:.2f}" if f"cute {label}" in r else "-" for label in SWEEP),
         )
         for r in rows
     ]
@@ -194,7 +214,9 @@ def decode_lines(rows: list[dict]) -> list[str]:
         "",
         f"Decode attention, full context, {HQ} query / {HKV} KV heads, D={D}, page {P}, bf16, "
         "per-head sinks, one query; sets of disjoint pages over 4x the L2; floor = K and V "
-        "bytes / copy bandwidth; outputs against the core reference (bf16 tolerance):",
+        "bytes / copy bandwidth; outputs against the core reference (bf16 tolerance). The "
+        "CuTe kernel's default aims at 2 CTAs per SM of 8 warps; the last columns pin other "
+        "`DecodeConfig`s:",
         "",
         *table(columns, cells),
     ]

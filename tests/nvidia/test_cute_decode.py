@@ -93,6 +93,15 @@ def test_split_plan_fills_the_gpu_at_batch_one():
     assert (chunk, splits) == (256, 32)
 
 
+def test_pinned_config_changes_the_split_plan():
+    """More CTAs per SM, more (shorter) chunks; the plan still covers the cache."""
+    base = decode.plan_splits(132, 1, 8, 8192)
+    more = decode.plan_splits(132, 1, 8, 8192, decode.DecodeConfig(ctas_per_sm=4))
+    fewer = decode.plan_splits(132, 1, 8, 8192, decode.DecodeConfig(ctas_per_sm=1))
+    assert fewer[1] < base[1] < more[1]
+    assert all(chunk * splits >= 8192 for chunk, splits in (base, more, fewer))
+
+
 def test_alignment_predicate():
     q = torch.empty(2, 1, 64, 64, dtype=torch.bfloat16)
     cache = torch.empty(4, 64, 8, 64, dtype=torch.bfloat16)
@@ -105,10 +114,11 @@ def test_alignment_predicate():
 
 @pytest.mark.skipif(bool(DSL_MISSING), reason=DSL_MISSING % rt.EXTRA if DSL_MISSING else "-")
 @pytest.mark.parametrize(
-    "dtype,sink_dtype,lse", [(torch.bfloat16, torch.float32, True), (torch.float16, None, False)]
+    "dtype,sink_dtype,lse,warps",
+    [(torch.bfloat16, torch.float32, True, 8), (torch.float16, None, False, 4)],
 )
-def test_compiles_for_sm90a_on_the_cpu(dtype, sink_dtype, lse):
-    cubin = decode.build(dtype, sink_dtype, lse).compile_fn("sm_90a")
+def test_compiles_for_sm90a_on_the_cpu(dtype, sink_dtype, lse, warps):
+    cubin = decode.build(dtype, sink_dtype, lse, warps).compile_fn("sm_90a")
     assert cubin.image[:4] == b"\x7fELF" and "decode_kernel" in cubin.symbol
 
 

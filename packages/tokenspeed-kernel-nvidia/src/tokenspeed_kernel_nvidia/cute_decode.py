@@ -25,10 +25,12 @@ The DSL is needed only to compile (see `_cute_runtime`).
 import functools
 import math
 import threading
+from dataclasses import dataclass
 
 import torch
 
 from tokenspeed_kernel.registry import Support, register_kernel
+from tokenspeed_kernel.tuning import pinned_config
 
 from . import _cute_runtime as rt
 
@@ -36,18 +38,36 @@ KERNEL_NAME = "cute.mha_decode_with_kvcache"
 HALF = (torch.bfloat16, torch.float16)
 GROUP = 8  # query heads per KV head (GPT-OSS)
 HEAD_DIM = 64
-WARPS = 4
-THREADS = 32 * WARPS
 TILE = 16  # keys per warp per iteration: 4 key groups x 4
 LOG2E = math.log2(math.e)
-# Shared memory: the 4 warps' (m, l, o) for the CTA merge, the counter's old value, and
-# slack for the allocator's alignment.
-SMEM_BYTES = WARPS * GROUP * (HEAD_DIM + 2) * 4 + 16 + 1024
-# Two CTAs per SM: the kernel's 128 registers would allow four, but every extra chunk adds
-# to the last CTA's merge, which no other work overlaps.
-CTAS_PER_SM = 2
+
+
+def smem_bytes(warps: int) -> int:
+    """The warps' (m, l, o) for the CTA merge, the counter's old value, and slack for the
+    allocator's alignment."""
+    return warps * GROUP * (HEAD_DIM + 2) * 4 + 16 + 1024
+
+
 MAX_COUNTERS = 1 << 18
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """`warps` per CTA (each takes every `warps`-th 16-key tile of the CTA's chunk) and how
+    many chunks a (sequence, KV head) is split into: enough for `ctas_per_sm` CTAs on every
+    SM. Benchmarks pin others with `tuning.pin_config(KERNEL_NAME, ...)`."""
+
+    ctas_per_sm: int
+    warps: int = 8
+
+
+# Two CTAs per SM: the kernel's 128 registers would allow four, but every extra chunk adds
+# to the last CTA's merge, which no other work overlaps. Eight warps: a warp's iterations
+# are each about one memory latency (its next tile's loads are one iteration ahead and the
+# math is short), so more, shorter warps finish a chunk sooner.
+DEFAULT_CONFIG = DecodeConfig(ctas_per_sm=2, warps=8)
+CONFIG_WARPS = (4, 8)
 
 
 @functools.cache
@@ -197,6 +217,7 @@ def _dsl():
         HAS_SINKS: cutlass.Constexpr,
         HAS_LSE: cutlass.Constexpr,
         IS_BF16: cutlass.Constexpr,
+        WARPS: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         split, h, b = cute.arch.block_idx()
@@ -353,7 +374,8 @@ def _dsl():
             old = cute.arch.atomic_add(counters + bh, Int32(1), sem="acq_rel", scope="gpu")
             sm_flag[0] = old
         cute.arch.sync_threads()
-        if sm_flag[0] == num_splits - 1:
+        # The merge below maps 16 threads to a head: the first 128 threads do it.
+        if sm_flag[0] == num_splits - 1 and tidx < GROUP * 16:
             cute.arch.fence_acq_rel_gpu()
             finish(part_o, part_ml, sinks, out, lse, counters, tidx, b, h, bh, num_splits,
                    stride_ob, stride_oh, stride_lb, stride_lh, HAS_SINKS, HAS_LSE)  # fmt: skip
@@ -456,21 +478,22 @@ def _dsl():
         HAS_SINKS: cutlass.Constexpr,
         HAS_LSE: cutlass.Constexpr,
         IS_BF16: cutlass.Constexpr,
+        WARPS: cutlass.Constexpr,
     ):
         decode_kernel(
             q, k_cache, v_cache, page_table, seqlens, sinks, out, lse, part_o, part_ml,
             counters, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp,
             stride_vs, stride_vh, stride_pt, stride_ob, stride_oh, stride_lb, stride_lh,
             num_pages, max_pages, page_size, chunk, num_splits, num_kv_heads, scale_log2,
-            HAS_SINKS, HAS_LSE, IS_BF16,
+            HAS_SINKS, HAS_LSE, IS_BF16, WARPS,
         ).launch(
-            grid=[num_splits, num_kv_heads, batch], block=[THREADS, 1, 1], stream=stream
+            grid=[num_splits, num_kv_heads, batch], block=[32 * WARPS, 1, 1], stream=stream
         )  # fmt: skip
 
     return cutlass, cute, host
 
 
-def _compile(dtype, sink_dtype, has_lse, arch) -> rt.Cubin:
+def _compile(dtype, sink_dtype, has_lse, warps, arch) -> rt.Cubin:
     cutlass, cute, host = _dsl()
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
@@ -492,24 +515,26 @@ def _compile(dtype, sink_dtype, has_lse, arch) -> rt.Cubin:
     pointers = [words, words, words, i32, i32, sinks, ptr(dtype, 8), ptr(torch.float32, 4)]
     pointers += [f32, f32, i32]
     scalars = [cutlass.Int64(1)] * 13 + [cutlass.Int32(1)] * 7 + [cutlass.Float32(1.0)]
-    flags = [sink_dtype is not None, has_lse, dtype == torch.bfloat16]
+    flags = [sink_dtype is not None, has_lse, dtype == torch.bfloat16, warps]
     args = [*pointers, *scalars, make_fake_stream(), *flags]
     return rt.compile_cubin(host, args, arch)
 
 
-def build(dtype, sink_dtype, has_lse: bool) -> rt.Build:
+def build(dtype, sink_dtype, has_lse: bool, warps: int = DEFAULT_CONFIG.warps) -> rt.Build:
     sink = _DTYPE_NAMES[sink_dtype] if sink_dtype is not None else "none"
     key = f"decode-{_DTYPE_NAMES[dtype]}-g{GROUP}-d{HEAD_DIM}-sink_{sink}-lse{int(has_lse)}"
-    return rt.Build(__name__, key, functools.partial(_compile, dtype, sink_dtype, has_lse))
+    key += f"-w{warps}"
+    compile_fn = functools.partial(_compile, dtype, sink_dtype, has_lse, warps)
+    return rt.Build(__name__, key, compile_fn)
 
 
 _PARAMS = [rt.POINTER] * 11 + [rt.INT64] * 13 + [rt.INT32] * 6 + [rt.FLOAT32]
 
 
 @functools.cache
-def _loaded(dtype, sink_dtype, has_lse, arch) -> rt.LoadedKernel:
-    cubin = rt.cubin_for(build(dtype, sink_dtype, has_lse), arch)
-    return rt.LoadedKernel(cubin, _PARAMS, shared_bytes=SMEM_BYTES)
+def _loaded(dtype, sink_dtype, has_lse, warps, arch) -> rt.LoadedKernel:
+    cubin = rt.cubin_for(build(dtype, sink_dtype, has_lse, warps), arch)
+    return rt.LoadedKernel(cubin, _PARAMS, shared_bytes=smem_bytes(warps))
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -539,10 +564,16 @@ def _aligned(q, k_cache, v_cache, out) -> bool:
     return bits % 8 == 0 and out_bits % 4 == 0
 
 
-def plan_splits(sm_count: int, batch: int, num_kv_heads: int, capacity: int) -> tuple[int, int]:
-    """(chunk, splits): chunks of whole 16-key tiles, enough CTAs to give every SM two, and no
-    chunk under 64 keys (a merge costs about as much as reading 64 keys)."""
-    wanted = max(1, -(-CTAS_PER_SM * sm_count // (batch * num_kv_heads)))
+def plan_splits(
+    sm_count: int,
+    batch: int,
+    num_kv_heads: int,
+    capacity: int,
+    config: DecodeConfig = DEFAULT_CONFIG,
+) -> tuple[int, int]:
+    """(chunk, splits): chunks of whole 16-key tiles, enough CTAs for `config.ctas_per_sm` on
+    every SM, and no chunk under 64 keys (a merge costs about as much as reading 64 keys)."""
+    wanted = max(1, -(-config.ctas_per_sm * sm_count // (batch * num_kv_heads)))
     splits = max(1, min(wanted, -(-capacity // 64)))
     chunk = -(-max(capacity, 1) // splits)
     chunk = -(-chunk // TILE) * TILE
@@ -584,9 +615,11 @@ def mha_decode_with_kvcache(
         )
     platform = platform_of(q.device)
     capacity = page_table.shape[1] * page_size
-    chunk, splits = plan_splits(platform.sm_count, batch, num_kv_heads, capacity)
+    config = pinned_config(KERNEL_NAME) or DEFAULT_CONFIG
+    chunk, splits = plan_splits(platform.sm_count, batch, num_kv_heads, capacity, config)
     sink_dtype = sinks.dtype if sinks is not None else None
-    kernel = _loaded(q.dtype, sink_dtype, lse is not None, rt.compile_arch(platform.arch))
+    arch = rt.compile_arch(platform.arch)
+    kernel = _loaded(q.dtype, sink_dtype, lse is not None, config.warps, arch)
     part_o = torch.empty(batch * num_kv_heads * splits * GROUP * HEAD_DIM, device=q.device)
     part_ml = torch.empty(batch * num_kv_heads * splits * GROUP * 2, device=q.device)
     lse_t = lse if lse is not None else part_ml
@@ -620,7 +653,7 @@ def mha_decode_with_kvcache(
         num_kv_heads,
         float(softmax_scale) * LOG2E,
     ]
-    kernel.launch_grid(q.device, (splits, num_kv_heads, batch), THREADS, args)
+    kernel.launch_grid(q.device, (splits, num_kv_heads, batch), 32 * config.warps, args)
 
 
 def supports(request, platform) -> Support:
@@ -637,10 +670,11 @@ def supports(request, platform) -> Support:
 
 def cute_builds() -> list[rt.Build]:
     return [
-        build(dtype, sink_dtype, has_lse)
+        build(dtype, sink_dtype, has_lse, warps)
         for dtype in HALF
         for sink_dtype in (None, torch.float32, torch.bfloat16)
         for has_lse in (False, True)
+        for warps in CONFIG_WARPS
     ]
 
 
