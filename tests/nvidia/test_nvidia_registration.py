@@ -194,7 +194,9 @@ def test_xqa_traits_match_flashinfer():
     assert traits["head_dim"] == set(range(16, 257, 16))
     assert traits["gqa_ratio"] == set(range(1, 33))
     assert traits["q_len"] == {1}
-    assert traits["kv_dtype"] == {BF16, FP16, FP8}
+    # The library takes e4m3 caches; the adapter declines them until its scale mapping passes
+    # conformance on the GPU (it failed there, 2026-11-25).
+    assert traits["kv_dtype"] == {BF16, FP16}
     assert "lse" not in traits and "non_causal" not in traits
     spec = get_kernel("mha_decode_with_kvcache", "flashinfer.mha_decode_with_kvcache.xqa")
     assert spec.platforms[0].archs == {"sm_90", "sm_100", "sm_103", "sm_120", "sm_121"}
