@@ -267,10 +267,11 @@ def _make_current(index: int) -> bool:
     return True
 
 
-# ctypes types of kernel parameters, as the DSL lays them out (.param .u64 / .u32 / .f32).
+# ctypes types of kernel parameters, as the DSL lays them out (.param .u64 / .u32 / .f32);
+# c_int, c_longlong and c_float are the ones cuda-bindings packs without a ctypes object.
 POINTER = ctypes.c_void_p
-INT32 = ctypes.c_int32
-INT64 = ctypes.c_int64
+INT32 = ctypes.c_int
+INT64 = ctypes.c_longlong
 FLOAT32 = ctypes.c_float
 
 
