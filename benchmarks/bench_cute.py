@@ -124,7 +124,12 @@ def run_case(tokens: int, cache_dtype, bw: float, l2_bytes: int, gen) -> dict:
     reference_kvcache_store(k, v, *want, **kw)
     for name, fn in KERNELS.items():
         got = [c.clone() for c in caches]
-        fn(k, v, *got, **kw)
+        try:
+            fn(k, v, *got, **kw)
+        except Exception as exc:  # noqa: BLE001 - reported in the row, the others still run
+            row[f"{name}_exact"] = f"error: {type(exc).__name__}: {exc}"[:120]
+            row[f"{name}_us"] = row[f"{name}_eager_us"] = float("nan")
+            continue
         row[f"{name}_exact"] = all(
             torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want, strict=True)
         )
@@ -170,7 +175,12 @@ def run_decode(batch: int, ctx: int, bw: float, l2_bytes: int, gen) -> dict:
     row = dict(batch=batch, ctx=ctx, floor_us=nbytes / (bw * 1e6))
     for name, fn in DECODERS.items():
         got = torch.full_like(q, float("nan"))
-        fn(q, k_cache, v_cache, page_table=table, out=got, **kw)
+        try:
+            fn(q, k_cache, v_cache, page_table=table, out=got, **kw)
+        except Exception as exc:  # noqa: BLE001 - reported in the row, the others still run
+            row[f"{name}_ok"] = f"error: {type(exc).__name__}: {exc}"[:120]
+            row[f"{name}_us"] = float("nan")
+            continue
         result = compare(got, want, dtype=torch.bfloat16, name="out")
         row[f"{name}_ok"] = f"{result.ok} ({result.max_abs:.1e})"
 
@@ -179,7 +189,7 @@ def run_decode(batch: int, ctx: int, bw: float, l2_bytes: int, gen) -> dict:
             fn(q, k_cache, v_cache, page_table=table, out=out, **kw)
 
         row[f"{name}_us"] = time_calls(call, len(sets))
-    if batch <= 4:
+    if batch <= 4 and row["cute_ok"].startswith("True"):
 
         def cute_call(i):
             q, table, out = sets[i]
@@ -279,6 +289,8 @@ def main() -> None:
             rows.append(run_case(tokens, cache_dtype, bw, props.L2_cache_size, gen))
             torch.cuda.empty_cache()
     lines += lines_for(rows)
+    # Printed now: a decode failure below must not lose the store's figures.
+    print("\n".join(lines), flush=True)
     decode_rows = []
     for batch, ctx in DECODE_CASES:
         decode_rows.append(run_decode(batch, ctx, bw, props.L2_cache_size, gen))
