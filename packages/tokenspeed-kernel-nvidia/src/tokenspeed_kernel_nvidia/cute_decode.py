@@ -75,10 +75,14 @@ def _dsl():
     """The kernel and its host launcher, built on first use (imports the DSL, about 3 s)."""
     import cutlass
     import cutlass.cute as cute
-    import cutlass.utils as utils
     from cutlass import Float32, Int32, Int64
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
+
+    try:  # DSL 4.8 moved it (the old name still works there, with a DeprecationWarning)
+        from cutlass.memory import SmemAllocator
+    except ImportError:
+        from cutlass.utils import SmemAllocator
 
     neg_inf = float("-inf")
 
@@ -326,7 +330,7 @@ def _dsl():
         l_run = ml[1]
         l_run = l_run + cute.arch.shuffle_sync_bfly(l_run, 1)
         l_run = l_run + cute.arch.shuffle_sync_bfly(l_run, 2)
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         sm_o = smem.allocate_tensor(
             Float32,
             cute.make_layout((WARPS, GROUP, HEAD_DIM), stride=(GROUP * HEAD_DIM, HEAD_DIM, 1)),
