@@ -1,0 +1,70 @@
+"""The rankings the nvidia package ships (rankings/<gpu>.json, measured with `tokenspeed-kernel
+tune` on that GPU): they load, name only kernels this workspace registers, and on their GPU
+every measured bucket selects its fastest kernel, or the next one where that kernel declines
+(its library not installed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tokenspeed_kernel as tk
+from tokenspeed_kernel import rankings, registry
+from tokenspeed_kernel.platform import KNOWN_PLATFORMS
+from tokenspeed_kernel_nvidia.registration import RANKINGS
+
+FILES = sorted(RANKINGS.glob("*.json"))
+REQUESTS = {
+    "mha_prefill": tk.AttentionRequest,
+    "mha_extend_with_kvcache": tk.AttentionRequest,
+    "mha_decode_with_kvcache": tk.AttentionRequest,
+}
+
+
+def _entries():
+    for path in FILES:
+        data = json.loads(path.read_text())
+        for entry in data["rankings"]:
+            yield pytest.param(data, entry, id=f"{path.stem}:{entry['op']}:{entry['label']}")
+
+
+def _request(entry):
+    """The request of a bucket, rebuilt from its key and sizes."""
+    cls = REQUESTS[entry["op"]]
+    fields = {}
+    for part in entry["key"].split(";"):
+        name, value = part.split("=")
+        if value in ("true", "false"):
+            fields[name] = value == "true"
+        elif value.lstrip("-").isdigit():
+            fields[name] = int(value)
+        else:
+            fields[name] = getattr(torch, value)
+    return cls(**fields, **entry["sizes"])
+
+
+def test_the_package_ships_rankings_that_load():
+    assert FILES, "no rankings file in tokenspeed_kernel_nvidia/rankings"
+    registry.kernels("mha_prefill")  # loads the plugins, whose register() adds the files
+    origins = {source.origin for source in rankings.sources()}
+    for path in FILES:
+        assert rankings.load(path).entries
+        assert f"tokenspeed-kernel-nvidia rankings/{path.name}" in origins, origins
+
+
+@pytest.mark.parametrize("data,entry", list(_entries()))
+def test_each_bucket_selects_its_fastest_then_the_next(data, entry):
+    names = list(entry["times_us"])
+    registered = {spec.name for spec in registry.kernels(entry["op"])}
+    assert set(names) <= registered, set(names) - registered
+    platform = KNOWN_PLATFORMS["h100"]
+    assert data["platform"]["arch"] == platform.arch
+    request = _request(entry)
+    by_time = sorted(names, key=entry["times_us"].get)
+    measured = rankings.lookup(entry["op"], request, platform, names)
+    assert measured is not None and measured.order[0][0] == by_time[0], measured
+    if len(by_time) > 1:  # the fastest declines (its library missing): the next measured
+        measured = rankings.lookup(entry["op"], request, platform, by_time[1:])
+        assert measured.order[0][0] == by_time[1], measured
