@@ -443,7 +443,10 @@ def test_tune_merge_measures_ops_over_several_runs(fakes, tmp_path, capsys):
 
 def test_report_lists_the_rankings_in_use(fakes, capsys):
     assert cli.main([]) == 0
-    assert "rankings: none (priorities decide" in capsys.readouterr().out
+    before = capsys.readouterr().out
+    # Vendor packages may ship rankings for other GPUs (the nvidia package's H100 file).
+    assert "rankings: none (priorities decide" in before or "rankings: tokenspeed-kernel" in before
+    assert "x.json" not in before
     request = _decode(4)
     registry.add_rankings(_file([_entry(request, {FAST: 1.0}, tokens=4)]), origin="x.json")
     assert cli.main([]) == 0
