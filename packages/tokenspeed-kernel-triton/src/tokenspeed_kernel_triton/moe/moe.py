@@ -19,6 +19,7 @@ from .combine import combine
 from .grouped_gemm import grouped_gemm
 from .layout import PaddedMoEKernel
 from .quant import quantize_rows
+from .workspace import scratch
 
 KERNEL_NAME = "triton.moe_apply"
 WEIGHT_LAYOUT = "triton-mx4words-padded"
@@ -118,7 +119,7 @@ def moe_forward(
     act_scale = out_scale
     if fp8 and w2_input_scale is None:
         act, act_scale = quantize_rows(act, None)
-    y = torch.empty(M * top_k, H, dtype=torch.float32, device=x.device)
+    y = scratch("y", (M * top_k, H), torch.float32, x.device)
     w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
     grouped_gemm(act, act_scale, *w2, y, routing, gemm1=False, k_valid=Ip, n_valid=H, **common)
     combine(
@@ -134,10 +135,10 @@ def _swiglu_rows(x, rows: int, prepared: dict, fp8: bool, w2_input_scale) -> tor
     for a dynamic FP8 scale, which needs each row's amax first."""
     Ip = prepared["padded_intermediate_size"]
     if not fp8:
-        return torch.empty(rows, 2 * Ip, dtype=torch.bfloat16, device=x.device)
+        return scratch("act", (rows, 2 * Ip), torch.bfloat16, x.device)
     if w2_input_scale is not None:
-        return torch.empty(rows, Ip, dtype=torch.float8_e4m3fn, device=x.device)
-    return torch.empty(rows, Ip, dtype=torch.float32, device=x.device)
+        return scratch("act", (rows, Ip), torch.float8_e4m3fn, x.device)
+    return scratch("act", (rows, Ip), torch.float32, x.device)
 
 
 class TritonMoE(PaddedMoEKernel):

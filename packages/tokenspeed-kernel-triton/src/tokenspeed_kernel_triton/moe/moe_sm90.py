@@ -18,6 +18,7 @@ from .fragment_config_sm90 import CONFIGS, FragmentConfig, gemm2_splits, scaled_
 from .layout import PaddedMoEKernel
 from .routing import max_tiles
 from .wgmma_gemm_sm90 import fragment_gemm
+from .workspace import scratch
 
 KERNEL_NAME = "triton.moe_apply.sm90"
 WEIGHT_LAYOUT = "triton-mx4fragment-padded"
@@ -70,9 +71,9 @@ def moe_forward_sm90(
     Ip = prepared["padded_intermediate_size"]
     rows = routing[4] * config.block_t  # the tile-count bound
     if f16_intermediate:
-        act = torch.empty(rows, Ip, dtype=torch.float16, device=x.device)
+        act = scratch("act", (rows, Ip), torch.float16, x.device)
     else:
-        act = torch.empty(rows, 2 * Ip, dtype=torch.bfloat16, device=x.device)
+        act = scratch("act", (rows, 2 * Ip), torch.bfloat16, x.device)
     common = dict(config=config, ready=ready)
     w13 = (prepared["w13"], prepared["w13_scale"], prepared["w13_bias"])
     fragment_gemm(
@@ -90,7 +91,7 @@ def moe_forward_sm90(
         **common,
     )
     splits = gemm2_splits(config.gemm2_split_k, Ip)
-    y = torch.empty(M * top_k * splits, H, dtype=torch.float32, device=x.device)
+    y = scratch("y", (M * top_k * splits, H), torch.float32, x.device)
     w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
     # GEMM1 wrote channels up to I only (k_valid); the rest are zero-filled. ready_target:
     # GEMM1's CTAs per tile.
@@ -125,11 +126,12 @@ def _route(x, prepared, top_k, config, routing_inputs: dict):
     M = x.shape[0]
     prescale = None
     if config.post_scale:
-        prescale = (x, torch.empty_like(x), torch.empty(M, dtype=torch.int32, device=x.device))
+        scaled = scratch("x_scaled", tuple(x.shape), x.dtype, x.device)
+        prescale = (x, scaled, scratch("x_exponents", (M,), torch.int32, x.device))
     ready = None
     if config.tile_ready:
         bound = max_tiles(M * top_k, prepared["num_experts"], config.block_t)
-        ready = torch.empty(bound, dtype=torch.int32, device=x.device)
+        ready = scratch("ready", (bound,), torch.int32, x.device)
     routing, ids_to_check = route_for_gemms(
         prepared,
         top_k,

@@ -31,6 +31,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .._launch import bind_launches
+from .workspace import scratch
 
 # Pairs (tokens x top_k) that one program routes and ranks on its own: the stable rank compares
 # every pair of a chunk, [CHUNK, CHUNK] elements, cheap at 256.
@@ -324,11 +325,11 @@ def route(
     local = num_experts if num_local_experts is None else num_local_experts
     n_tiles = max_tiles(num_pairs, local, block_m)
     if has_logits:
-        topk_ids = torch.empty(M, top_k, dtype=torch.int32, device=device)
-        topk_weights = torch.empty(M, top_k, dtype=torch.float32, device=device)
-    sorted_pairs = torch.empty(n_tiles * block_m, dtype=torch.int32, device=device)
-    tiles = torch.empty(n_tiles, 2, dtype=torch.int32, device=device)
-    num_tiles = torch.empty(1, dtype=torch.int32, device=device)
+        topk_ids = scratch("topk_ids", (M, top_k), torch.int32, device)
+        topk_weights = scratch("topk_weights", (M, top_k), torch.float32, device)
+    sorted_pairs = scratch("sorted_pairs", (n_tiles * block_m,), torch.int32, device)
+    tiles = scratch("tiles", (n_tiles, 2), torch.int32, device)
+    num_tiles = scratch("num_tiles", (1,), torch.int32, device)
     block_e = triton.next_power_of_2(num_experts)
     block_k = triton.next_power_of_2(top_k)
     stride = router_logits.stride(0) if has_logits else 0
@@ -425,7 +426,7 @@ def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m
             BLOCK_K=block_k,
         )
     block_el = triton.next_power_of_2(local)
-    cursor = torch.empty(block_el, dtype=torch.int32, device=device)
+    cursor = scratch("cursor", (block_el,), torch.int32, device)
     _align_kernel[(1,)](
         topk_ids,
         num_pairs,
