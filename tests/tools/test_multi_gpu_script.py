@@ -55,6 +55,8 @@ def test_a_damaged_shard_fails_its_check():
     rows = _rows(run.stdout)
     assert len(rows) == CHECKS and all(row[2] == "NO" for row in rows), run.stdout
     assert "checks FAILED" in run.stderr
+    # A damaged MoE shard still matches the reference on itself; its sum with the others fails.
+    assert "outside the sum allowance" in run.stdout and "own shard" not in run.stdout
 
 
 @pytest.mark.gpu

@@ -1,8 +1,9 @@
 """Triton MoE on tensor- and expert-parallel shards: the routing groups only a rank's experts,
 pairs of other ranks' experts give exact zeros, tensor-parallel shard sizes (GPT-OSS-120B's
-I = 2880 split 2/4/8 ways in whole scale groups) pad correctly, and the shards' outputs sum
-to the unsharded layer (CPU through the interpreter at small shapes; GPT-OSS-120B on the
-GPU)."""
+I = 2880 split 2/4/8 ways in whole scale groups) pad correctly, each shard matches the reference
+on that shard, and the shards' bf16 outputs sum to the unsharded layer within their rounding
+(CPU through the interpreter at small shapes; GPT-OSS-120B on the GPU); a damaged shard fails
+the sum."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import tokenspeed_kernel as tk
 from tokenspeed_kernel.platform import platform_of
 from tokenspeed_kernel.registry import get_kernel
-from tokenspeed_kernel.testing import assert_close, moe_plan_for
+from tokenspeed_kernel.testing import assert_close, moe_plan_for, tolerance
 from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_inputs, moe_weights
 from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_triton.moe.moe import MoETileConfig
@@ -54,8 +55,64 @@ def _run(kernel: str, config, weights, x, routing) -> torch.Tensor:
     return _layer_fn(kernel, config, weights, max(1, x.shape[0]), x.device)(x, routing)
 
 
-def _sum(outputs) -> torch.Tensor:
-    return torch.stack([o.float() for o in outputs]).sum(0)
+def half_step(t: torch.Tensor) -> torch.Tensor:
+    """Half a bf16 ulp of each value (float64): 2^(floor(log2|t|) - 8), 0 at 0 (bf16 keeps 8
+    significant bits, so values in [2^e, 2^(e+1)) are 2^(e-7) apart)."""
+    t = t.detach().to(torch.float64)
+    _, exponent = torch.frexp(t)  # |t| = m 2^exponent, m in [0.5, 1)
+    return torch.where(t == 0, 0.0, torch.ldexp(torch.ones_like(t), exponent - 9))
+
+
+def sum_allowance(partials, expected: torch.Tensor) -> torch.Tensor:
+    """Per-element bound on |sum(partials) - expected| for bf16 partials of a sharded layer.
+
+    p_i* is shard i's output before its bf16 rounding, y* the unsharded one's. Sharding only
+    regroups exact sums (TP splits GEMM2's sum over I, w2's bias on one rank; EP splits the sum
+    over the top-k pairs), so sum(p_i*) and y* differ by float32 accumulation order alone, well
+    inside atol + rtol |y|. Each shard then rounds: |p_i - p_i*| <= half_step(p_i) (rounding
+    never moves a value to a lower binade, so the rounded value's half step bounds it); the
+    float32 sum of <= 8 bf16 values adds ~2^-24 of their magnitude (negligible); the unsharded
+    output rounds once more: |y - y*| <= half_step(y). Hence
+
+        |sum(p_i) - y| <= atol + rtol |y| + sum_i half_step(p_i) + half_step(y).
+
+    The rounding terms follow the partials, not y: where the shards cancel (|p_i| >> |y|) they
+    dominate, which a tolerance on |y| alone misses."""
+    tol = tolerance(torch.bfloat16)
+    y = expected.detach().to(torch.float64)
+    rounding = sum(half_step(p) for p in partials) + half_step(y)
+    return tol.atol + tol.rtol * y.abs() + rounding.to(y.device)
+
+
+def check_sum(partials, expected: torch.Tensor, name: str) -> None:
+    """The shards' bf16 outputs, summed in float32, against the unsharded output within
+    `sum_allowance`; AssertionError naming the worst element otherwise."""
+    total = torch.stack([p.float() for p in partials]).sum(0).to(torch.float64).cpu()
+    allowance = sum_allowance([p.cpu() for p in partials], expected.cpu())
+    want = expected.detach().to(torch.float64).cpu()
+    err = (total - want).abs().nan_to_num(nan=torch.inf)
+    bad = err > allowance
+    if bad.any():
+        flat = int((err - allowance).reshape(-1).argmax())
+        at = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))
+        raise AssertionError(
+            f"{name}: {int(bad.sum())}/{err.numel()} outside the sum allowance; max abs "
+            f"{float(err.max()):.3e}; worst at {at}: got {float(total[at]):.6g}, expected "
+            f"{float(want[at]):.6g}, allowance {float(allowance[at]):.3e}, partials "
+            f"{[float(p[at]) for p in partials]}"
+        )
+
+
+def _shard_outputs(kernel, config, weights, split, world_size, x, routing) -> list:
+    """Each rank's `kernel` output, checked against the reference on that same shard."""
+    outputs = []
+    for rank in range(world_size):
+        shard_config, shard = split(config, weights, rank=rank, world_size=world_size)
+        out = _run(kernel, shard_config, shard, x, routing)
+        ref = _run("reference.moe_apply", shard_config, shard, x, routing)
+        assert_close(out, ref, dtype=torch.bfloat16, name=f"rank {rank} of {world_size}")
+        outputs.append(out)
+    return outputs
 
 
 @pytest.mark.parametrize("tokens,top_k", [(5, 2), (70, 4)])
@@ -131,23 +188,61 @@ def test_gpt_oss_hidden_size_with_the_last_tp8_shard():
 def test_shards_sum_to_the_unsharded_layer(shape, mode, world_size):
     config, weights, x, routing = _layer(shape)
     split = tk.tensor_parallel_shard if mode == "tp" else tk.expert_parallel_shard
-    outputs = []
-    for rank in range(world_size):
-        shard_config, shard = split(config, weights, rank=rank, world_size=world_size)
-        outputs.append(_run(KERNEL, shard_config, shard, x, routing))
+    outputs = _shard_outputs(KERNEL, config, weights, split, world_size, x, routing)
     ref = _run("reference.moe_apply", config, weights, x, routing)
-    assert_close(_sum(outputs), ref.float(), dtype=torch.bfloat16, name=f"{mode} {world_size}")
+    check_sum(outputs, ref, name=f"{mode} {world_size}")
 
 
 def test_expert_parallel_multi_kernel_router_sums():
     """280 pairs (the top-k, align and scatter kernels) over EP 2 ranks of 16 experts."""
     config, weights, x, routing = _layer(MoEShape(70, 16, 4, 64, 64))
-    outputs = []
-    for rank in range(2):
-        shard_config, shard = tk.expert_parallel_shard(config, weights, rank=rank, world_size=2)
-        outputs.append(_run(KERNEL, shard_config, shard, x, routing))
+    outputs = _shard_outputs(KERNEL, config, weights, tk.expert_parallel_shard, 2, x, routing)
     ref = _run("reference.moe_apply", config, weights, x, routing)
-    assert_close(_sum(outputs), ref.float(), dtype=torch.bfloat16, name="EP 2")
+    check_sum(outputs, ref, name="EP 2")
+
+
+def test_half_step_bounds_bf16_rounding():
+    x = torch.randn(4096, generator=generator("moe-half-step"), dtype=torch.float64) * 37
+    rounded = x.to(torch.bfloat16)
+    assert torch.all((rounded.double() - x).abs() <= half_step(rounded))
+    assert half_step(torch.tensor([0.0, 1.0, -1.5, 3.0, 2.0**-20])).tolist() == [
+        0.0, 2.0**-8, 2.0**-8, 2.0**-7, 2.0**-28,
+    ]  # fmt: skip
+
+
+def _damage(kind: str, config, shard):
+    """One shard broken the way a sharding bug would break it."""
+    if kind == "tp-bias-missing":  # rank 0 holds w2's bias: drop it
+        return config, tk.MoEWeights(**{**vars(shard), "w2_bias": torch.zeros_like(shard.w2_bias)})
+    if kind == "ep-offset-off-by-one":  # the rank's weights meet its neighbour's tokens
+        return tk.MoEConfig(**{**vars(config), "expert_offset": config.expert_offset - 1}), shard
+    # "ep-expert-dropped": the rank's second expert contributes nothing (zero codes and bias)
+    w2, w2_bias = shard.w2.clone(), shard.w2_bias.clone()
+    w2[1], w2_bias[1] = 0, 0.0
+    return config, tk.MoEWeights(**{**vars(shard), "w2": w2, "w2_bias": w2_bias})
+
+
+@pytest.mark.parametrize(
+    "kind,rank", [("tp-bias-missing", 0), ("ep-offset-off-by-one", 1), ("ep-expert-dropped", 1)]
+)
+def test_a_damaged_shard_fails_the_sum(kind, rank):
+    """The damaged shard still matches the reference on itself (the per-shard check cannot see
+    a sharding bug); the sum check must, with the rounding allowance of the partials."""
+    config, weights, x, routing = _layer(MoEShape(24, 8, 2, 64, 160))
+    split = tk.tensor_parallel_shard if kind.startswith("tp") else tk.expert_parallel_shard
+    outputs = []
+    for r in range(2):
+        shard_config, shard = split(config, weights, rank=r, world_size=2)
+        if r == rank:
+            shard_config, shard = _damage(kind, shard_config, shard)
+        with pin_config(KERNEL, WIDE):
+            out = _run(KERNEL, shard_config, shard, x, routing)
+        ref = _run("reference.moe_apply", shard_config, shard, x, routing)
+        assert_close(out, ref, dtype=torch.bfloat16, name=f"{kind} rank {r}")
+        outputs.append(out)
+    ref = _run("reference.moe_apply", config, weights, x, routing)
+    with pytest.raises(AssertionError, match="outside the sum allowance"):
+        check_sum(outputs, ref, name=kind)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -178,13 +273,22 @@ def gpt_oss_layer():
     return tk.MoEConfig(**GPT_OSS_120B), weights
 
 
+@pytest.fixture(scope="module")
+def shard_references():
+    """Reference outputs per (mode, world size, rank), shared by both kernels' tests."""
+    return {}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", [KERNEL, HOPPER])
 @pytest.mark.parametrize("mode,world_size", [(m, n) for m in ("tp", "ep") for n in (2, 4, 8)])
-def test_gpt_oss_120b_shards_sum_to_one_gpu(gpt_oss_layer, kernel, mode, world_size):
+def test_gpt_oss_120b_shards_sum_to_one_gpu(
+    gpt_oss_layer, shard_references, kernel, mode, world_size
+):
     """TP shards (1440 x 2; 736 x 3 + 672; 384 x 7 + 192) and EP blocks (64/32/16 experts),
-    each prepared, run and freed in turn: their sum matches the unsharded layer on the same
-    kernel at M = 1, 64, 1024."""
+    each prepared, run and freed in turn at M = 1, 64, 1024: every shard matches the reference
+    on that shard at the bf16 tolerance, and their sum matches the unsharded layer on the same
+    kernel within `sum_allowance` (one GPU's result against N ranks' bf16 partials)."""
     config, weights = gpt_oss_layer
     spec = get_kernel("moe_apply", kernel)
     if all(p.mismatch(platform_of(torch.device("cuda"))) for p in spec.platforms):
@@ -197,14 +301,21 @@ def test_gpt_oss_120b_shards_sum_to_one_gpu(gpt_oss_layer, kernel, mode, world_s
     unsharded = _layer_fn(kernel, config, weights, 1024, "cuda")
     expected = [unsharded(x, routing) for x, routing in inputs]
     del unsharded
-    sums = [torch.zeros(x.shape, device="cuda") for x, _ in inputs]
+    partials = [[] for _ in inputs]
     split = tk.tensor_parallel_shard if mode == "tp" else tk.expert_parallel_shard
     for rank in range(world_size):
         shard_config, shard = split(config, weights, rank=rank, world_size=world_size)
         layer = _layer_fn(kernel, shard_config, shard, 1024, "cuda")
-        for total, (x, routing) in zip(sums, inputs, strict=True):
-            total += layer(x, routing).float()
+        key = (mode, world_size, rank)
+        if key not in shard_references:
+            reference = _layer_fn("reference.moe_apply", shard_config, shard, 1024, "cuda")
+            shard_references[key] = [reference(x, routing) for x, routing in inputs]
+            del reference
+        for parts, want, (x, routing) in zip(partials, shard_references[key], inputs, strict=True):
+            out = layer(x, routing)
+            name = f"{mode} {world_size} rank {rank} M={x.shape[0]}"
+            assert_close(out, want, dtype=torch.bfloat16, name=name)
+            parts.append(out)
         del shard, layer
-    for total, want, (x, _) in zip(sums, expected, inputs, strict=True):
-        name = f"{mode} {world_size} M={x.shape[0]}"
-        assert_close(total, want.float(), dtype=torch.bfloat16, name=name)
+    for parts, want, (x, _) in zip(partials, expected, inputs, strict=True):
+        check_sum(parts, want, name=f"{mode} {world_size} M={x.shape[0]}")
