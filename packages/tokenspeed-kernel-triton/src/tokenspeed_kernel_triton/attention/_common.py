@@ -48,17 +48,6 @@ def merge_sink(m, denom, sink):
     return m_fin, alpha, l_fin
 
 
-@triton.jit
-def any_nonfinite_row(acc, row_ok):
-    """Whether a stored row (row_ok) of the accumulator [M, D] holds a NaN or inf. A row sum
-    is finite iff its terms are (an overflowing sum only sends the tile down the exact path,
-    which is still right); the sum stays within each warp, the max over rows is one reduction
-    across the tile."""
-    row_sum = tl.sum(acc, 1)
-    bad = tl.where(row_ok & (tl.abs(row_sum) < float("inf")), 0, tl.where(row_ok, 1, 0))
-    return tl.max(bad, 0) > 0
-
-
 def register_attention_kernel(launcher, name, traits, supports, description, aot_cases):
     """Registers `launcher` as kernel `name` ("triton.<op>") on NVIDIA sm_80+ and CDNA3/4, and
     on the CPU when Triton interprets (tests, debugging)."""

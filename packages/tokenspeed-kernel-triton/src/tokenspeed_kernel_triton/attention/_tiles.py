@@ -8,21 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import LN2, LOG2E, any_nonfinite_row, merge_sink
-
-
-@triton.jit
-def visible_keys(
-    rows, cols, key_ok, window_left, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr
-):
-    """[rows, cols] mask of the keys each row sees: existing, causally at or before the row,
-    inside its window."""
-    visible = key_ok[None, :]
-    if IS_CAUSAL:
-        visible = visible & (cols[None, :] <= rows[:, None])
-    if HAS_WINDOW:
-        visible = visible & (cols[None, :] >= rows[:, None] - window_left)
-    return visible
+from ._common import LN2, LOG2E, merge_sink
 
 
 @triton.jit
@@ -51,7 +37,11 @@ def attn_block_update(
     """
     s = tl.dot(q, k)
     if MASK:
-        visible = visible_keys(rows, cols, key_ok, window_left, IS_CAUSAL, HAS_WINDOW)
+        visible = key_ok[None, :]
+        if IS_CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None])
+        if HAS_WINDOW:
+            visible = visible & (cols[None, :] >= rows[:, None] - window_left)
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -173,59 +163,11 @@ def _attend_key_range(
 
 
 @triton.jit
-def _attend_key_range_exact(
-    q,
-    tile,
-    keys,
-    lo,
-    hi,
-    BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-):
-    """(acc, l, m) over the key blocks [lo, hi), every block masked, with the reference's
-    outcome for non-finite V: a key masked for a row contributes nothing to it whatever its V,
-    and a row that sees a key whose V row holds a NaN or inf gets NaN.
-
-    p @ v cannot give that by itself: p[r, k] is exactly 0 for a masked key, but 0 * NaN and
-    0 * inf are NaN, and V is shared by the rows that see k and the rows that mask it. So a V
-    row that is not all finite is zeroed (the dot then gives every row the exact finite sum)
-    and the rows that see it are marked and set to NaN here.
-    """
-    rows, seq_k, window_left, qk_scale, offs_n = tile
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    poisoned = tl.zeros([BLOCK_M], dtype=tl.int32)
-    for n0 in range(lo, hi, BLOCK_N):
-        cols = n0 + offs_n
-        if PAGE_SIZE == 0:
-            k, v, key_ok = _contiguous_key_block(keys, n0, cols, seq_k, True)
-        else:
-            k, v, key_ok = _paged_key_block(keys, n0, cols, seq_k, True, PAGE_SIZE, BLOCK_N)
-        v = v.to(q.dtype)
-        bad_key = tl.max(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0, 1), 1)
-        visible = visible_keys(rows, cols, key_ok, window_left, IS_CAUSAL, HAS_WINDOW)
-        sees_bad = tl.where(visible & (bad_key[None, :] > 0), 1, 0)
-        poisoned = tl.maximum(poisoned, tl.max(sees_bad, 1))
-        acc, l_i, m_i = attn_block_update(
-            acc, l_i, m_i, q, k.to(q.dtype), tl.where(bad_key[:, None] > 0, 0.0, v), qk_scale,
-            rows, cols, key_ok, window_left, True, IS_CAUSAL, HAS_WINDOW,
-        )  # fmt: skip
-    acc = tl.where(poisoned[:, None] > 0, float("nan"), acc)
-    return acc, l_i, m_i
-
-
-@triton.jit
 def attend_key_ranges(
     q,
     tile,
     keys,
     bounds,
-    row_ok,
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -236,15 +178,7 @@ def attend_key_ranges(
 ):
     """(acc, l, m) of a query tile over its visible keys (`bounds` from `key_block_bounds`):
     one masked loop, or masked edges around an unmasked middle (SPLIT_MASK). `tile` is (rows,
-    seq_k, window_left, qk_scale, offs_n), `keys` as the PAGE_SIZE's block loader takes them;
-    row_ok marks the tile rows that are stored.
-
-    Causal or windowed tiles load keys that some rows see and others mask; a non-finite V at
-    such a key reaches the masking rows as NaN (0 * NaN in p @ v). That shows as a non-finite
-    accumulator row, so a tile with one runs again through `_attend_key_range_exact`. Cost
-    when every value is finite: one reduction of the accumulator per tile; the V tiles keep
-    feeding the MMA from shared memory.
-    """
+    seq_k, window_left, qk_scale, offs_n), `keys` as the PAGE_SIZE's block loader takes them."""
     lo, full_lo, full_hi, hi = bounds
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -265,14 +199,7 @@ def attend_key_ranges(
         state = _attend_key_range(
             state, q, tile, keys, full_hi, hi, True, BLOCK_N, IS_CAUSAL, HAS_WINDOW, PAGE_SIZE
         )
-    acc, l_i, m_i = state
-    if IS_CAUSAL or HAS_WINDOW:
-        if any_nonfinite_row(acc, row_ok):
-            acc, l_i, m_i = _attend_key_range_exact(
-                q, tile, keys, lo, hi, BLOCK_M, HEAD_DIM, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
-                PAGE_SIZE,
-            )  # fmt: skip
-    return acc, l_i, m_i
+    return state
 
 
 @triton.jit

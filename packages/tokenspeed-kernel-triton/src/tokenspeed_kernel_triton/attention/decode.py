@@ -34,7 +34,6 @@ from ._common import (
     HALF,
     LN2,
     LOG2E,
-    any_nonfinite_row,
     merge_sink,
     register_attention_kernel,
     supports_dot_and_fp8,
@@ -80,21 +79,16 @@ def _load_block(
 
 
 @triton.jit
-def _visible(cols, col_ok, pos, window_left, HAS_WINDOW: tl.constexpr):
-    """[rows, keys]: causality (among the Q tokens and against the cache end) and the window."""
-    visible = (cols[None, :] <= pos[:, None]) & col_ok[None, :]
-    if HAS_WINDOW:
-        visible = visible & (cols[None, :] >= pos[:, None] - window_left)
-    return visible
-
-
-@triton.jit
 def _attend_block(
     acc, l_i, m_i, q, k, v, cols, col_ok, pos, qk_scale, window_left, HAS_WINDOW: tl.constexpr
 ):
     """One key block of online softmax (log2 domain) for every row of the tile."""
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-    s = tl.where(_visible(cols, col_ok, pos, window_left, HAS_WINDOW), s, float("-inf"))
+    # Causality (among the Q tokens and against the cache end) and the window, per row.
+    visible = (cols[None, :] <= pos[:, None]) & col_ok[None, :]
+    if HAS_WINDOW:
+        visible = visible & (cols[None, :] >= pos[:, None] - window_left)
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -103,48 +97,6 @@ def _attend_block(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
     return acc, l_i, m_new
-
-
-@triton.jit
-def _attend_split(
-    q, keys, start, end, lo, pos, qk_scale, window_left,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    EXACT: tl.constexpr,
-):  # fmt: skip
-    """(acc, l, m) of the tile over the key blocks [start, end). EXACT: a key masked for a row
-    contributes nothing to it whatever its V, and a row that sees a V row holding a NaN or inf
-    gets NaN (the reference's outcome): such V rows are zeroed for the dot (0 * NaN would
-    reach the rows that mask the key) and the rows that see them set to NaN."""
-    PageRow, stride_ptp, num_pages, KHead, VHead, stride_kp, stride_ks, stride_vp, stride_vs = keys
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    poisoned = tl.zeros([BLOCK_M], tl.int32)
-    for start_n in range(start, end, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        # Keys left of the window are not loaded: engines may have freed (and reused) their
-        # pages, so neither their page ids nor their contents can be trusted.
-        col_ok = (cols >= lo) & (cols < end)
-        page = _block_pages(
-            PageRow, stride_ptp, start_n, cols, col_ok, num_pages, PAGE_SIZE, BLOCK_IN_PAGE
-        )
-        k = _load_block(KHead, page, cols, col_ok, offs_d, stride_kp, stride_ks, PAGE_SIZE)
-        v = _load_block(VHead, page, cols, col_ok, offs_d, stride_vp, stride_vs, PAGE_SIZE)
-        if EXACT:
-            v = v.to(q.dtype)
-            bad_key = tl.max(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0, 1), 1)
-            visible = _visible(cols, col_ok, pos, window_left, HAS_WINDOW)
-            sees_bad = tl.where(visible & (bad_key[None, :] > 0), 1, 0)
-            poisoned = tl.maximum(poisoned, tl.max(sees_bad, 1))
-            v = tl.where(bad_key[:, None] > 0, 0.0, v)
-        acc, l_i, m_i = _attend_block(
-            acc, l_i, m_i, q, k, v, cols, col_ok, pos, qk_scale, window_left, HAS_WINDOW
-        )
-    if EXACT:
-        acc = tl.where(poisoned[:, None] > 0, float("nan"), acc)
-    return acc, l_i, m_i
 
 
 @triton.jit
@@ -236,19 +188,23 @@ def _decode_split_kernel(
     start = lo_block + split * blocks_per_split * BLOCK_N
     end = tl.minimum(start + blocks_per_split * BLOCK_N, hi)
 
-    keys = (PageTable + b * stride_ptb, stride_ptp, num_pages, K + kv_head * stride_kh,
-            V + kv_head * stride_vh, stride_kp, stride_ks, stride_vp, stride_vs)
-    acc, l_i, m_i = _attend_split(q, keys, start, end, lo, pos, qk_scale, window_left, BLOCK_M,
-                                  HEAD_DIM, BLOCK_N, PAGE_SIZE, BLOCK_IN_PAGE, HAS_WINDOW, False)
-    if Q_LEN > 1:
-        # Several tokens per tile: a key can be visible to one row and masked for another, and
-        # a non-finite V there reaches the masking row (0 * NaN in p @ v), showing as a
-        # non-finite accumulator row. Such a tile runs again exactly; Q = 1 never loads a key
-        # its rows mask (lo and end are that row's bounds).
-        if any_nonfinite_row(acc, row_ok):
-            acc, l_i, m_i = _attend_split(q, keys, start, end, lo, pos, qk_scale, window_left,
-                                          BLOCK_M, HEAD_DIM, BLOCK_N, PAGE_SIZE, BLOCK_IN_PAGE,
-                                          HAS_WINDOW, True)
+    PageRow = PageTable + b * stride_ptb
+    KHead = K + kv_head * stride_kh
+    VHead = V + kv_head * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        # Keys left of the window are not loaded: engines may have freed (and reused) their
+        # pages, so neither their page ids nor their contents can be trusted.
+        col_ok = (cols >= lo) & (cols < end)
+        page = _block_pages(PageRow, stride_ptp, start_n, cols, col_ok, num_pages,
+                           PAGE_SIZE, BLOCK_IN_PAGE)
+        k = _load_block(KHead, page, cols, col_ok, offs_d, stride_kp, stride_ks, PAGE_SIZE)
+        v = _load_block(VHead, page, cols, col_ok, offs_d, stride_vp, stride_vs, PAGE_SIZE)
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k, v, cols, col_ok, pos, qk_scale,
+                                      window_left, HAS_WINDOW)
 
     if NUM_SPLITS == 1:
         _store_final(Out, Lse, Sinks, acc, l_i, m_i, v_scale, b, tok, head, row_ok, offs_d,

@@ -69,9 +69,8 @@ def _extend_kernel(
         offs_n, offs_d,
     )  # fmt: skip
     acc, l_i, m_i = _tiles.attend_key_ranges(
-        q, tile, keys, bounds, row_ok, BLOCK_M, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, SPLIT_MASK,
-        PAGE_SIZE,
-    )  # fmt: skip
+        q, tile, keys, bounds, BLOCK_M, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, SPLIT_MASK, PAGE_SIZE
+    )
     acc, lse = _tiles.attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS)
     # FP8 caches: p @ v_fp8 used unscaled values; v_scale is linear in the output.
     acc = acc * v_scale

@@ -61,9 +61,8 @@ def _prefill_kernel(
     tile = (rows, seqlen, window_left, qk_scale, offs_n)
     keys = (k_base, v_base, stride_kt, stride_vt, offs_n, offs_d)
     acc, l_i, m_i = _tiles.attend_key_ranges(
-        q, tile, keys, bounds, row_ok, BLOCK_M, HEAD_DIM, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
-        SPLIT_MASK, 0,
-    )  # fmt: skip
+        q, tile, keys, bounds, BLOCK_M, HEAD_DIM, BLOCK_N, IS_CAUSAL, HAS_WINDOW, SPLIT_MASK, 0
+    )
     acc, lse = _tiles.attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS)
     strides = (stride_ot, stride_oh, stride_lt)
     _tiles.store_rows(Out, Lse, acc, lse, tile0, local, heads, row_ok, offs_d, strides, HAS_LSE)
