@@ -20,6 +20,7 @@ REQUESTS = {
     "mha_prefill": tk.AttentionRequest,
     "mha_extend_with_kvcache": tk.AttentionRequest,
     "mha_decode_with_kvcache": tk.AttentionRequest,
+    "kvcache_store": tk.KVStoreRequest,
 }
 
 
