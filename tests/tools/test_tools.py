@@ -159,6 +159,8 @@ def test_bench_tiny_writes_json_and_png(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "timing: wall clock" in out and "latency us" in out and "% roof" in out
+    header = next(line for line in out.splitlines() if "latency us" in line)
+    assert header.split()[3:9] == ["latency", "us", "eager", "us", "graph", "us"]
     payload = json.loads((tmp_path / "results.json").read_text())
     assert {"command", "date", "device", "versions", "roofline", "timing"} <= set(payload)
     assert payload["timing"]["method"] == "wall clock" and payload["preset"] == "tiny"
@@ -168,9 +170,13 @@ def test_bench_tiny_writes_json_and_png(tmp_path, capsys):
     for r in ref:
         assert r["status"] == "ok" and r["latency_us"] > 0 and r["flops"] > 0 and r["bytes"] > 0
         assert r["gbps"] > 0 and r["roofline_pct"] > 0
+        # CPU: eager is the wall clock per call too; no graph, and no error or note about it.
+        assert r["eager_us"] > 0 and r["graph_us"] is None and "graph" not in r["note"]
     peers = {r["kernel"]: r for r in rows if r["peer"]}
     assert peers["peer:fa3"]["status"] == "unavailable"  # no CUDA here
-    assert peers["peer:torch.sdpa"]["status"] == "ok"
+    assert peers["peer:fa3"]["eager_us"] is None and peers["peer:fa3"]["graph_us"] is None
+    sdpa = peers["peer:torch.sdpa"]
+    assert sdpa["status"] == "ok" and sdpa["eager_us"] > 0 and sdpa["graph_us"] is None
     png = tmp_path / "mha_decode_with_kvcache.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -331,6 +337,7 @@ def test_capture_then_replay_round_trips(tmp_path, monkeypatch, capsys):
     assert [r["kernel"] for r in rows] == [r["kernel"] for r, _ in records]
     assert all(r["kernel"].startswith("reference.") for r in rows)
     assert all(r["status"] == "ok" and r["latency_us"] > 0 for r in rows)
+    assert all(r["eager_us"] > 0 and r["graph_us"] is None for r in rows)
     assert rows[1]["note"].startswith("mha_decode_with_kvcache x2")
     assert "q_len 1" in rows[1]["request"] and "page 16" in rows[1]["request"]
 

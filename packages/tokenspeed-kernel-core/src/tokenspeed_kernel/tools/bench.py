@@ -1,13 +1,17 @@
 """`tokenspeed-kernel bench`: every eligible kernel side by side on a preset's shapes.
 
 Each kernel is called directly (`spec.fn`, normalized arguments, outputs preallocated) after a
-warm-up; the figure is the median of many runs timed with device events with the L2 flushed
-between runs (see tools/timing.py), or, with --cuda-graph, of CUDA-graph replays for decode. On
-the CPU runs are timed with the wall clock. Reports latency, TFLOP/s, GB/s and the percentage of
-this device's measured roofline (tools/roofline.py); --peers adds FA3 and torch SDPA (attention)
-and vLLM's triton_kernels MoE (moe_apply) where importable. Writes DIR/results.json and one PNG
-per op. --replay FILE times the public-op calls recorded with TOKENSPEED_KERNEL_CAPTURE=FILE
-instead of the preset's shapes.
+warm-up, and gets three figures (see tools/timing.py). `latency us`: device time, the median of
+many runs timed with device events with the L2 flushed between runs, or, with --cuda-graph, of
+flushed CUDA-graph replays for decode. `eager us`: host-inclusive wall clock per call of
+back-to-back calls with one synchronize at the end, what an engine pays calling it eagerly.
+`graph us`: per back-to-back replay of the call captured once in a CUDA graph; empty, with a
+note, where capture fails or for the reference (it synchronizes). On the CPU latency and eager
+are wall clock and graph is empty. Also reports TFLOP/s, GB/s and the percentage of this device's
+measured roofline (tools/roofline.py), all from latency; --peers adds FA3 and torch SDPA
+(attention) and vLLM's triton_kernels MoE (moe_apply) where importable. Writes DIR/results.json
+and one PNG per op (latency). --replay FILE times the public-op calls recorded with
+TOKENSPEED_KERNEL_CAPTURE=FILE instead of the preset's shapes.
 """
 
 from __future__ import annotations
@@ -124,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
             budget_ms=args.budget_ms,
             l2_flush=gpu,
             cuda_graph_ops=list(GRAPH_OPS) if args.cuda_graph and gpu else [],
+            eager="back-to-back calls, one synchronize per repeat, median repeat per call",
+            graph="back-to-back replays of one capture, device events, per replay" if gpu else None,
         ),
         roofline=roof.__dict__,
         results=rows,
@@ -157,6 +163,8 @@ def row(
     nbytes: float = 0.0,
     roof: Roofline | None = None,
     note: str = "",
+    eager: Timing | None = None,
+    graph: Timing | None = None,
 ) -> dict[str, Any]:
     """One result: figures are None unless the kernel was timed."""
     result: dict[str, Any] = dict(
@@ -170,6 +178,8 @@ def row(
         peer=peer,
         status=status,
         latency_us=None,
+        eager_us=None,
+        graph_us=None,
         tflops=None,
         gbps=None,
         roofline_pct=None,
@@ -190,14 +200,31 @@ def row(
             method=timing.method,
             note="; ".join(x for x in (note, timing.note) if x),
         )
+    for key, extra in (("eager_us", eager), ("graph_us", graph)):
+        if extra is not None:
+            result[key] = extra.median_s * 1e6
     return result
 
 
 def time_call(
-    timer: Timer, call, point, name: str, flops, nbytes, roof, *, peer=False, graph=False, note=""
+    timer: Timer,
+    call,
+    point,
+    name: str,
+    flops,
+    nbytes,
+    roof,
+    *,
+    peer=False,
+    graph=False,
+    note="",
+    no_capture="",
 ) -> dict[str, Any]:
+    """Time `call` three ways (module docstring); `no_capture` says why it must not be captured
+    in a CUDA graph (graph_us stays None with that note)."""
     try:
         timing = timer.measure(call, graph=graph)
+        eager = timer.eager(call)
     except Exception as exc:  # one broken kernel must not end the whole run
         if timer.device.type == "cuda":
             torch.cuda.synchronize(timer.device)
@@ -210,8 +237,23 @@ def time_call(
             nbytes=nbytes,
             note=f"{type(exc).__name__}: {exc}"[:300],
         )
+    replays, graph_note = None, no_capture
+    if timer.device.type == "cuda" and not no_capture:
+        try:
+            replays = timer.graph(call)
+        except Exception as exc:  # e.g. a call that synchronizes or allocates on the host
+            graph_note = f"graph capture failed ({type(exc).__name__})"
     return row(
-        point, name, peer=peer, timing=timing, flops=flops, nbytes=nbytes, roof=roof, note=note
+        point,
+        name,
+        peer=peer,
+        timing=timing,
+        flops=flops,
+        nbytes=nbytes,
+        roof=roof,
+        note="; ".join(x for x in (note, graph_note) if x),
+        eager=eager,
+        graph=replays,
     )
 
 
@@ -237,9 +279,11 @@ def _bench(ops, preset: str, device, timer: Timer, roof: Roofline, args) -> list
                 rows.append(row(point, spec.name, status="skipped", note=verdict.reason))
                 continue
             graph = args.cuda_graph and point.op in GRAPH_OPS
-            note = ""
-            if graph and device.type == "cuda" and spec.backend == "reference":
-                graph, note = False, "reference synchronizes: timed eagerly"
+            note, no_capture = "", ""
+            if device.type == "cuda" and spec.backend == "reference":
+                no_capture = "reference synchronizes: not captured"
+                if graph:
+                    graph, note = False, "latency timed eagerly"
             try:
                 call = kernel_call(spec, point.case, inputs, device, weights, max_tokens)
             except Exception as exc:
@@ -247,7 +291,16 @@ def _bench(ops, preset: str, device, timer: Timer, roof: Roofline, args) -> list
                 continue
             rows.append(
                 time_call(
-                    timer, call, point, spec.name, flops, nbytes, roof, graph=graph, note=note
+                    timer,
+                    call,
+                    point,
+                    spec.name,
+                    flops,
+                    nbytes,
+                    roof,
+                    graph=graph,
+                    note=note,
+                    no_capture=no_capture,
                 )
             )
         if args.peers:
@@ -278,6 +331,8 @@ def _print(rows: list[dict]) -> None:
                 r["label"],
                 r["kernel"],
                 fmt(r["latency_us"], ".1f"),
+                fmt(r["eager_us"], ".1f"),
+                fmt(r["graph_us"], ".1f"),
                 fmt(r["tflops"], ".2f"),
                 fmt(r["gbps"], ".1f"),
                 fmt(r["roofline_pct"], ".1f"),
@@ -295,6 +350,8 @@ def _print(rows: list[dict]) -> None:
                     "shape",
                     "kernel",
                     "latency us",
+                    "eager us",
+                    "graph us",
                     "TFLOP/s",
                     "GB/s",
                     "% roof",
@@ -302,6 +359,6 @@ def _print(rows: list[dict]) -> None:
                     "note",
                 ),
                 table,
-                "lllrrrrll",
+                "lllrrrrrrll",
             )
         )

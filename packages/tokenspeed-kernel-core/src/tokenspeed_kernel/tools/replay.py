@@ -237,10 +237,18 @@ def replay_rows(
                     nbytes,
                     roof,
                     note=f"{record['op']} x{count}; {note}".rstrip("; "),
+                    no_capture=_no_capture(name, device),
                 )
             )
     progress.close()
     return rows
+
+
+def _no_capture(name: str | None, device: torch.device) -> str:
+    """Why a kernel must not be captured in a CUDA graph ("" if it may be)."""
+    if device.type == "cuda" and name is not None and name.startswith("reference."):
+        return "reference synchronizes: not captured"
+    return ""
 
 
 def _scoped(call, scope_for):
