@@ -11,8 +11,8 @@ pytest.importorskip("vllm", reason="needs vLLM 0.26: run bash scripts/test_vllm_
 
 import torch  # noqa: E402
 from test_attention import Engine, assert_close, make_layer  # noqa: E402
-from test_moe import assert_close as assert_moe_close  # noqa: E402
-from test_moe import run_ranks  # noqa: E402
+from test_vllm_moe import assert_close as assert_moe_close  # noqa: E402
+from test_vllm_moe import run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_reference", "vllm_config")]
 
