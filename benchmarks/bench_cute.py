@@ -268,6 +268,8 @@ def main() -> None:
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     source = _cute_runtime.search_dirs()[0]
+    if source.resolve().is_relative_to(record.REPO):  # no machine paths in the record
+        source = source.resolve().relative_to(record.REPO)
     lines = record.header(
         f"CuTe DSL kernels against our Triton kernels, {props.name}",
         f"{props.name} ({props.multi_processor_count} SMs, {props.L2_cache_size >> 20} MiB L2)",
