@@ -18,7 +18,7 @@ import torch
 
 from tokenspeed_kernel.registry import Support, register_kernel
 
-from .._attention import workspace
+from .._attention import clamp_page_table, clamp_seqlens, workspace
 from .._library import FLASHINFER
 
 HALF = (torch.bfloat16, torch.float16)
@@ -73,3 +73,32 @@ def register_flashinfer(op, name, launcher, *, platforms, traits, priority, supp
         supports=supports,
         description=text,
     )(launcher)
+
+
+def batch_decode(backend, query, k_cache, v_cache, target, out3, *, page_table, cache_seqlens,
+                 window_left, sinks, softmax_scale, k_scale, v_scale) -> None:  # fmt: skip
+    """`trtllm_batch_decode_with_kv_cache` (XQA or trtllm-gen) of query [B, Hq, D] into target
+    (out3 itself, or a dense stand-in copied back), one new token per sequence."""
+    page_size = k_cache.shape[1]
+    seq_lens = clamp_seqlens(cache_seqlens, page_table, page_size)
+    flashinfer().decode.trtllm_batch_decode_with_kv_cache(
+        query=query,
+        kv_cache=(k_cache, v_cache),
+        workspace_buffer=decode_workspace(backend.replace("-", "_"), query.device),
+        block_tables=clamp_page_table(page_table, k_cache.shape[0]),
+        seq_lens=seq_lens,
+        max_seq_len=page_table.shape[1] * page_size,
+        bmm1_scale=softmax_scale * k_scale,
+        bmm2_scale=v_scale,
+        window_left=window_left,
+        out=target,
+        sinks=sinks_fp32(sinks),
+        kv_layout="NHD",
+        backend=backend,
+        q_len_per_req=1,
+    )
+    # A sequence with no key has output 0 in the contract (a sink has no value vector); the
+    # kernel divides by an empty row sum there, so those rows are set here (one small kernel).
+    target.masked_fill_(seq_lens.view(-1, 1, 1) == 0, 0.0)
+    if target is not out3:
+        out3.copy_(target)

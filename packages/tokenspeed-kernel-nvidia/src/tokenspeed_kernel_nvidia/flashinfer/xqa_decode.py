@@ -28,15 +28,13 @@ import torch
 
 from tokenspeed_kernel.registry import Support
 
-from .._attention import clamp_page_table, clamp_seqlens, dense_last_dim
+from .._attention import dense_last_dim
 from ._common import (
     FP8,
     HALF,
-    decode_workspace,
-    flashinfer,
+    batch_decode,
     library_verdict,
     register_flashinfer,
-    sinks_fp32,
 )
 
 KERNEL_NAME = "flashinfer.mha_decode_with_kvcache.xqa"
@@ -60,32 +58,14 @@ def mha_decode_with_kvcache(
             f"{KERNEL_NAME}: k_cache strides {list(k_cache.stride())} differ from v_cache "
             f"strides {list(v_cache.stride())}; XQA addresses both with the K cache's strides"
         )
-    page_size = k_cache.shape[1]
     query = dense_last_dim(q[:, 0])
     out3 = out[:, 0]
     target = out3 if out3.dtype == q.dtype and out3.is_contiguous() else torch.empty_like(query)
-    seq_lens = clamp_seqlens(cache_seqlens, page_table, page_size)
-    flashinfer().decode.trtllm_batch_decode_with_kv_cache(
-        query=query,
-        kv_cache=(k_cache, v_cache),
-        workspace_buffer=decode_workspace("xqa", q.device),
-        block_tables=clamp_page_table(page_table, k_cache.shape[0]),
-        seq_lens=seq_lens,
-        max_seq_len=page_table.shape[1] * page_size,
-        bmm1_scale=softmax_scale * k_scale,
-        bmm2_scale=v_scale,
-        window_left=window_left,
-        out=target,
-        sinks=sinks_fp32(sinks),
-        kv_layout="NHD",
-        backend="xqa",
-        q_len_per_req=1,
-    )
-    # A sequence with no key has output 0 in the contract (a sink has no value vector); the
-    # kernel divides by an empty row sum there, so those rows are set here (one small kernel).
-    target.masked_fill_(seq_lens.view(-1, 1, 1) == 0, 0.0)
-    if target is not out3:
-        out3.copy_(target)
+    batch_decode(
+        "xqa", query, k_cache, v_cache, target, out3, page_table=page_table,
+        cache_seqlens=cache_seqlens, window_left=window_left, sinks=sinks,
+        softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
 
 
 def supports(request, platform) -> Support:
