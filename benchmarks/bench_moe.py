@@ -19,7 +19,7 @@ before the top-k sum) and so misses it by more than that tolerance, against an e
 own rounding (tools/peers.py `compare_to_emulation`). Each side's error against the reference
 is recorded.
 
-    PYTHONPATH=.old/peers python3 benchmarks/bench_moe.py [--sizes 1,4] [--no-peer]
+    PYTHONPATH=.carry/peers python3 benchmarks/bench_moe.py [--sizes 1,4] [--no-peer]
         [--variants sm90,portable-bf16,...] [--sweep] [--profile] [--no-record]
 """
 

@@ -5,7 +5,7 @@ process, at GPT-OSS-120B shapes (hd 64, 64 query heads, 8 KV heads, sinks, bf16)
     bash scripts/run_from_source.sh python scripts/attention_ab.py   # GPU: time both sides
 
 The snapshot is `packages/tokenspeed-kernel-triton/src/tokenspeed_kernel_triton/attention` at
-<commit>, importable as `ab_before_attention` from .old/ab_before (git-ignored; send it along
+<commit>, importable as `ab_before_attention` from .carry/ab_before (git-ignored; send it along
 with the run). Each case captures a CUDA graph of launches over enough input copies that the
 working set exceeds L2 (cold caches, as serving sees them), replays both sides alternately
 for --rounds rounds and prints median microseconds per call, the ratio after/before and
@@ -155,7 +155,7 @@ def time_case(torch, launchers, case, rounds):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--snapshot", metavar="COMMIT", help="write the 'before' copy and exit")
-    parser.add_argument("--before-dir", type=Path, default=REPO / ".old" / "ab_before")
+    parser.add_argument("--before-dir", type=Path, default=REPO / ".carry" / "ab_before")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("-k", default="", help="only cases whose name contains this")
     args = parser.parse_args()

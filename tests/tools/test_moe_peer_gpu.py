@@ -6,7 +6,7 @@ it by more than that tolerance (test_moe_peer.py measures how far), against
 `triton_kernels_moe_emulation`, the reference's math rounded at the peer's points
 (`compare_to_emulation`). Both sides' errors against the reference are in the failure message.
 Needs an sm_90 GPU and triton_kernels importable (vLLM's vendored copy on PYTHONPATH, e.g.
-PYTHONPATH=.old/peers)."""
+PYTHONPATH=.carry/peers)."""
 
 from __future__ import annotations
 

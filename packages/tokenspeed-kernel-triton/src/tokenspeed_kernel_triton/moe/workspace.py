@@ -24,7 +24,8 @@ def _stream(device: torch.device) -> int:
 
 def scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """An uninitialized [shape] tensor of `dtype` for `slot` of the current call."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):  # callers pass x.device: no new object per call
+        device = torch.device(device)
     numel = math.prod(shape)
     key = (slot, dtype, device, _stream(device))
     buffer = _buffers.get(key)
