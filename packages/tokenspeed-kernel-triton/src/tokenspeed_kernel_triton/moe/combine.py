@@ -17,8 +17,10 @@ from tokenspeed_kernel.platform import interpreting
 
 from .._launch import bind_launches
 from ._common import round_to_bf16
+from .replay import recordable
 
 
+@recordable
 @bind_launches
 @triton.jit
 def _combine_kernel(

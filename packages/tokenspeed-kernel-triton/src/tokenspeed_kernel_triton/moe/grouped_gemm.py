@@ -31,6 +31,7 @@ import triton.language as tl
 from .._launch import bind_launches
 from ._common import FP8_MAX, W_FP8, W_MXFP4, WEIGHT_FORMAT_CODES, round_to_bf16, round_to_fp8
 from .mxfp4_words import WORD_ELEMENTS, decode_words, decode_words_ptx
+from .replay import recordable
 
 _MXFP4 = WEIGHT_FORMAT_CODES["mxfp4"]
 
@@ -108,6 +109,7 @@ def _swiglu_store(
         tl.store(ptrs, act, mask=row_ok[:, None])
 
 
+@recordable
 @bind_launches
 @triton.jit
 def _grouped_gemm_kernel(

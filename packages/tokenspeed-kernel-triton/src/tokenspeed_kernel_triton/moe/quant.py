@@ -14,10 +14,12 @@ from tokenspeed_kernel.platform import interpreting
 
 from .._launch import bind_launches
 from ._common import FP8_MAX, round_to_fp8
+from .replay import recordable
 
 AMAX_FLOOR = tl.constexpr(1e-12)
 
 
+@recordable
 @bind_launches
 @triton.jit
 def _quant_rows_kernel(

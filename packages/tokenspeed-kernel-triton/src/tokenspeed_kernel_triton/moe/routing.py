@@ -31,6 +31,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .._launch import bind_launches
+from .replay import recordable
 from .workspace import scratch
 
 # Pairs (tokens x top_k) that one program routes and ranks on its own: the stable rank compares
@@ -82,6 +83,7 @@ def _topk_softmax(
     return top_i, p / tl.sum(p, axis=1)[:, None]
 
 
+@recordable
 @bind_launches
 @triton.jit
 def _topk_kernel(
@@ -163,6 +165,7 @@ def _prescale_row(x_ptr, scaled_ptr, exp_ptr, row, H, stride_x, stride_s, BLOCK_
     tl.store(exp_ptr + row, exponent)
 
 
+@recordable
 @bind_launches
 @triton.jit
 def _route_small_kernel(
@@ -245,6 +248,7 @@ def _route_small_kernel(
     tl.store(sorted_ptr + base + rank, pairs, mask=valid)
 
 
+@recordable
 @bind_launches
 @triton.jit
 def _align_kernel(
@@ -274,6 +278,7 @@ def _align_kernel(
     tl.store(cursor_ptr + tl.arange(0, BLOCK_E), row_begin)
 
 
+@recordable
 @bind_launches
 @triton.jit
 def _scatter_kernel(ids_ptr, num_pairs, E_OFF, E, cursor_ptr, sorted_ptr, CHUNK: tl.constexpr):

@@ -37,16 +37,20 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .._launch import bind_launches
 from .fragment_config_sm90 import gemm2_splits
 from .fragment_epilogue_sm90 import epilogue_operands, swiglu_store, token_columns
 from .fragment_layout_sm90 import PANEL_ROWS, kernel_layouts, panel_view
 from .fragment_steps_sm90 import issue_activations, issue_weights, mma_step, post_scaled_step
 from .mxfp4_words import LOOKUP_TABLE_WORDS
+from .replay import recordable
 from .shift_words_sm90 import POST_SCALE_BIAS
 
 _PANEL_ROWS = gl.constexpr(PANEL_ROWS)
 
 
+@recordable
+@bind_launches
 @gluon.jit
 def _fragment_gemm_kernel(
     a_ptr,

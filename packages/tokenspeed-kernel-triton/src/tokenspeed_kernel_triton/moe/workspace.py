@@ -5,7 +5,9 @@ before they are read, so one buffer per (slot, dtype, device, stream) serves eve
 calls of one stream run one after another, and another stream (a CUDA graph's capture stream,
 an engine's second stream) gets buffers of its own. A buffer grows to the largest call seen and
 stays (what the caching allocator would have kept anyway). A tensor returned here is valid until
-the next MoE call on the same stream: nothing that outlives the call may hold one.
+the next MoE call on the same stream: nothing that outlives the call may hold one, except a
+replay recipe (replay.py), which checks `generation` (bumped by every allocation here) before it
+launches on the buffers it recorded.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import torch
 
 _buffers: dict[tuple, torch.Tensor] = {}
+generation = 0
 
 
 def _stream(device: torch.device) -> int:
@@ -30,6 +33,8 @@ def scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> to
     key = (slot, dtype, device, _stream(device))
     buffer = _buffers.get(key)
     if buffer is None or buffer.numel() < numel:
+        global generation
+        generation += 1
         buffer = torch.empty(max(numel, 1), dtype=dtype, device=device)
         _buffers[key] = buffer
     return buffer[:numel].view(shape)
