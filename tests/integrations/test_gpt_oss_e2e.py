@@ -61,14 +61,34 @@ def test_rope_matches_transformers():
     torch.testing.assert_close(ours[1], sin[0], rtol=0, atol=0)
 
 
-def test_tiny_benchmark_checks_against_transformers(capsys):
-    pytest.importorskip("transformers")
+def _benchmark_module():
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import gpt_oss_e2e
     finally:
         sys.path.remove(str(BENCHMARKS))
-    assert gpt_oss_e2e.main(["--tiny", "--check"]) == 0
+    return gpt_oss_e2e
+
+
+def test_tiny_benchmark_checks_against_transformers(capsys):
+    pytest.importorskip("transformers")
+    assert _benchmark_module().main(["--tiny", "--check"]) == 0
     out = capsys.readouterr().out
     assert "| decode | B=3 ctx 20 |" in out
-    assert out.count("| ok |") == 4  # layers 0 and 1, prefill and decode
+    # 2 layers x (attention prefill/decode, moe M=20/M=1, layer prefill/decode)
+    assert out.count("| ok |") == 12
+
+
+def test_tiny_check_fails_the_block_that_is_wrong(capsys, monkeypatch):
+    """A MoE 10% off fails the moe and layer rows and leaves the attention rows ok."""
+    pytest.importorskip("transformers")
+    from tokenspeed_kernel.integrations import gpt_oss
+
+    moe_apply = gpt_oss.moe_apply
+    monkeypatch.setattr(gpt_oss, "moe_apply", lambda *a, **k: moe_apply(*a, **k) * 1.1)
+    assert _benchmark_module().main(["--tiny", "--check", "--no-record"]) != 0
+    out = capsys.readouterr().out
+    for block, phases in (("attention", ("prefill", "decode")), ("moe", ("M=20", "M=1"))):
+        for phase in phases:
+            line = next(x for x in out.splitlines() if f"| {block} | {phase} |" in x)
+            assert (line.split(" | ")[-1] == "ok") == (block == "attention"), line

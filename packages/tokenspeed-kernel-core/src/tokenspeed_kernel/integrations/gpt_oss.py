@@ -198,6 +198,10 @@ class GptOssModel:
 
     def layer_forward(self, index, x, cos, sin, cache: PagedCache, batch: Batch):
         """x [T, H] bf16 -> [T, H]: one decoder layer (attention and MoE blocks, residuals)."""
+        return self.moe_block(index, self.attention_block(index, x, cos, sin, cache, batch))
+
+    def attention_block(self, index, x, cos, sin, cache: PagedCache, batch: Batch):
+        """x [T, H] -> x + attention(norm(x)) [T, H]; writes the tokens' K/V into the cache."""
         s, w = self.shape, self.layers[index]
         T = x.shape[0]  # noqa: N806
         q_out, kv_out = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -219,10 +223,18 @@ class GptOssModel:
                 q, k, v, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
                 window_left=window, sinks=w["sinks"],
             )  # fmt: skip
-        x = x + torch.nn.functional.linear(attn.view(T, q_out), w["o"], w["o_bias"])
-        h = _rms_norm(x, w["post_norm"], s.rms_eps)
-        logits = torch.nn.functional.linear(h, w["router"], w["router_bias"])
-        return x + moe_apply(self.moe_plan, h, w["prepared"], logits)
+        return x + torch.nn.functional.linear(attn.view(T, q_out), w["o"], w["o_bias"])
+
+    def moe_inputs(self, index, x):
+        """x [T, H] (the MoE block's input) -> (normalized x [T, H], router logits [T, E])."""
+        w = self.layers[index]
+        h = _rms_norm(x, w["post_norm"], self.shape.rms_eps)
+        return h, torch.nn.functional.linear(h, w["router"], w["router_bias"])
+
+    def moe_block(self, index, x):
+        """x [T, H] -> x + experts(norm(x)) [T, H]."""
+        h, logits = self.moe_inputs(index, x)
+        return x + moe_apply(self.moe_plan, h, self.layers[index]["prepared"], logits)
 
     def forward(self, token_ids, positions, cache: PagedCache, batch: Batch, *, last=None):
         """token_ids, positions [T] -> logits [R, V] of the rows `last` [R] (default: all)."""
