@@ -156,7 +156,8 @@ def test_a_grown_workspace_drops_every_recipe(monkeypatch):
     moe_apply(plan, x, prepared, **routing)
     moe_apply(plan, x, prepared, **routing)
     assert forwards.calls == 1
-    workspace.scratch("act", (1 << 16,), torch.bfloat16, CPU)  # a larger call's rows
+    held = workspace._buffers[("act", torch.bfloat16, torch.device(CPU), 0)].numel()
+    workspace.scratch("act", (held + 1,), torch.bfloat16, CPU)  # a larger call's rows
     # The recipe launched on the buffer the workspace just replaced: recorded again.
     out = moe_apply(plan, x, prepared, **routing)
     assert forwards.calls == 2
@@ -357,9 +358,11 @@ def _gpt_oss_layer(kernel: str):
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def mx(rows, cols):
-        codes = torch.randint(0, 256, (E, rows, cols // 2), generator=g, device="cuda")
-        scales = torch.randint(119, 122, (E, rows, cols // 32), generator=g, device="cuda")
-        return codes.to(torch.uint8), scales.to(torch.uint8)
+        def draw(low, high, last):
+            shape = (E, rows, last)
+            return torch.randint(low, high, shape, generator=g, device="cuda", dtype=torch.uint8)
+
+        return draw(0, 256, cols // 2), draw(119, 122, cols // 32)
 
     (w13, s13), (w2, s2) = mx(2 * I, H), mx(H, I)
     weights = MoEWeights(
@@ -395,12 +398,13 @@ def test_gpu_replays_are_bit_identical(monkeypatch, kernel, precomputed):
         for call in range(3):
             x, routing = _gpu_inputs(m, g, precomputed)
             out = torch.empty_like(x)
+            before = forwards.calls
             moe_apply(plan, x, prepared, out=out, **routing)
+            assert forwards.calls - before == (call == 0)  # recorded once, then replayed
             expected = _uncached(spec, plan, prepared, x, routing)
             assert torch.equal(out, expected), f"M={m}, call {call}"
-    assert forwards.calls == 3 * 3 + 3  # one recording per M, then _uncached's
-    compiled = [r for k, r in replay._recipes.items() if k[0] == id(prepared)]
-    assert len(compiled) == 3 and all(r.compiled for r in compiled)
+        recipes = [r for k, r in replay._recipes.items() if k[0] == id(prepared)]
+        assert recipes and all(r.compiled for r in recipes)
 
 
 @pytest.mark.gpu

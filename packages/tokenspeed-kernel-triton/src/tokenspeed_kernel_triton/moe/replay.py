@@ -90,9 +90,10 @@ class Recording:
         return result
 
     def recipe(self) -> Recipe | None:
-        """The captured launches as a Recipe, or None where they cannot be replayed: a grid
-        given as a callable, a per-call tensor's view among the arguments, or a launch that
-        neither compiled a kernel nor ran in the interpreter (the AOT tool's interception)."""
+        """The captured launches as a Recipe, or None where they cannot be replayed: one tensor
+        passed in two roles, a grid given as a callable, a per-call tensor's view among the
+        arguments, or a launch that neither compiled a kernel nor ran in the interpreter (the
+        AOT tool's interception)."""
         from triton.compiler.compiler import CompiledKernel
         from triton.runtime.jit import JITFunction
 
@@ -134,10 +135,15 @@ class _Generic:
 
     def __init__(self, kernel: Recordable, grid, args, kwargs, inputs):
         self.kernel, self.grid = kernel, grid
-        self.args, self.kwargs = list(args), dict(kwargs)
         self.arg_slots = _slots(args, inputs)
         names = list(kwargs)
         self.kwarg_slots = tuple((names[p], i) for p, i in _slots(kwargs.values(), inputs))
+        # The recorded call's own tensors are not kept (a prefill's x would stay alive).
+        self.args, self.kwargs = list(args), dict(kwargs)
+        for pos, _ in self.arg_slots:
+            self.args[pos] = None
+        for name, _ in self.kwarg_slots:
+            self.kwargs[name] = None
 
     def launch(self, tensors: tuple) -> None:
         args, kwargs = self.args.copy(), self.kwargs.copy()
@@ -174,6 +180,8 @@ class _Compiled(_Generic):
         else:
             prefix = [*dims, stream, compiled.function, *meta]
             self.call = run
+        for pos, _ in slots:
+            values[pos] = 0  # the recorded call's pointer: every launch writes its own
         self.values = prefix + values
         self.value_slots = tuple((len(prefix) + pos, index) for pos, index in slots)
 
