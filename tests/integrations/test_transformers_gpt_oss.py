@@ -31,6 +31,9 @@ SEED, VOCAB, PROMPT, STEPS = 14, 64, 20, 32
 # input differs by those ulps): such rows may differ by more, up to ROUTING_FLIP_ATOL, and at
 # most one row in ROUTING_FLIP_RATE may.
 LOGIT_ATOL = 0.1
+# Plus one bf16 step of the logit itself: the logits are bf16, and a step at |logit| >= 16 is
+# 0.125 (seen on an H100, row 39 of a 40-token prompt, the same experts on both paths).
+LOGIT_RTOL = 2.0**-7
 ROUTING_FLIP_ATOL = 1.0
 ROUTING_FLIP_RATE = 16
 
@@ -62,19 +65,22 @@ def assert_logits_close(actual, expected, flipped=None):
     flipped [rows] bool, where known: the rows whose experts differ between the two models in
     some layer. Then only those rows may be off, by any amount (another expert is another
     function), and at most one in ROUTING_FLIP_RATE may be flipped."""
-    row_error = (actual - expected).abs().amax(dim=-1).flatten()
-    off = row_error > LOGIT_ATOL
+    error = (actual - expected).abs()
+    row_error = error.amax(dim=-1).flatten()
+    off = (error > LOGIT_ATOL + LOGIT_RTOL * expected.abs()).any(dim=-1).flatten()
     limit = max(1, row_error.numel() // ROUTING_FLIP_RATE)
     if flipped is not None:
         unexplained = off & ~flipped
         assert not unexplained.any(), (
             f"rows {unexplained.nonzero().flatten().tolist()} differ by "
-            f"{row_error[unexplained].tolist()} (> {LOGIT_ATOL}) with the same experts"
+            f"{row_error[unexplained].tolist()} (> {LOGIT_ATOL} + {LOGIT_RTOL} |logit|) with the "
+            "same experts"
         )
         assert int(flipped.sum()) <= limit, f"{int(flipped.sum())} rows took other experts"
         return
     assert int(off.sum()) <= limit, (
-        f"{int(off.sum())} of {row_error.numel()} rows differ by more than {LOGIT_ATOL}: "
+        f"{int(off.sum())} of {row_error.numel()} rows differ by more than {LOGIT_ATOL} + "
+        f"{LOGIT_RTOL} |logit|: "
         f"{row_error[off].tolist()}"
     )
     assert float(row_error.max()) <= ROUTING_FLIP_ATOL, f"max row error {float(row_error.max())}"

@@ -313,4 +313,8 @@ def test_origin_names_the_copy_by_content(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "triton_kernels", raising=False)
     origin = triton_kernels_origin()
-    assert str(package) in origin and "not vLLM 0.26.0's vendored copy" in origin
+    # Outside the working directory only the folder's name: no machine path in a results file.
+    assert "at triton_kernels (" in origin and str(tmp_path) not in origin
+    assert "not vLLM 0.26.0's vendored copy" in origin
+    monkeypatch.chdir(tmp_path)
+    assert "at triton_kernels (" in triton_kernels_origin()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -168,7 +169,9 @@ def triton_kernels_origin() -> str:
         if sha == VLLM_0_26_TRITON_KERNELS_SHA256
         else "not vLLM 0.26.0's vendored copy"
     )
-    return f"triton_kernels at {root} (sha256 {sha[:12]}, {which})"
+    # Relative where it can be: the origin goes into committed results files.
+    where = os.path.relpath(root) if root.is_relative_to(Path.cwd()) else root.name
+    return f"triton_kernels at {where} (sha256 {sha[:12]}, {which})"
 
 
 def _round_up(n: int, multiple: int) -> int:
