@@ -169,7 +169,7 @@ def run_case(layers, m, act, scales, *, graph: bool, config=None):
 # ---------------------------------------------------------------- side by side with the peer
 
 PEER_SIZES = (1, 4, 16, 64, 256, 1024, 4096, 8192)
-CHECK_SIZES = (1, 64, 1024)
+CHECK_SIZES = (1, 64, 256, 1024)
 CONFIG = MoEConfig(E, TOP_K, H, I, weight_format="mxfp4", activation_format="bf16")
 PEER_COLUMNS = ["M", "distinct experts", "floor µs", "ours µs", "vLLM µs", "vLLM / ours"]
 PEER_COLUMNS += ["ours x floor", "vLLM x floor", "ours % bf16 dense", "vLLM % bf16 dense"]
@@ -319,8 +319,11 @@ SWEEP = {
 
 # The same for triton.moe_apply.sm90: post-scaled decode tiles with the ring two or three
 # steps deep, one or two chunks' wgmmas in flight, GEMM2 in 2 to 4 splits waiting for GEMM1's
-# grid, or in 2 tile by tile (why the pick wins: docs/decisions.md).
+# grid, or in 2 tile by tile (why the pick wins: docs/decisions.md); at serving batches
+# (M = 64: ~2.4 tokens per selected expert; 256: ~8) narrower token tiles than the prefill
+# tile's 64, which pads each expert's few tokens to 64 MMA columns.
 _POST = dict(block_w=64, block_t=2, num_warps=4, chunks=4, pdl=True, post_scale=True)
+_TILE_READY = dict(gemm2_split_k=2, chunks=4, pdl=True, tile_ready=True, mma_in_flight=1)
 FRAGMENT_SWEEP = {
     m: [
         FragmentConfig(**_POST, stages=stages, gemm2_split_k=split, mma_in_flight=in_flight)
@@ -334,6 +337,29 @@ FRAGMENT_SWEEP = {
     ]
     for m in (1, 4, 16)
 }
+FRAGMENT_SWEEP[64] = [
+    FragmentConfig(64, 2, 4, 2, **_TILE_READY, post_scale=True),
+    FragmentConfig(64, 4, 4, 2, **_TILE_READY, post_scale=True),
+    FragmentConfig(64, 8, 4, 2, **_TILE_READY),
+    FragmentConfig(64, 16, 4, 2, **_TILE_READY),
+    FragmentConfig(64, 8, 4, 3, gemm2_split_k=2, chunks=2),
+    FragmentConfig(128, 16, 4, 4),
+    FragmentConfig(128, 64, 4, 4),
+]
+FRAGMENT_SWEEP[256] = [
+    FragmentConfig(64, 8, 4, 3, gemm2_split_k=2, chunks=2),
+    FragmentConfig(64, 16, 4, 3, gemm2_split_k=2, chunks=2),
+    FragmentConfig(64, 16, 4, 4),
+    FragmentConfig(64, 32, 4, 4),
+    FragmentConfig(128, 16, 4, 4),
+    FragmentConfig(128, 32, 4, 4),
+    FragmentConfig(128, 64, 4, 4),
+]
+FRAGMENT_SWEEP[1024] = [
+    FragmentConfig(64, 32, 4, 4),
+    FragmentConfig(128, 32, 4, 4),
+    FragmentConfig(128, 64, 4, 4),
+]
 
 
 def profile_case(prepared, m: int) -> list[str]:
@@ -415,19 +441,30 @@ def time_sizes(label, args, bw: float, dense: float) -> tuple[list[list], list[s
 
 
 def sweep_lines(label, sizes, one, cold, act, scales, layers: int) -> list[str]:
-    """Times of the alternative tiles (SWEEP, FRAGMENT_SWEEP) at the sizes run."""
+    """Times of the alternative tiles (SWEEP, FRAGMENT_SWEEP) at the sizes run, each with its
+    largest difference from the heuristic pick's output (which the side-by-side run checks
+    against the reference): a tile that computes something else shows there."""
     if act != "bf16":
         return []
-    lines = ["", f"Tile sweep ({label}, µs; M <= 64: graph-timed over {layers} layers):", ""]
+    lines = ["", f"Tile sweep ({label}, µs; M <= 1024: graph-timed over {layers} layers; "
+             "max |tile - pick| on one layer's output):", ""]  # fmt: skip
     for m, configs in (FRAGMENT_SWEEP if label.startswith("sm90") else SWEEP).items():
         if m not in sizes:
             continue
+        x, logits, _ = token_inputs(m)
+        picked = torch.empty_like(x)
+        layer_forward(x, one[0], logits, picked, act, scales)
         for config in configs:
+            kernel = moe_sm90 if isinstance(config, FragmentConfig) else moe
             try:
                 us = run_case(
-                    cold if m <= 64 else one, m, act, scales, graph=m <= 64, config=config
+                    cold if m <= 1024 else one, m, act, scales, graph=m <= 1024, config=config
                 )
-                lines.append(f"- M={m} {config}: {us[0]:.1f} µs")
+                tiled = torch.empty_like(x)
+                with pin_config(kernel.KERNEL_NAME, config):
+                    layer_forward(x, one[0], logits, tiled, act, scales)
+                diff = (tiled.float() - picked.float()).abs().max().item()
+                lines.append(f"- M={m} {config}: {us[0]:.1f} µs, max diff {diff:.3e}")
             except Exception as exc:  # noqa: BLE001 - a tile that does not fit is reported
                 lines.append(f"- M={m} {config}: failed {type(exc).__name__}: {str(exc)[:120]}")
             print(lines[-1], flush=True)
