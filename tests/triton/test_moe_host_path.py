@@ -200,6 +200,17 @@ def test_the_recipe_cache_is_bounded(monkeypatch):
     assert [key[3][0] for key in replay._recipes] == [2, 3]  # the oldest went
 
 
+def test_no_recipes_where_the_cap_is_zero(monkeypatch):
+    monkeypatch.setattr(replay, "MAX_RECIPES", 0)
+    shape = MoEShape(2, 8, 2, 64, 64)
+    spec, plan, prepared = _layer(shape)
+    forwards = _Forwards(monkeypatch, _kernel_cls(spec))
+    x, routing = _inputs(shape, 0)
+    for _ in range(2):
+        moe_apply(plan, x, prepared, **routing)
+    assert forwards.calls == 2
+
+
 # ----------------------------------------------------------------------------- the key
 
 
@@ -287,6 +298,54 @@ def test_a_recording_refuses_what_it_could_not_replay():
     with Recording((x, y)) as recording:
         _scale_kernel[lambda meta: (1,)](x, y, 8, 2.0, BLOCK=16)
     assert recording.recipe() is None
+
+
+def _launched_kernel(x_ptr, y_ptr, n, factor, BLOCK: tl.constexpr, EVEN: tl.constexpr = True):
+    pass
+
+
+class CudaLauncher:
+    """Stands in for Triton's (replay checks the launcher by its class name)."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, *args):
+        self.calls.append(args)
+
+
+class _Compiled:
+    function, packed_metadata = 0xF00, (4, 1, 0)
+
+    def __init__(self):
+        self.run = CudaLauncher()
+
+
+def test_a_compiled_launch_passes_every_parameter_in_order(monkeypatch):
+    """The C launcher's argument list, as Triton's Python launcher builds it: grid, stream,
+    function, cooperative, PDL, no scratch, metadata, no hooks, then every parameter in
+    order (keywords and defaults included), tensors as their pointers, the per-call ones
+    swapped in."""
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0x5EA)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kernel = replay.Recordable(JITFunction(_launched_kernel))
+    x, y, weights = torch.zeros(4), torch.zeros(4), torch.zeros(8)
+    compiled = _Compiled()
+    inputs = [(0, x), (4, y)]
+    launch = replay._Compiled(
+        kernel, (3, 2), (x, weights, 4), dict(factor=0.5, BLOCK=16), compiled, inputs
+    )
+    x2, y2 = torch.zeros(4), torch.zeros(4)
+    launch.launch_pointers((x2.data_ptr(), 0, 0, 0, y2.data_ptr()))
+    (args,) = compiled.run.calls
+    head = (3, 2, 1, 0x5EA, 0xF00, False, True, None, None, (4, 1, 0), None, None, None)
+    assert args[: len(head)] == head
+    assert args[len(head) :] == (x2.data_ptr(), weights.data_ptr(), 4, 0.5, 16, True)
 
 
 def test_every_kernel_a_forward_launches_is_recorded(monkeypatch):

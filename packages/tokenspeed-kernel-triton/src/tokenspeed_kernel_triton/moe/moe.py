@@ -103,7 +103,7 @@ def moe_forward(
         prepared, top_k, config.block_m, expert_offset=expert_offset, **routing_inputs
     )
     fp8 = activation_format == "fp8"
-    a_in, a_in_scale = quantize_rows(x, w13_input_scale) if fp8 else (x, None)
+    a_in, a_in_scale = quantize_rows(x, w13_input_scale, "x") if fp8 else (x, None)
     common = dict(
         w_format=WEIGHT_FORMAT_CODES[prepared["weight_format"]],
         config=config,
@@ -118,7 +118,7 @@ def moe_forward(
     grouped_gemm(a_in, a_in_scale, *w13, act, routing, **gemm1, out_scale=out_scale, **common)
     act_scale = out_scale
     if fp8 and w2_input_scale is None:
-        act, act_scale = quantize_rows(act, None)
+        act, act_scale = quantize_rows(act, None, "act")
     y = scratch("y", (M * top_k, H), torch.float32, x.device)
     w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
     grouped_gemm(act, act_scale, *w2, y, routing, gemm1=False, k_valid=Ip, n_valid=H, **common)

@@ -15,6 +15,7 @@ from tokenspeed_kernel.platform import interpreting
 from .._launch import bind_launches
 from ._common import FP8_MAX, round_to_fp8
 from .replay import recordable
+from .workspace import scratch
 
 AMAX_FLOOR = tl.constexpr(1e-12)
 
@@ -48,14 +49,15 @@ def _quant_rows_kernel(
     tl.store(q_ptr + row * stride_q + offs, round_to_fp8(q, INTERPRETED), mask=mask)
 
 
-def quantize_rows(x, static_scale: float | None):
+def quantize_rows(x, static_scale: float | None, slot: str):
     """x [rows, n] -> (q [rows, n] float8_e4m3fn, scale): a float for a static scale, else
-    [rows] float32 (one per row)."""
+    [rows] float32 (one per row). Both tensors are the MoE call's scratch (workspace.py)
+    under `slot`: valid until the next MoE call on the stream."""
     rows, n = x.shape
-    q = torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=x.device)
+    q = scratch(f"{slot}_q", (rows, n), torch.float8_e4m3fn, x.device)
     scale = static_scale
     if static_scale is None:
-        scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+        scale = scratch(f"{slot}_scale", (rows,), torch.float32, x.device)
     if rows:
         # One program holds a whole row: the dynamic scale needs the row's amax before any store.
         block = triton.next_power_of_2(n)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from triton import knobs
+from triton.runtime.jit import KernelInterface
 
 from . import workspace
 
@@ -49,8 +50,11 @@ class Recordable:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        # The JITFunction under a BoundKernel (its parameter list), else the kernel itself.
-        self.jit_fn = getattr(kernel, "fn", kernel)
+        # The jit function under launch wrappers (a BoundKernel's `fn`): its parameter list.
+        fn = kernel
+        while not isinstance(fn, KernelInterface) and hasattr(fn, "fn"):
+            fn = fn.fn
+        self.jit_fn = fn
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.kernel, name)
@@ -219,7 +223,7 @@ def _launch_hooks() -> bool:
 
 # Recipes by (id(prepared weights), stream, shapes, strides, dtypes): a forward's worth of small
 # lists each. A serving engine sees a few dozen batch sizes per layer; the cap bounds an engine
-# that sees thousands (the oldest recipe goes first).
+# that sees thousands (the oldest recipe goes first). 0 turns replays off (A/B timing).
 MAX_RECIPES = 4096
 _recipes: dict[tuple, Recipe] = {}
 _recipes_generation = -1
@@ -228,7 +232,8 @@ _watched: set[int] = set()
 
 def key_of(prepared, tensors: tuple, pinned) -> tuple:
     """(key, pointers) of a call of `prepared` weights on tensors = (x, router_logits,
-    topk_weights, topk_ids, out); key None where the call is not to be replayed: a pinned
+    topk_weights, topk_ids, out), shaped as moe_apply checks them (the routing inputs' shapes
+    follow from x's and the config); key None where the call is not to be replayed: a pinned
     config (tuning), x on another device than the current one, or a per-call pointer that is
     not 16-byte aligned (Triton specializes on alignment)."""
     x, logits, weights, ids, out = tensors
@@ -246,12 +251,12 @@ def key_of(prepared, tensors: tuple, pinned) -> tuple:
     if logits is not None:
         lp = logits.data_ptr()
         pointers = (xp, lp, 0, 0, op)
-        routing = (logits.shape, logits.dtype, logits.stride(0))
+        routing = (logits.dtype, logits.stride(0))
         aligned = (xp | lp | op) & 15 == 0
     else:
         wp, ip = weights.data_ptr(), ids.data_ptr()
         pointers = (xp, 0, wp, ip, op)
-        routing = (weights.shape, weights.dtype, ids.shape, ids.dtype)
+        routing = (weights.dtype, ids.dtype)
         aligned = (xp | wp | ip | op) & 15 == 0
     if not aligned:
         return None, None
@@ -274,7 +279,7 @@ def store(key, prepared, recording: Recording) -> None:
     """Keep the recording's recipe under `key` (a key_of key) while `prepared` lives."""
     global _recipes_generation
     recipe = recording.recipe()
-    if recipe is None:
+    if recipe is None or MAX_RECIPES <= 0:
         return
     if _recipes_generation != workspace.generation:
         _recipes.clear()
