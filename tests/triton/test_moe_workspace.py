@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenspeed_kernel_triton.moe import workspace
 from tokenspeed_kernel_triton.moe.workspace import scratch
 
 
@@ -25,3 +26,15 @@ def test_slots_and_dtypes_do_not_share():
     c = scratch("test-a", (8,), torch.float32, "cpu")
     assert len({a.data_ptr(), b.data_ptr(), c.data_ptr()}) == 3
     assert scratch("test-empty", (0, 4), torch.int32, "cpu").shape == (0, 4)
+
+
+def test_generation_counts_allocations_only():
+    """Replay recipes (moe/replay.py) hold scratch views: `generation` tells them a buffer
+    they hold was replaced."""
+    start = workspace.generation
+    scratch("test-generation", (8,), torch.int32, "cpu")
+    assert workspace.generation == start + 1
+    scratch("test-generation", (4,), torch.int32, "cpu")  # fits: the same buffer
+    assert workspace.generation == start + 1
+    scratch("test-generation", (9,), torch.int32, "cpu")
+    assert workspace.generation == start + 2

@@ -17,6 +17,7 @@ import math
 import torch
 
 _buffers: dict[tuple, torch.Tensor] = {}
+# Buffers allocated so far (replaced ones included).
 generation = 0
 
 
@@ -27,14 +28,14 @@ def _stream(device: torch.device) -> int:
 
 def scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """An uninitialized [shape] tensor of `dtype` for `slot` of the current call."""
+    global generation
     if not isinstance(device, torch.device):  # callers pass x.device: no new object per call
         device = torch.device(device)
     numel = math.prod(shape)
     key = (slot, dtype, device, _stream(device))
     buffer = _buffers.get(key)
     if buffer is None or buffer.numel() < numel:
-        global generation
-        generation += 1
         buffer = torch.empty(max(numel, 1), dtype=dtype, device=device)
         _buffers[key] = buffer
+        generation += 1
     return buffer[:numel].view(shape)
