@@ -101,19 +101,22 @@ class Recording:
         from triton.compiler.compiler import CompiledKernel
         from triton.runtime.jit import JITFunction
 
-        inputs = [(i, t) for i, t in enumerate(self.inputs) if t is not None]
-        if len({id(t) for _, t in inputs}) < len(inputs):
+        # Input index by id(): the inputs are alive, so no other argument shares their ids.
+        inputs = {id(t): i for i, t in enumerate(self.inputs) if t is not None}
+        present = [t for t in self.inputs if t is not None]
+        if len(inputs) < len(present):
             return None  # one tensor in two roles: a replay could not tell them apart
-        storages = {t.untyped_storage().data_ptr() for _, t in inputs}
+        storages = {t.untyped_storage().data_ptr() for t in present}
         launches = []
         for kernel, grid, args, kwargs, result in self.launches:
             if callable(grid):
                 return None
-            values = list(args) + list(kwargs.values())
-            for value in values:
-                if not isinstance(value, torch.Tensor) or any(value is t for _, t in inputs):
-                    continue
-                if value.untyped_storage().data_ptr() in storages:
+            for value in (*args, *kwargs.values()):
+                if (
+                    isinstance(value, torch.Tensor)
+                    and id(value) not in inputs
+                    and value.untyped_storage().data_ptr() in storages
+                ):
                     return None
             if isinstance(result, CompiledKernel):
                 launches.append(_Compiled(kernel, grid, args, kwargs, result, inputs))
@@ -124,14 +127,10 @@ class Recording:
         return Recipe(launches)
 
 
-def _slots(values, inputs) -> tuple:
-    """(position, input index) for each of `values` that is a per-call tensor."""
-    return tuple(
-        (pos, index)
-        for pos, value in enumerate(values)
-        for index, tensor in inputs
-        if value is tensor
-    )
+def _slots(values, inputs: dict) -> tuple:
+    """(position, input index) for each of `values` that is a per-call tensor (inputs: input
+    index by id())."""
+    return tuple((pos, inputs[id(v)]) for pos, v in enumerate(values) if id(v) in inputs)
 
 
 class _Generic:
@@ -278,8 +277,10 @@ def lookup(key) -> Recipe | None:
 def store(key, prepared, recording: Recording) -> None:
     """Keep the recording's recipe under `key` (a key_of key) while `prepared` lives."""
     global _recipes_generation
+    if MAX_RECIPES <= 0:
+        return
     recipe = recording.recipe()
-    if recipe is None or MAX_RECIPES <= 0:
+    if recipe is None:
         return
     if _recipes_generation != workspace.generation:
         _recipes.clear()
