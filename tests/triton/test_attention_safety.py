@@ -128,10 +128,9 @@ PREFILL_CONFIGS = [
     pytest.param(AttentionConfig(16, 16, 1, 1), id="16x16"),
     pytest.param(AttentionConfig(64, 32, 1, 1, heads_per_tile=8, split_mask=False), id="onemask"),
 ]
-# Keys only: a masked key's score is replaced by -inf whatever K holds. A non-finite V at a
-# key in a block the tile loads reaches the tile's rows that mask it through p @ v (0 * NaN);
-# zeroing V, and rerunning such tiles, were measured and rejected (docs/decisions.md). Values
-# in blocks no tile loads, and decode at Q = 1, are tested below.
+# Keys here: a masked key's score is replaced by -inf whatever K holds. Non-finite V at keys
+# a tile loads and some of its rows mask (the fix-up launch, `attention/_fixup.py`) is checked
+# against the core reference in test_attention_nonfinite.py.
 POISONS = [("k", math.nan), ("k", math.inf), ("k", -math.inf)]
 
 
@@ -310,10 +309,8 @@ def test_decode_window_drops_nonfinite_keys_outside(shape, which, value, splits)
 # ------------------------------------------------ one poisoned key inside the visited range
 # Key POISONED is seen by the rows at positions POISONED .. POISONED + window and masked for
 # the rows of the same tiles before it (causal diagonal) or past its window (left edge): those
-# must match the clean computation, the rows that see it must not come out finite. K only: a
-# non-finite V there reaches the masking rows of those tiles in the Triton kernels (0 * NaN in
-# p @ v), which rows depending on the tile config; the rerun that prevented it cost up to
-# 1.44x on causal prefill and was dropped (docs/decisions.md, ARCHITECTURE.md).
+# must match the clean computation, the rows that see it must not come out finite. K here; V
+# in test_attention_nonfinite.py.
 POISONED = 41
 ONE_KEY = [("k", math.nan)]
 WINDOWS = [-1, 3, 20]

@@ -12,6 +12,20 @@ from ._common import LN2, LOG2E, merge_sink
 
 
 @triton.jit
+def visible_keys(
+    rows, cols, key_ok, window_left, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr
+):
+    """[rows, cols] mask of the keys each row sees: existing, causally at or before the row,
+    inside its window."""
+    visible = key_ok[None, :]
+    if IS_CAUSAL:
+        visible = visible & (cols[None, :] <= rows[:, None])
+    if HAS_WINDOW:
+        visible = visible & (cols[None, :] >= rows[:, None] - window_left)
+    return visible
+
+
+@triton.jit
 def attn_block_update(
     acc,
     l_i,
@@ -37,11 +51,7 @@ def attn_block_update(
     """
     s = tl.dot(q, k)
     if MASK:
-        visible = key_ok[None, :]
-        if IS_CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None])
-        if HAS_WINDOW:
-            visible = visible & (cols[None, :] >= rows[:, None] - window_left)
+        visible = visible_keys(rows, cols, key_ok, window_left, IS_CAUSAL, HAS_WINDOW)
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -203,6 +213,49 @@ def attend_key_ranges(
 
 
 @triton.jit
+def attend_exact(
+    q,
+    tile,
+    keys,
+    bounds,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """(acc, l, m) of a query tile over the same key blocks as `attend_key_ranges`, every block
+    masked, with the reference's outcome for non-finite V: a key masked for a row contributes
+    nothing to it whatever its V, and a row that sees a key whose V row holds a NaN or inf gets
+    NaN. p @ v cannot give that by itself (0 * NaN is NaN, and V is shared by the rows that see
+    and mask a key), so such V rows are zeroed for the dot and the rows that see them set to
+    NaN here. The fix-up launch's path (`_fixup.py`): V goes through registers."""
+    lo, _, _, hi = bounds
+    rows, seq_k, window_left, qk_scale, offs_n = tile
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    poisoned = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        if PAGE_SIZE == 0:
+            k, v, key_ok = _contiguous_key_block(keys, n0, cols, seq_k, True)
+        else:
+            k, v, key_ok = _paged_key_block(keys, n0, cols, seq_k, True, PAGE_SIZE, BLOCK_N)
+        v = v.to(q.dtype)
+        bad_key = tl.max(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0, 1), 1)
+        visible = visible_keys(rows, cols, key_ok, window_left, IS_CAUSAL, HAS_WINDOW)
+        poisoned = tl.maximum(poisoned, tl.max(tl.where(visible, bad_key[None, :], 0), 1))
+        acc, l_i, m_i = attn_block_update(
+            acc, l_i, m_i, q, k.to(q.dtype), tl.where(bad_key[:, None] > 0, 0.0, v), qk_scale,
+            rows, cols, key_ok, window_left, True, IS_CAUSAL, HAS_WINDOW,
+        )  # fmt: skip
+    acc = tl.where(poisoned[:, None] > 0, float("nan"), acc)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS: tl.constexpr):
     """Divide by the softmax denominator (plus each row's head's sink term, added once, here, in
     the log2 domain against the running max). Returns (out [BLOCK_M, D] fp32, lse natural log).
@@ -232,13 +285,13 @@ def sequence_span(CuSeqlens, seq, num_tokens):
 
 
 @triton.jit
-def tile_program(num_m_blocks, HEADS_PER_TILE: tl.constexpr, HEAVY_FIRST: tl.constexpr):
-    """(query block, first query head, sequence) this program owns. HEAVY_FIRST: later blocks
-    see more keys (causal, no window), so they launch first and the last wave is made of short
-    ones (load balance across SMs)."""
-    pid_m = tl.program_id(0)
-    head_base = tl.program_id(1) * HEADS_PER_TILE
-    seq = tl.program_id(2)
+def tile_program(
+    pid_m, pid_h, seq, num_m_blocks, HEADS_PER_TILE: tl.constexpr, HEAVY_FIRST: tl.constexpr
+):
+    """(query block, first query head, sequence) of the program at grid ids (pid_m, pid_h,
+    seq). HEAVY_FIRST: later blocks see more keys (causal, no window), so they launch first and
+    the last wave is made of short ones (load balance across SMs)."""
+    head_base = pid_h * HEADS_PER_TILE
     if HEAVY_FIRST:
         pid_m = num_m_blocks - 1 - pid_m
     return pid_m, head_base, seq

@@ -38,6 +38,16 @@ from ._common import (
     register_attention_kernel,
     supports_dot_and_fp8,
 )
+from ._fixup import (
+    FLAG_CHUNK,
+    any_flag,
+    clear_flags,
+    current_stream,
+    fixup_programs,
+    flag_nonfinite,
+    flag_span,
+    tile_flags,
+)
 from .decode_config import plan_decode
 from .decode_reduce import decode_reduce
 
@@ -79,16 +89,21 @@ def _load_block(
 
 
 @triton.jit
+def _visible(cols, col_ok, pos, window_left, HAS_WINDOW: tl.constexpr):
+    """[rows, keys]: causality (among the Q tokens and against the cache end) and the window."""
+    visible = (cols[None, :] <= pos[:, None]) & col_ok[None, :]
+    if HAS_WINDOW:
+        visible = visible & (cols[None, :] >= pos[:, None] - window_left)
+    return visible
+
+
+@triton.jit
 def _attend_block(
     acc, l_i, m_i, q, k, v, cols, col_ok, pos, qk_scale, window_left, HAS_WINDOW: tl.constexpr
 ):
     """One key block of online softmax (log2 domain) for every row of the tile."""
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-    # Causality (among the Q tokens and against the cache end) and the window, per row.
-    visible = (cols[None, :] <= pos[:, None]) & col_ok[None, :]
-    if HAS_WINDOW:
-        visible = visible & (cols[None, :] >= pos[:, None] - window_left)
-    s = tl.where(visible, s, float("-inf"))
+    s = tl.where(_visible(cols, col_ok, pos, window_left, HAS_WINDOW), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -134,11 +149,52 @@ def _store_final(
         tl.store(Lse + b * stride_lb + tok * stride_lt + head * stride_lh, lse, mask=row_ok)
 
 
-# fmt: off
-@bind_launches
 @triton.jit
-def _decode_split_kernel(
-    Q, K, V, PageTable, SeqLens, Sinks, Out, Lse, MidO, MidLse,
+def _attend_split(
+    q, keys, start, end, lo, pos, qk_scale, window_left,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    EXACT: tl.constexpr,
+):  # fmt: skip
+    """(acc, l, m) of the tile over the key blocks [start, end). EXACT (the fix-up's path,
+    `_fixup.py`): a key masked for a row contributes nothing to it whatever its V, and a row
+    that sees a V row holding a NaN or inf gets NaN (the reference's outcome): such V rows are
+    zeroed for the dot (0 * NaN would reach the rows that mask the key) and the rows that see
+    them set to NaN."""
+    PageRow, stride_ptp, num_pages, KHead, VHead, stride_kp, stride_ks, stride_vp, stride_vs = keys
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    poisoned = tl.zeros([BLOCK_M], tl.int32)
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        # Keys left of the window are not loaded: engines may have freed (and reused) their
+        # pages, so neither their page ids nor their contents can be trusted.
+        col_ok = (cols >= lo) & (cols < end)
+        page = _block_pages(
+            PageRow, stride_ptp, start_n, cols, col_ok, num_pages, PAGE_SIZE, BLOCK_IN_PAGE
+        )
+        k = _load_block(KHead, page, cols, col_ok, offs_d, stride_kp, stride_ks, PAGE_SIZE)
+        v = _load_block(VHead, page, cols, col_ok, offs_d, stride_vp, stride_vs, PAGE_SIZE)
+        if EXACT:
+            v = v.to(q.dtype)
+            bad_key = tl.max(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0, 1), 1)
+            visible = _visible(cols, col_ok, pos, window_left, HAS_WINDOW)
+            poisoned = tl.maximum(poisoned, tl.max(tl.where(visible, bad_key[None, :], 0), 1))
+            v = tl.where(bad_key[:, None] > 0, 0.0, v)
+        acc, l_i, m_i = _attend_block(
+            acc, l_i, m_i, q, k, v, cols, col_ok, pos, qk_scale, window_left, HAS_WINDOW
+        )
+    if EXACT:
+        acc = tl.where(poisoned[:, None] > 0, float("nan"), acc)
+    return acc, l_i, m_i
+
+
+# fmt: off
+@triton.jit
+def _decode_tile(
+    pid_bhm, split, Q, K, V, PageTable, SeqLens, Sinks, Out, Lse, MidO, MidLse, Flag,
     qk_scale, v_scale, window_left, num_kv_heads, stride_sb, num_pages, max_keys,
     stride_qb, stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
@@ -150,10 +206,12 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_LSE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr, KV_FP8: tl.constexpr,
-    Q_PRESCALE: tl.constexpr,
+    Q_PRESCALE: tl.constexpr, EXACT: tl.constexpr,
 ):
-    pid_bhm = tl.program_id(0)
-    split = tl.program_id(1)
+    """Computes and stores split `split` of the tile pid_bhm (its partials, or the final rows
+    with one split). The fast path (not EXACT) with Q > 1 also sets *Flag when its
+    accumulator holds a NaN or inf (`_fixup.py`); EXACT recomputes it with the reference's
+    outcome. Q = 1 never loads a key its rows mask (lo and end are that row's bounds)."""
     num_m_tiles: tl.constexpr = (Q_LEN * GROUP + BLOCK_M - 1) // BLOCK_M
     m_tile = pid_bhm % num_m_tiles
     bh = pid_bhm // num_m_tiles
@@ -188,23 +246,12 @@ def _decode_split_kernel(
     start = lo_block + split * blocks_per_split * BLOCK_N
     end = tl.minimum(start + blocks_per_split * BLOCK_N, hi)
 
-    PageRow = PageTable + b * stride_ptb
-    KHead = K + kv_head * stride_kh
-    VHead = V + kv_head * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start_n in range(start, end, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        # Keys left of the window are not loaded: engines may have freed (and reused) their
-        # pages, so neither their page ids nor their contents can be trusted.
-        col_ok = (cols >= lo) & (cols < end)
-        page = _block_pages(PageRow, stride_ptp, start_n, cols, col_ok, num_pages,
-                           PAGE_SIZE, BLOCK_IN_PAGE)
-        k = _load_block(KHead, page, cols, col_ok, offs_d, stride_kp, stride_ks, PAGE_SIZE)
-        v = _load_block(VHead, page, cols, col_ok, offs_d, stride_vp, stride_vs, PAGE_SIZE)
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k, v, cols, col_ok, pos, qk_scale,
-                                      window_left, HAS_WINDOW)
+    keys = (PageTable + b * stride_ptb, stride_ptp, num_pages, K + kv_head * stride_kh,
+            V + kv_head * stride_vh, stride_kp, stride_ks, stride_vp, stride_vs)
+    acc, l_i, m_i = _attend_split(q, keys, start, end, lo, pos, qk_scale, window_left, BLOCK_M,
+                                  HEAD_DIM, BLOCK_N, PAGE_SIZE, BLOCK_IN_PAGE, HAS_WINDOW, EXACT)
+    if Q_LEN > 1 and not EXACT:
+        flag_nonfinite(Flag, acc, row_ok)
 
     if NUM_SPLITS == 1:
         _store_final(Out, Lse, Sinks, acc, l_i, m_i, v_scale, b, tok, head, row_ok, offs_d,
@@ -219,6 +266,58 @@ def _decode_split_kernel(
         tl.store(MidLse + row * NUM_SPLITS + split, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
+@bind_launches
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, PageTable, SeqLens, Sinks, Out, Lse, MidO, MidLse, Flags,
+    qk_scale, v_scale, window_left, num_kv_heads, stride_sb, num_pages, max_keys, num_bhm,
+    stride_qb, stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_ptb, stride_ptp,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt, stride_lh,
+    Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_LSE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr, KV_FP8: tl.constexpr,
+    Q_PRESCALE: tl.constexpr, FIXUP: tl.constexpr, FLAG_CHUNK: tl.constexpr,
+):
+    """FIXUP=False: one (sequence, KV head, row tile) x split per program, grid (num_bhm,
+    NUM_SPLITS); with Q > 1 the flag it may set is Flags[pid_bhm + num_bhm * split]. FIXUP=True
+    (Q > 1 only): persistent programs recompute the flagged ones exactly and clear their flags
+    (`_fixup.py`)."""
+    if FIXUP:
+        lo, hi = flag_span(num_bhm * NUM_SPLITS)
+        for c0 in range(lo, hi, FLAG_CHUNK):
+            if any_flag(Flags, c0, hi, FLAG_CHUNK):
+                for i in range(c0, tl.minimum(c0 + FLAG_CHUNK, hi)):
+                    if tl.load(Flags + i) != 0:
+                        _decode_tile(
+                            i % num_bhm, i // num_bhm, Q, K, V, PageTable, SeqLens, Sinks,
+                            Out, Lse, MidO, MidLse, Flags, qk_scale, v_scale, window_left,
+                            num_kv_heads, stride_sb, num_pages, max_keys, stride_qb, stride_qt,
+                            stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                            stride_vh, stride_ptb, stride_ptp, stride_ob, stride_ot, stride_oh,
+                            stride_lb, stride_lt, stride_lh, Q_LEN, GROUP, HEAD_DIM, PAGE_SIZE,
+                            BLOCK_M, BLOCK_N, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, HAS_LSE,
+                            BLOCK_IN_PAGE, KV_FP8, Q_PRESCALE, True,
+                        )
+                clear_flags(Flags, c0, hi, FLAG_CHUNK)
+    else:
+        pid_bhm = tl.program_id(0)
+        split = tl.program_id(1)
+        _decode_tile(
+            pid_bhm, split, Q, K, V, PageTable, SeqLens, Sinks, Out, Lse, MidO, MidLse,
+            Flags + pid_bhm + num_bhm * split, qk_scale, v_scale, window_left, num_kv_heads,
+            stride_sb, num_pages, max_keys, stride_qb, stride_qt, stride_qh, stride_kp,
+            stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ptb, stride_ptp,
+            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh, Q_LEN, GROUP,
+            HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, NUM_SPLITS, HAS_WINDOW, HAS_SINKS, HAS_LSE,
+            BLOCK_IN_PAGE, KV_FP8, Q_PRESCALE, False,
+        )
+
+
 # fmt: on
 
 
@@ -230,8 +329,7 @@ _scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 def _split_scratch(device: torch.device, rows: int, splits: int, head_dim: int):
     """Partial outputs [rows, splits, D] and lses [rows, splits] float32, kept per device, stream
     and shape: no allocation on the hot path, and a captured CUDA graph keeps valid buffers."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream, rows, splits, head_dim)
+    key = (device, current_stream(device), rows, splits, head_dim)
     buffers = _scratch.get(key)
     if buffers is None:
         buffers = (
@@ -280,23 +378,33 @@ def mha_decode_with_kvcache(
     lse_t = lse if lse is not None else out
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     grid = (batch * num_kv_heads * m_tiles, splits)
+    # Q > 1: a tile's rows see and mask the same keys, so the fix-up runs (`_fixup.py`).
+    num_flags = grid[0] * splits
+    flags = tile_flags(q.device, num_flags) if q_len > 1 else q
+    if q_len > 1 and splits == 1 and out.data_ptr() == q.data_ptr():
+        q = q.clone()  # the fix-up reads q after the fast launch wrote out
     kv_fp8 = k_cache.dtype == FP8
     q_prescale = 2.0**-8 if kv_fp8 and q.dtype == torch.bfloat16 else 1.0
     # fmt: off
-    _decode_split_kernel[grid](
+    args = (
         q, k_cache, v_cache, page_table, cache_seqlens, sinks if sinks is not None else q,
-        out, lse_t, mid_o, mid_lse,
+        out, lse_t, mid_o, mid_lse, flags,
         softmax_scale * k_scale * LOG2E.value / q_prescale, v_scale, window_left, num_kv_heads,
-        cache_seqlens.stride(0), k_cache.shape[0], page_table.shape[1] * page_size,
+        cache_seqlens.stride(0), k_cache.shape[0], page_table.shape[1] * page_size, grid[0],
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *page_table.stride(),
         *out.stride()[:3], *lse_strides,
+    )
+    meta = dict(
         Q_LEN=q_len, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m,
         BLOCK_N=config.block_n, NUM_SPLITS=splits, HAS_WINDOW=window_left >= 0,
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
         BLOCK_IN_PAGE=page_size % config.block_n == 0, KV_FP8=kv_fp8, Q_PRESCALE=q_prescale,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FLAG_CHUNK=FLAG_CHUNK, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     # fmt: on
+    _decode_split_kernel[grid](*args, FIXUP=False, **meta)
+    if q_len > 1:
+        _decode_split_kernel[(fixup_programs(q.device, num_flags),)](*args, FIXUP=True, **meta)
     if splits > 1:
         decode_reduce(mid_o, mid_lse, sinks, out, lse, batch, q_len, num_q_heads, head_dim, splits)
 
@@ -304,7 +412,8 @@ def mha_decode_with_kvcache(
 # GPT-OSS-like decode (GQA 8, one new token, sinks, lse) at the split counts the heuristic picks
 # on every target for these lengths: 64 sequences fill the device unsplit (page 64; page 16 with
 # a window); one sequence of 960 keys splits 16 ways (and runs the reduce), of 192 keys over an
-# FP8 cache 4 ways, of 448 keys at hd 128 in pages of one token 8 ways.
+# FP8 cache 4 ways, of 448 keys at hd 128 in pages of one token 8 ways; 4 new tokens over 960
+# keys (speculative decoding) also compile the fix-up launch.
 _AOT_CASE = dict(
     GPT_OSS_AOT_CASE, seqlens=(64,) * 64, q_lens=(1,), num_q_heads=64, num_kv_heads=8, page_size=64
 )
@@ -315,6 +424,7 @@ AOT_CASES = (
     dict(_ONE_SEQUENCE, seqlens=(960,)),
     dict(_ONE_SEQUENCE, seqlens=(192,), kv_dtype=FP8),
     dict(_ONE_SEQUENCE, seqlens=(448,), head_dim=128, page_size=1),
+    dict(_ONE_SEQUENCE, seqlens=(960,), q_lens=(4,)),
 )
 
 

@@ -23,49 +23,111 @@ from ._common import (
     interpreter_dot_verdict,
     register_attention_kernel,
 )
+from ._fixup import (
+    FLAG_CHUNK,
+    any_flag,
+    clear_flags,
+    fixup_programs,
+    flag_nonfinite,
+    flag_span,
+    tile_flags,
+)
 
 KERNEL_NAME = "triton.mha_prefill"
 
 
-@bind_launches
 @triton.jit
-def _prefill_kernel(
-    Q, K, V, Out, Lse, Sinks, CuSeqlens,
+def _prefill_tile(
+    pid_m, pid_h, seq, Q, K, V, Out, Lse, Sinks, CuSeqlens, Flag,
     qk_scale, window_left, num_m_blocks, num_tokens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lt,
     GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, SPLIT_MASK: tl.constexpr,
+    EXACT: tl.constexpr,
 ):  # fmt: skip
+    """Computes and stores the tile at grid ids (pid_m, pid_h, seq). The fast path (not EXACT)
+    of a causal or windowed launch also sets *Flag when its accumulator holds a NaN or inf
+    (`_fixup.py`); EXACT recomputes the tile with the reference's outcome."""
+    FLAG: tl.constexpr = (IS_CAUSAL or HAS_WINDOW) and not EXACT
     TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     pid_m, head_base, seq = _tiles.tile_program(
-        num_m_blocks, HEADS_PER_TILE, IS_CAUSAL and not HAS_WINDOW
+        pid_m, pid_h, seq, num_m_blocks, HEADS_PER_TILE, IS_CAUSAL and not HAS_WINDOW
     )
     start, seqlen = _tiles.sequence_span(CuSeqlens, seq, num_tokens)
     t0 = pid_m * TOKENS
-    if t0 >= seqlen:
-        return
-    kv_head = head_base // GROUP
-    q, tok0, tile0, local, rows, heads, row_ok, offs_n, offs_d = _tiles.query_tile(
-        Q, start, t0, head_base, seqlen, stride_qt, stride_qh, BLOCK_M, HEADS_PER_TILE, BLOCK_N,
-        HEAD_DIM,
-    )  # fmt: skip
-    k_base = K + tok0 * stride_kt + kv_head * stride_kh
-    v_base = V + tok0 * stride_vt + kv_head * stride_vh
+    if t0 < seqlen:
+        kv_head = head_base // GROUP
+        q, tok0, tile0, local, rows, heads, row_ok, offs_n, offs_d = _tiles.query_tile(
+            Q, start, t0, head_base, seqlen, stride_qt, stride_qh, BLOCK_M, HEADS_PER_TILE,
+            BLOCK_N, HEAD_DIM,
+        )  # fmt: skip
+        k_base = K + tok0 * stride_kt + kv_head * stride_kh
+        v_base = V + tok0 * stride_vt + kv_head * stride_vh
 
-    last_row = tl.minimum(t0 + TOKENS, seqlen) - 1
-    bounds = _tiles.key_block_bounds(
-        t0, last_row, seqlen, window_left, BLOCK_N, IS_CAUSAL, HAS_WINDOW
-    )
-    tile = (rows, seqlen, window_left, qk_scale, offs_n)
-    keys = (k_base, v_base, stride_kt, stride_vt, offs_n, offs_d)
-    acc, l_i, m_i = _tiles.attend_key_ranges(
-        q, tile, keys, bounds, BLOCK_M, HEAD_DIM, BLOCK_N, IS_CAUSAL, HAS_WINDOW, SPLIT_MASK, 0
-    )
-    acc, lse = _tiles.attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS)
-    strides = (stride_ot, stride_oh, stride_lt)
-    _tiles.store_rows(Out, Lse, acc, lse, tile0, local, heads, row_ok, offs_d, strides, HAS_LSE)
+        last_row = tl.minimum(t0 + TOKENS, seqlen) - 1
+        bounds = _tiles.key_block_bounds(
+            t0, last_row, seqlen, window_left, BLOCK_N, IS_CAUSAL, HAS_WINDOW
+        )
+        tile = (rows, seqlen, window_left, qk_scale, offs_n)
+        keys = (k_base, v_base, stride_kt, stride_vt, offs_n, offs_d)
+        if EXACT:
+            acc, l_i, m_i = _tiles.attend_exact(
+                q, tile, keys, bounds, BLOCK_M, HEAD_DIM, BLOCK_N, IS_CAUSAL, HAS_WINDOW, 0
+            )
+        else:
+            acc, l_i, m_i = _tiles.attend_key_ranges(
+                q, tile, keys, bounds, BLOCK_M, HEAD_DIM, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
+                SPLIT_MASK, 0,
+            )  # fmt: skip
+        if FLAG:
+            flag_nonfinite(Flag, acc, row_ok)
+        acc, lse = _tiles.attn_finalize(acc, l_i, m_i, Sinks, heads, HAS_SINKS)
+        strides = (stride_ot, stride_oh, stride_lt)
+        _tiles.store_rows(Out, Lse, acc, lse, tile0, local, heads, row_ok, offs_d, strides, HAS_LSE)
+
+
+@bind_launches
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, Out, Lse, Sinks, CuSeqlens, Flags,
+    qk_scale, window_left, num_m_blocks, num_head_tiles, num_flags, num_tokens,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_lt,
+    GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, SPLIT_MASK: tl.constexpr,
+    FIXUP: tl.constexpr, FLAG_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """FIXUP=False: one tile per program (grid (m blocks, head tiles, sequences)), which may
+    set Flags[pid_m + num_m_blocks * (pid_h + num_head_tiles * seq)]. FIXUP=True: persistent
+    programs recompute the flagged tiles exactly and clear their flags (`_fixup.py`)."""
+    if FIXUP:
+        lo, hi = flag_span(num_flags)
+        for c0 in range(lo, hi, FLAG_CHUNK):
+            if any_flag(Flags, c0, hi, FLAG_CHUNK):
+                for i in range(c0, tl.minimum(c0 + FLAG_CHUNK, hi)):
+                    if tl.load(Flags + i) != 0:
+                        _prefill_tile(
+                            i % num_m_blocks, (i // num_m_blocks) % num_head_tiles,
+                            i // (num_m_blocks * num_head_tiles), Q, K, V, Out, Lse, Sinks,
+                            CuSeqlens, Flags, qk_scale, window_left, num_m_blocks, num_tokens,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_ot, stride_oh, stride_lt, GROUP, HEADS_PER_TILE, HEAD_DIM,
+                            BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW, HAS_SINKS, HAS_LSE,
+                            SPLIT_MASK, True,
+                        )  # fmt: skip
+                clear_flags(Flags, c0, hi, FLAG_CHUNK)
+    else:
+        pid_m, pid_h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        flag = Flags + pid_m + num_m_blocks * (pid_h + num_head_tiles * seq)
+        _prefill_tile(
+            pid_m, pid_h, seq, Q, K, V, Out, Lse, Sinks, CuSeqlens, flag, qk_scale, window_left,
+            num_m_blocks, num_tokens, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+            stride_vh, stride_ot, stride_oh, stride_lt, GROUP, HEADS_PER_TILE, HEAD_DIM,
+            BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW, HAS_SINKS, HAS_LSE, SPLIT_MASK, False,
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -98,13 +160,22 @@ def mha_prefill(
     if plan is None:
         return
     grid, num_m_blocks, meta = plan
-    _prefill_kernel[grid](
+    fixup = causal or window_left >= 0  # else no tile loads a key one of its rows masks
+    num_flags = grid[0] * grid[1] * grid[2]
+    flags = tile_flags(q.device, num_flags) if fixup else q
+    if fixup and out.data_ptr() == q.data_ptr():
+        q = q.clone()  # the fix-up reads q after the fast launch wrote out
+    args = (
         q, k, v, out, out if lse is None else lse, q if sinks is None else sinks, cu_seqlens,
-        softmax_scale * LOG2E.value, window_left, num_m_blocks, q.shape[0],
-        *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
+        flags, softmax_scale * LOG2E.value, window_left, num_m_blocks, grid[1], num_flags,
+        q.shape[0], *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
         0 if lse is None else lse.stride(0),
-        IS_CAUSAL=causal, **meta,
     )  # fmt: skip
+    _prefill_kernel[grid](*args, IS_CAUSAL=causal, FIXUP=False, FLAG_CHUNK=FLAG_CHUNK, **meta)
+    if fixup:
+        _prefill_kernel[(fixup_programs(q.device, num_flags),)](
+            *args, IS_CAUSAL=causal, FIXUP=True, FLAG_CHUNK=FLAG_CHUNK, **meta
+        )
 
 
 def register() -> None:
