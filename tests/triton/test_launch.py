@@ -223,6 +223,18 @@ def test_a_launch_hook_takes_triton_path(cuda_faked):
     assert len(rec.triton_calls) == 5 and len(rec.launches) == 1
 
 
+@pytest.mark.parametrize("hook", [None, print], ids=["None", "a function"])
+def test_a_hook_assigned_in_place_of_the_chain_takes_triton_path(cuda_faked, hook):
+    bound, rec = _bound()
+    x, y = torch.zeros(64), torch.zeros(64)
+    bound[(1,)](x, y, 37, 0.5)
+    with knobs.runtime.scope():
+        knobs.runtime.launch_exit_hook = hook
+        bound[(1,)](x, y, 37, 0.5)
+        bound[(1,)](x, y, 38, 0.5)
+    assert len(rec.triton_calls) == 3 and rec.launches == []
+
+
 def test_a_callable_grid_takes_triton_path(cuda_faked):
     bound, rec = _bound()
     x, y = torch.zeros(64), torch.zeros(64)

@@ -76,6 +76,16 @@ def _getter(positions: list[int]):
     return itemgetter(*positions) if len(positions) > 1 else itemgetter(positions[0], positions[0])
 
 
+def _hooks_set() -> bool:
+    """Whether a launch hook is set: Triton's chains hold one, or a hook was assigned as a
+    plain function or None (which Triton's own path also handles)."""
+    hooks = knobs.runtime
+    try:
+        return bool(hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls)
+    except AttributeError:
+        return True
+
+
 def _direct_launcher(run) -> bool:
     """Whether Triton's CUDA launcher object would only forward to its C function: no global or
     profile scratch to allocate per launch."""
@@ -205,12 +215,11 @@ class BoundKernel:
         except TypeError:  # an unhashable keyword argument: nothing to key on
             return self.fn[grid](*args, **kwargs)
         hooks = knobs.runtime
-        if (
-            entry is None
-            or callable(grid)
-            or hooks.launch_enter_hook.calls
-            or hooks.launch_exit_hook.calls
-        ):
+        try:  # `_hooks_set()`, inlined
+            hooked = hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls
+        except AttributeError:
+            hooked = True
+        if entry is None or hooked or callable(grid):
             return self._slow(grid, args, kwargs, key, entry, layout.merge(pointers + values))
         # `entry.fire`, inlined: one Python call fewer per launch.
         size = len(grid)
@@ -270,10 +279,7 @@ class BoundKernel:
                 return kernel
             if on_device:
                 self._remember(key, entry)
-                hooks = knobs.runtime
-                if not (
-                    callable(grid) or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls
-                ):
+                if not (_hooks_set() or callable(grid)):
                     return entry.fire(grid, _current_stream(device), args, by_address)
         return self.fn[grid](*args, **kwargs)
 
