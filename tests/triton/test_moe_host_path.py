@@ -336,7 +336,7 @@ def test_a_compiled_launch_passes_every_parameter_in_order(monkeypatch):
     kernel = replay.Recordable(JITFunction(_launched_kernel))
     x, y, weights = torch.zeros(4), torch.zeros(4), torch.zeros(8)
     compiled = _Compiled()
-    inputs = [(0, x), (4, y)]
+    inputs = {id(x): 0, id(y): 4}  # input index by id(), as Recording.recipe passes them
     launch = replay._Compiled(
         kernel, (3, 2), (x, weights, 4), dict(factor=0.5, BLOCK=16), compiled, inputs
     )
