@@ -6,9 +6,10 @@ NaN in p @ v, so a NaN or inf in V at such a key reaches the rows that mask it. 
 gives those rows the exact sum over their visible keys, and NaN to every row that sees a key
 whose V row is not all finite.
 
-The fast kernels pay a few instructions per tile for that: at the end, the threads holding an
-accumulator row with a NaN or inf set the tile's int8 flag (a predicated store, no reduction
-across warps, so no shared memory or barrier). A fix-up launch of the same kernel source right
+The fast kernels pay a few instructions per tile for that, after the key loop: each row of the
+accumulator is summed within its warp, and the threads holding a row that is not finite set
+the tile's int8 flag (a predicated store; moving the row flags to the store's layout is one
+shared-memory round trip, as for the lse). A fix-up launch of the same kernel source right
 after (the EXACT specialization: none of its code sits in the fast kernel, whose registers and
 schedule stay as they were) scans the flags, recomputes the flagged tiles exactly, overwriting
 what the fast program stored (every block masked, V rows that are not all finite zeroed for the
@@ -65,7 +66,7 @@ def flag_nonfinite(Flag, acc, row_ok):
     """Sets *Flag when a row the program stores (row_ok) holds a NaN or inf in acc [M, D]. A
     row sum is finite iff its terms are (a finite row whose sum overflows only sends the tile to
     the fix-up, which recomputes the same values); it stays within a warp, and the threads
-    holding a bad row store the flag themselves."""
+    holding a bad row store the flag themselves: no reduction across the tile."""
     row_sum = tl.sum(acc, 1)
     bad = row_ok & ((tl.abs(row_sum) < float("inf")) == 0)
     tl.store(Flag + tl.zeros_like(row_sum).to(tl.int32), 1, mask=bad)
