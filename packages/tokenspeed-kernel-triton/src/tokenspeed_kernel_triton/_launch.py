@@ -50,6 +50,7 @@ _data_ptr = torch.Tensor.data_ptr  # raises TypeError on anything but a tensor
 _device_of = torch.Tensor.get_device  # -1 on the CPU
 _low_bits = (15).__and__
 _or = functools.partial(functools.reduce, or_)
+_partial = functools.partial
 # Argument types keyed by value in the exact key: immutable, hashed and compared by value.
 _VALUE_TYPES = frozenset({int, float, bool, type(None), str, torch.dtype})
 # Exact keys kept per kernel; past this the table starts over (signatures are kept).
@@ -176,12 +177,13 @@ class BoundKernel:
         self._calls: dict[tuple, _Entry] = {}  # exact key -> entry
         self._layouts: dict[tuple, _Layout] = {}  # argument types -> their layout
         self._last = _Layout(None, None, None)  # the layout of the last call (no call yet)
+        self._bound_launch = self._launch  # bound once, not on every `kernel[grid]`
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fn, name)
 
     def __getitem__(self, grid):
-        return functools.partial(self._launch, grid)
+        return _partial(self._bound_launch, grid)
 
     def _launch(self, grid, *args, **kwargs):
         if not _cuda_ready():  # no device (the AOT tool compiles CPU inputs): Triton's path
