@@ -170,16 +170,19 @@ def supports(request, platform) -> Support:
 
 
 # GPT-OSS-120B's H = I = 2880, top-4, 8 experts (no config depends on the count). M = 1, 4 and
-# 16 take the decode tiles (grid wait; tile by tile), 4096 the prefill tile. The weight gain
-# moves the e8m0 scales (centre 127 + log2(gain) - 7 for w13, - log2(gain) for w2), which picks
-# each weight's decode: gain 1 shift-decodes w13 to bf16 and w2 to fp16 (fp16 intermediate,
-# post-scaled decode tiles); 2^17 puts w13's bytes above bf16's shift range (prmt) and w2's
-# below fp16's (bf16 hi + lo intermediate); 2^-10 puts w2's above bf16's (prmt).
+# 16 take the decode tiles (grid wait; tile by tile), 64 and 256 the serving tiles, 4096 the
+# prefill tile. The weight gain moves the e8m0 scales (centre 127 + log2(gain) - 7 for w13,
+# - log2(gain) for w2), which picks each weight's decode: gain 1 shift-decodes w13 to bf16 and
+# w2 to fp16 (fp16 intermediate, post-scaled decode tiles); 2^17 puts w13's bytes above bf16's
+# shift range (prmt) and w2's below fp16's (bf16 hi + lo intermediate); 2^-10 puts w2's above
+# bf16's (prmt).
 _GPT_OSS = dict(num_experts=8, top_k=4, hidden_size=2880, intermediate_size=2880)
 AOT_CASES = (
     dict(_GPT_OSS, num_tokens=1),
     dict(_GPT_OSS, num_tokens=4),
     dict(_GPT_OSS, num_tokens=16),
+    dict(_GPT_OSS, num_tokens=64),
+    dict(_GPT_OSS, num_tokens=256),
     dict(_GPT_OSS, num_tokens=4096),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**17),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**-10),
