@@ -361,3 +361,60 @@ def test_decode_finite_inputs_flag_nothing(monkeypatch, shape, q_len, splits):
         if q_len > 1:
             assert launches.flags_set() == 0
     assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True], strict=True))
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_fixup_replays_in_a_cuda_graph(op):
+    """The fast launch, its flags and the fix-up captured once, replayed on new V (clean, or
+    NaN at other keys each time): every replay matches the reference."""
+    shape = GPT_OSS
+    gen = torch.Generator().manual_seed(9)
+    if op == "prefill":
+        q, k, v, sinks = _prefill_inputs(shape, 256, seed=9)
+        values, reference = v, reference_prefill
+        # Token ranges of V: rows >= 103 clean, rows 40..43 only, rows 200..203 only.
+        poisons = [slice(0, 100), slice(40, 41), None, slice(200, 201)]
+        cu = torch.tensor([0, 256], dtype=torch.int32, device=DEVICE)
+        args, kwargs = (q, k, v), dict(cu_seqlens=cu, max_seqlen=256, causal=True)
+        launcher = prefill.mha_prefill
+
+    else:
+        seqlens = [300, 77]
+        caches = _paged(shape, gen, seqlens, ((), 0.0))
+        q = _randn(gen, 2, 4, shape.heads_q, shape.dim, dtype=shape.dtype)
+        sinks = _randn(gen, shape.heads_q, dtype=torch.float32)
+        values, reference = caches[1], reference_decode
+        # Slots of every page of V: slot 41 holds key 297 of sequence 0 (masked for its first
+        # new token at 296, seen by the others; its other slot-41 keys are outside the window).
+        poisons = [slice(41, 42), None, slice(0, 64), slice(41, 42)]
+        lengths = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
+        args = (q, *caches[:2])
+        kwargs = dict(page_table=caches[2], cache_seqlens=lengths, k_scale=1.0, v_scale=1.0)
+        launcher = decode.mha_decode_with_kvcache
+    window = 3 if op == "prefill" else 20
+    kwargs.update(window_left=window, sinks=sinks, softmax_scale=SCALE)
+
+    def call(fn, out, lse):
+        fn(*args, **kwargs, out=out, lse=lse)
+
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:-1], device=DEVICE)
+    clean = values.clone()
+    call(launcher, out, lse)  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(launcher, out, lse)
+    for poison in [None, *poisons]:
+        values.copy_(clean)
+        if poison is not None:
+            (values[poison] if op == "prefill" else values[:, poison]).fill_(math.nan)
+        graph.replay()
+        want, want_lse = torch.empty_like(out), torch.empty_like(lse)
+        call(reference, want, want_lse)
+        _match_reference(out, want, "out", shape.dtype)
+        _match_reference(lse, want_lse, "lse", torch.float32)
