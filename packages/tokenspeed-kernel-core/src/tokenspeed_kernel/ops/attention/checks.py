@@ -298,16 +298,30 @@ def check_decode(q, cache, options, out, k_scale, v_scale):
 
 def check_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     """Returns (request, k_scale, v_scale)."""
+    # Every decode step stores: `_tensor` and `_like` inlined, as in `_paged`.
     op = KVCACHE_STORE
-    shape = _tensor(op, "k", k, (3,))
+    shape = k.shape if isinstance(k, _Tensor) else ()
+    if len(shape) != 3:
+        raise _ndim_error(op, "k", k, (3,))
     k_dtype = k.dtype
     if k_dtype not in FLOAT16_DTYPES:
         raise dtype_error(op, "k", k, FLOAT16_DTYPES)
-    if not dense_last_dim(k):
+    if not (k.is_contiguous() or k.stride(-1) == 1):
         raise stride_error(op, "k", k)
     device = k.device
-    _like(op, "v", v, device, (k_dtype,), shape)
-    cs = _tensor(op, "k_cache", k_cache, (4,))
+    if not isinstance(v, _Tensor):
+        raise type_error(op, "v", v, "a torch.Tensor")
+    if v.shape != shape:
+        raise shape_error(op, "v", v, shape)
+    if v.dtype is not k_dtype:
+        raise dtype_error(op, "v", v, (k_dtype,))
+    if v.device != device:
+        raise device_error(op, "v", v, device)
+    if not (v.is_contiguous() or v.stride(-1) == 1):
+        raise stride_error(op, "v", v)
+    cs = k_cache.shape if isinstance(k_cache, _Tensor) else ()
+    if len(cs) != 4:
+        raise _ndim_error(op, "k_cache", k_cache, (4,))
     if cs[2] != shape[1] or cs[3] != shape[2]:
         raise shape_error(op, "k_cache", k_cache, (None, None, shape[1], shape[2]))
     kv_dtype = k_cache.dtype
@@ -315,17 +329,32 @@ def check_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
         raise dtype_error(op, "k_cache", k_cache, {k_dtype, *FP8_DTYPES})
     if k_cache.device != device:
         raise device_error(op, "k_cache", k_cache, device)
-    if not dense_last_dim(k_cache):
+    if not (k_cache.is_contiguous() or k_cache.stride(-1) == 1):
         raise stride_error(op, "k_cache", k_cache)
-    _like(op, "v_cache", v_cache, device, (kv_dtype,), cs)
-    slots = _tensor(op, "slot_mapping", slot_mapping, (1,))
+    if not isinstance(v_cache, _Tensor):
+        raise type_error(op, "v_cache", v_cache, "a torch.Tensor")
+    if v_cache.shape != cs:
+        raise shape_error(op, "v_cache", v_cache, cs)
+    if v_cache.dtype is not kv_dtype:
+        raise dtype_error(op, "v_cache", v_cache, (kv_dtype,))
+    if v_cache.device != device:
+        raise device_error(op, "v_cache", v_cache, device)
+    if not (v_cache.is_contiguous() or v_cache.stride(-1) == 1):
+        raise stride_error(op, "v_cache", v_cache)
+    slots = slot_mapping.shape if isinstance(slot_mapping, _Tensor) else ()
+    if len(slots) != 1:
+        raise _ndim_error(op, "slot_mapping", slot_mapping, (1,))
     if slots[0] != shape[0]:
         raise shape_error(op, "slot_mapping", slot_mapping, (shape[0],))
     if slot_mapping.dtype is not _INT64:
         raise dtype_error(op, "slot_mapping", slot_mapping, (_INT64,))
     if slot_mapping.device != device:
         raise device_error(op, "slot_mapping", slot_mapping, device)
-    k_scale, v_scale = _kv_scales(op, kv_dtype, k_scale, v_scale)
+    if kv_dtype is _FP8 or k_scale is not None or v_scale is not None:
+        k_scale, v_scale = _kv_scales(op, kv_dtype, k_scale, v_scale)
+    else:  # no scales for a 16-bit cache: `_kv_scales` would return these
+        k_scale = v_scale = 1.0
     tokens = 1 << (shape[0] - 1).bit_length() if shape[0] > 0 else 0
-    request = KVStoreRequest(k_dtype, kv_dtype, shape[2], shape[1], cs[1], tokens)
+    # tuple.__new__ skips the NamedTuple's Python-level __new__, as in `_request`.
+    request = tuple.__new__(KVStoreRequest, (k_dtype, kv_dtype, shape[2], shape[1], cs[1], tokens))
     return request, k_scale, v_scale
