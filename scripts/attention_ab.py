@@ -4,12 +4,12 @@ process, at GPT-OSS-120B shapes (hd 64, 64 query heads, 8 KV heads, sinks, bf16)
     python scripts/attention_ab.py --snapshot <commit>      # here: write the "before" copy
     bash scripts/run_from_source.sh python scripts/attention_ab.py   # GPU: time both sides
 
-The snapshot is `packages/tokenspeed-kernel-triton/src/tokenspeed_kernel_triton/attention` at
-<commit>, importable as `ab_before_attention` from .carry/ab_before (git-ignored; send it along
-with the run). Each case captures a CUDA graph of launches over enough input copies that the
-working set exceeds L2 (cold caches, as serving sees them), replays both sides alternately
-for --rounds rounds and prints median microseconds per call, the ratio after/before and
-whether both sides wrote bitwise the same outputs.
+The snapshot is the whole `tokenspeed_kernel_triton` package at <commit> (the attention modules
+import its launch helpers), importable as `ab_before_triton` from .carry/ab_before (git-ignored;
+send it along with the run). Each case captures a CUDA graph of launches over enough input
+copies that the working set exceeds L2 (cold caches, as serving sees them), replays both sides
+alternately for --rounds rounds and prints median microseconds per call, the ratio
+after/before and whether both sides wrote bitwise the same outputs.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import tarfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE = "packages/tokenspeed-kernel-triton/src/tokenspeed_kernel_triton/attention"
-BEFORE = "ab_before_attention"
+PACKAGE = "packages/tokenspeed-kernel-triton/src/tokenspeed_kernel_triton"
+BEFORE = "ab_before_triton"
 HQ, HKV, D, PAGE = 64, 8, 64, 64
 L2_BYTES = 128 << 20  # over the 50 MB L2 of an H100/H200 twice: each replay starts cold
 SCALE = D**-0.5
@@ -168,7 +168,10 @@ def main() -> None:
         raise SystemExit("attention_ab.py times GPU kernels; no CUDA device here")
     sys.path.insert(0, str(args.before_dir))
     launchers = {}
-    for side, package in (("before", BEFORE), ("after", "tokenspeed_kernel_triton.attention")):
+    for side, package in (
+        ("before", f"{BEFORE}.attention"),
+        ("after", "tokenspeed_kernel_triton.attention"),
+    ):
         launchers[side] = {
             "prefill": importlib.import_module(f"{package}.prefill").mha_prefill,
             "extend": importlib.import_module(f"{package}.extend").mha_extend_with_kvcache,
