@@ -219,20 +219,30 @@ class _Fake:
 
     def __init__(self, shape, ptr=1 << 20, dtype=torch.bfloat16, stride0=None, device="cuda:0"):
         self.shape, self.dtype, self._ptr = torch.Size(shape), dtype, ptr
-        self._stride0 = shape[1] if stride0 is None else stride0
-        self.device = torch.device(device)
+        self._strides = (shape[1] if stride0 is None else stride0, 1)
+        self._device = torch.device(device)
+        self.is_cuda = self._device.type == "cuda"
 
     def data_ptr(self):
         return self._ptr
 
-    def stride(self, dim):
-        return self._stride0 if dim == 0 else 1
+    def stride(self):
+        return self._strides
+
+    def get_device(self):
+        return self._device.index if self.is_cuda else -1
 
 
-def _call(m=1, x_ptr=1 << 20, logits_dtype=torch.float32, x_stride=None, device="cuda:0"):
+def _call(
+    m=1, x_ptr=1 << 20, logits_dtype=torch.float32, x_stride=None, out_stride=None, **options
+):
+    device = options.get("device", "cuda:0")
     x = _Fake((m, 64), x_ptr, stride0=x_stride, device=device)
-    logits = _Fake((m, 8), 1 << 24, logits_dtype, device=device)
-    return (x, logits, None, None, _Fake((m, 64), 1 << 28, device=device))
+    out = _Fake((m, 64), 1 << 28, stride0=out_stride, device=device)
+    if options.get("precomputed"):
+        weights = _Fake((m, 2), 1 << 24, torch.float32, device=device)
+        return (x, None, weights, _Fake((m, 2), 1 << 26, torch.int32, device=device), out)
+    return (x, _Fake((m, 8), 1 << 24, logits_dtype, device=device), None, None, out)
 
 
 def test_the_key_tells_apart_what_the_forward_depends_on(monkeypatch):
@@ -249,6 +259,9 @@ def test_the_key_tells_apart_what_the_forward_depends_on(monkeypatch):
         replay.key_of(weights, _call(m=2), None)[0],
         replay.key_of(weights, _call(logits_dtype=torch.bfloat16), None)[0],
         replay.key_of(weights, _call(x_stride=128), None)[0],
+        replay.key_of(weights, _call(out_stride=128), None)[0],
+        replay.key_of(weights, _call(precomputed=True), None)[0],
+        replay.key_of(weights, _call(device="cpu"), None)[0],
     ]
     streams[0] = 222  # a side stream, a graph capture's stream
     different.append(replay.key_of(weights, _call(), None)[0])
@@ -346,6 +359,20 @@ def test_a_compiled_launch_passes_every_parameter_in_order(monkeypatch):
     head = (3, 2, 1, 0x5EA, 0xF00, False, True, None, None, (4, 1, 0), None, None, None)
     assert args[: len(head)] == head
     assert args[len(head) :] == (x2.data_ptr(), weights.data_ptr(), 4, 0.5, 16, True)
+
+
+def test_a_launch_hook_in_any_form_takes_the_kernels_own_path(monkeypatch):
+    from triton import knobs
+    from triton.knobs import HookChain
+
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", HookChain())
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", HookChain())
+    assert not replay._launch_hooks()
+    knobs.runtime.launch_exit_hook.add(print)
+    assert replay._launch_hooks()
+    for assigned in (print, None):  # in place of the chain
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", assigned)
+        assert replay._launch_hooks()
 
 
 def test_every_kernel_a_forward_launches_is_recorded(monkeypatch):

@@ -216,8 +216,13 @@ class Recipe:
 
 
 def _launch_hooks() -> bool:
+    """Whether a launch hook is set: Triton's chains hold one, or one was assigned in place of
+    a chain (a function, or None), which Triton's own launch path handles."""
     runtime = knobs.runtime
-    return bool(runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls)
+    try:
+        return bool(runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls)
+    except AttributeError:
+        return True
 
 
 # Recipes by (id(prepared weights), stream, shapes, strides, dtypes): a forward's worth of small
@@ -238,19 +243,19 @@ def key_of(prepared, tensors: tuple, pinned) -> tuple:
     x, logits, weights, ids, out = tensors
     if pinned is not None:
         return None, None
-    device = x.device
-    if device.type == "cuda":
-        index = device.index
+    # Device and stream as ints (x.device.type alone costs ~1 us).
+    if x.is_cuda:
+        index = x.get_device()
         if index != torch._C._cuda_getDevice():
             return None, None
         stream = torch._C._cuda_getCurrentRawStream(index)
     else:
-        stream = 0
+        index = stream = -1
     xp, op = x.data_ptr(), out.data_ptr()
     if logits is not None:
         lp = logits.data_ptr()
         pointers = (xp, lp, 0, 0, op)
-        routing = (logits.dtype, logits.stride(0))
+        routing = (logits.dtype, logits.stride())
         aligned = (xp | lp | op) & 15 == 0
     else:
         wp, ip = weights.data_ptr(), ids.data_ptr()
@@ -259,7 +264,7 @@ def key_of(prepared, tensors: tuple, pinned) -> tuple:
         aligned = (xp | wp | ip | op) & 15 == 0
     if not aligned:
         return None, None
-    key = (id(prepared), device, stream, x.shape, x.dtype, x.stride(0), out.stride(0), out.dtype)
+    key = (id(prepared), index, stream, x.shape, x.stride(), x.dtype, out.stride(), out.dtype)
     return key + routing, pointers
 
 
