@@ -14,7 +14,9 @@
 # holding only torch, triton, transformers, numpy and pytest, adding each module that failed to
 # import; versions are those of the vllm dependency group's lock. Packages the GPU machine also
 # has (psutil, requests, aiohttp, ...) travel too, so that the bundle runs as tested whatever
-# versions it finds there; being first on PYTHONPATH, the bundle's copies win.
+# versions it finds there; being first on PYTHONPATH, the bundle's copies win. So do three that
+# torch and transformers bring but these packages need recent (typing-extensions >= 4.16 for
+# pydantic, anyio >= 4.10 for openai, idna >= 3.18 for httpx2).
 #
 # Left out of vLLM's wheel (about 660 MiB): every compiled library (*.so: _C_stable_libtorch
 # 75 MiB, _moe_C 45 MiB, FlashAttention 2/3 435 MiB, DeepGEMM, FlashMLA, ...), the vllm-rs
@@ -51,14 +53,14 @@ fi
 VLLM=vllm==0.26.0
 DEPS=(
     aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-types==0.8.0
-    apache-tvm-ffi==0.1.10 attrs==26.1.0 cachetools==8.0.2 cbor2==6.3.0
+    anyio==4.16.0 apache-tvm-ffi==0.1.10 attrs==26.1.0 cachetools==8.0.2 cbor2==6.3.0
     charset-normalizer==3.5.3 cloudpickle==3.1.3 compressed-tensors==0.17.0 einops==0.8.2
-    frozenlist==1.8.0 httpx2==2.16.2 llguidance==1.7.6 loguru==0.7.3 msgspec==0.22.0
-    multidict==7.2.1 openai==3.57.0 openai-harmony==0.0.8 pillow==13.0.0
+    frozenlist==1.8.0 httpx2==2.16.2 idna==3.20 llguidance==1.7.6 loguru==0.7.3 msgspec==0.22.0
+    multidict==7.2.1 openai-harmony==0.0.8 openai==3.57.0 pillow==13.0.0
     prometheus-client==0.26.0 propcache==0.5.4 protobuf==6.33.6 psutil==7.2.2 py-cpuinfo==9.0.0
-    pybase64==1.5.1 pydantic==2.14.4 pydantic-core==2.50.5 pyzmq==27.3.0 requests==2.34.2
-    sniffio==1.3.1 typing-inspection==0.4.5 urllib3==2.8.0 uvloop==0.23.0 xgrammar==0.2.7
-    yarl==1.25.1
+    pybase64==1.5.1 pydantic-core==2.50.5 pydantic==2.14.4 pyzmq==27.3.0 requests==2.34.2
+    sniffio==1.3.1 typing-extensions==4.16.0 typing-inspection==0.4.5 urllib3==2.8.0
+    uvloop==0.23.0 xgrammar==0.2.7 yarl==1.25.1
 )
 # pip matches manylinux tags exactly; these cover every wheel above (llguidance is 2_31).
 PLATFORMS=()
@@ -97,7 +99,8 @@ with zipfile.ZipFile(wheel) as z:
             continue
         z.extract(info, dest)
         kept += info.file_size
-print(f"vllm_gpu_bundle: vLLM wheel: kept {kept / 2**20:.1f} MiB, left out {dropped / 2**20:.1f} MiB")
+print(f"vllm_gpu_bundle: vLLM wheel: kept {kept / 2**20:.1f} MiB,", end=" ")
+print(f"left out {dropped / 2**20:.1f} MiB")
 EOF
 cat > "$stage/vllm/_C_stable_libtorch.py" <<'EOF'
 """Stands in for vLLM's compiled op library `_C_stable_libtorch`, which
