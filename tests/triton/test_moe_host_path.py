@@ -211,6 +211,56 @@ def test_no_recipes_where_the_cap_is_zero(monkeypatch):
     assert forwards.calls == 2
 
 
+def _bad_tensors(m: int, h: int, e: int):
+    """(argument, bad value) pairs, one per check moe_apply makes on x, out and router_logits:
+    type, shape, dtype, device, last-dim stride."""
+    meta = torch.device("meta")
+    return [
+        ("x", [[0.0] * h] * m),
+        ("x", torch.zeros(m, h + 1, dtype=torch.bfloat16)),
+        ("x", torch.zeros(m, h, dtype=torch.float16)),
+        ("x", torch.zeros(m, h, dtype=torch.bfloat16, device=meta)),
+        ("x", torch.zeros(h, m, dtype=torch.bfloat16).t()),
+        ("out", "out"),
+        ("out", torch.zeros(m + 1, h, dtype=torch.bfloat16)),
+        ("out", torch.zeros(m, h)),
+        ("out", torch.zeros(m, h, dtype=torch.bfloat16, device=meta)),
+        ("out", torch.zeros(h, m, dtype=torch.bfloat16).t()),
+        ("router_logits", 1.0),
+        ("router_logits", torch.zeros(m, e + 1)),
+        ("router_logits", torch.zeros(m, e, dtype=torch.float16)),
+        ("router_logits", torch.zeros(m, e, device=meta)),
+        ("router_logits", torch.zeros(e, m).t()),
+    ]
+
+
+def test_the_argument_checks_raise_what_check_tensor_raises():
+    """moe_apply checks x, out and router_logits inline: each bad value gets the error
+    check_tensor and check_contiguous_last_dim give it, word for word."""
+    from tokenspeed_kernel.validation import check_contiguous_last_dim, check_tensor
+
+    shape = MoEShape(3, 8, 2, 64, 64)
+    spec, plan, prepared = _layer(shape)
+    x, routing = _inputs(shape, 0)
+    good = dict(x=x, router_logits=routing["router_logits"], out=torch.empty_like(x))
+    rules = dict(
+        x=((None, 64), (torch.bfloat16,)),
+        out=(x.shape, (torch.bfloat16,)),
+        router_logits=((3, 8), (torch.float32, torch.bfloat16)),
+    )
+    for name, bad in _bad_tensors(3, 64, 8):
+        expected_shape, dtypes = rules[name]
+        with pytest.raises((TypeError, ValueError)) as expected:
+            check_tensor(
+                "moe_apply", name, bad, shape=expected_shape, dtypes=dtypes, device=x.device
+            )
+            check_contiguous_last_dim("moe_apply", name, bad)
+        args = dict(good, **{name: bad})
+        with pytest.raises(expected.type) as raised:
+            moe_apply(plan, args["x"], prepared, args["router_logits"], out=args["out"])
+        assert str(raised.value) == str(expected.value), name
+
+
 # ----------------------------------------------------------------------------- the key
 
 

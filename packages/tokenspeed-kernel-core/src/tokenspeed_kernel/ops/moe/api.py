@@ -17,11 +17,15 @@ from ...platform import default_device, platform_of
 from ...selector import explain, select
 from ...validation import (
     FP8_DTYPES,
-    check_contiguous_last_dim,
     check_device,
     check_int,
     check_scale,
     check_tensor,
+    device_error,
+    dtype_error,
+    shape_error,
+    stride_error,
+    type_error,
 )
 from .. import index_checks
 from .request import MoERequest
@@ -187,9 +191,20 @@ def apply_into(plan, x, weights, routing, out):
     ):
         raise ValueError(f"{op}: weights do not match the plan: {_mismatch(plan, weights)}")
     config, device = plan.config, plan.device
-    check_tensor(op, "x", x, shape=(None, config.hidden_size), dtypes=_X_DTYPES, device=device)
-    check_contiguous_last_dim(op, "x", x)
-    num_tokens = x.shape[0]
+    # check_tensor and check_contiguous_last_dim on x, out and router_logits, inlined: their
+    # calls are a third of this function's cost, which every eager call pays.
+    if not isinstance(x, torch.Tensor):
+        raise type_error(op, "x", x, "a torch.Tensor")
+    shape = x.shape
+    if len(shape) != 2 or shape[1] != config.hidden_size:
+        raise shape_error(op, "x", x, (None, config.hidden_size))
+    if x.dtype not in _X_DTYPES:
+        raise dtype_error(op, "x", x, _X_DTYPES)
+    if x.device != device:
+        raise device_error(op, "x", x, device)
+    if not (x.is_contiguous() or x.stride(-1) == 1):
+        raise stride_error(op, "x", x)
+    num_tokens = shape[0]
     if num_tokens > plan.max_num_tokens:
         raise ValueError(
             f"{op}: x has {num_tokens} tokens, expected at most the plan's "
@@ -202,8 +217,16 @@ def apply_into(plan, x, weights, routing, out):
     if out is None:
         out = torch.empty_like(x)
     else:
-        check_tensor(op, "out", out, shape=x.shape, dtypes=_X_DTYPES, device=device)
-        check_contiguous_last_dim(op, "out", out)
+        if not isinstance(out, torch.Tensor):
+            raise type_error(op, "out", out, "a torch.Tensor")
+        if out.shape != shape:
+            raise shape_error(op, "out", out, shape)
+        if out.dtype not in _X_DTYPES:
+            raise dtype_error(op, "out", out, _X_DTYPES)
+        if out.device != device:
+            raise device_error(op, "out", out, device)
+        if not (out.is_contiguous() or out.stride(-1) == 1):
+            raise stride_error(op, "out", out)
     if capture.active():
         routing = dict(router_logits=router_logits, topk_weights=topk_weights, topk_ids=topk_ids)
         capture.record(op, plan.kernel, {"x": x, **routing, **dataclasses.asdict(config)})
@@ -243,11 +266,17 @@ def _check_routing(op, config, device, num_tokens, router_logits, topk_weights, 
                 f"{op}: router_logits and topk_weights/topk_ids are both given, "
                 "expected exactly one routing input"
             )
-        shape = (num_tokens, config.num_experts)
-        check_tensor(
-            op, "router_logits", router_logits, shape=shape, dtypes=_ROUTER_DTYPES, device=device
-        )
-        check_contiguous_last_dim(op, "router_logits", router_logits)
+        logits, shape = router_logits, (num_tokens, config.num_experts)
+        if not isinstance(logits, torch.Tensor):
+            raise type_error(op, "router_logits", logits, "a torch.Tensor")
+        if logits.shape != shape:
+            raise shape_error(op, "router_logits", logits, shape)
+        if logits.dtype not in _ROUTER_DTYPES:
+            raise dtype_error(op, "router_logits", logits, _ROUTER_DTYPES)
+        if logits.device != device:
+            raise device_error(op, "router_logits", logits, device)
+        if not (logits.is_contiguous() or logits.stride(-1) == 1):
+            raise stride_error(op, "router_logits", logits)
         return
     if not all(routed):
         raise ValueError(
