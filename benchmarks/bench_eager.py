@@ -238,8 +238,9 @@ def _fa3_extend(q, k_cache, v_cache, table, lens, cu, sinks):
     )  # fmt: skip
 
 
-def split(op: str, call) -> tuple[float, float, float]:
-    """(selection, checks, launch) host us of one eager call of `call`."""
+def split(op: str, call) -> tuple[str, float, float, float]:
+    """(kernel, selection, checks, launch): the kernel the call ran and the host us of one
+    eager call of `call`."""
     with Recorder() as seen:
         call()
     torch.cuda.synchronize()
@@ -247,13 +248,15 @@ def split(op: str, call) -> tuple[float, float, float]:
     if op == "moe_apply":
         selection = 0.0  # moe_plan selected once, up front: moe_apply never selects
         direct = _direct_moe(call)
+        kernel = _last_plan[0].kernel
     else:
         op_name, request, platform, spec = kinds[-1]
         selection = host_us(lambda: select(op_name, request, platform))
         direct = _direct_attention(op, call, spec)
+        kernel = spec.name
     total = per_call_us(call)
     launch = per_call_us(direct)
-    return selection, max(total - launch - selection, 0.0), launch
+    return kernel, selection, max(total - launch - selection, 0.0), launch
 
 
 def _direct_attention(op, call, spec):
@@ -303,10 +306,11 @@ def main() -> None:
         eager = per_call_us(ours)
         graph = graph_us(ours)
         fa3_eager = per_call_us(peer) if peer is not None else None
-        selection, checks, launch = split(op, ours)
+        kernel, selection, checks, launch = split(op, ours)
         rows.append(
             (
                 label,
+                kernel,
                 f"{eager:.1f}",
                 f"{graph:.1f}",
                 "-" if fa3_eager is None else f"{fa3_eager:.1f}",
@@ -319,6 +323,7 @@ def main() -> None:
         print(" | ".join(rows[-1]), flush=True)
     headers = (
         "call",
+        "kernel",
         "eager us",
         "graph us",
         "FA3 eager us",
