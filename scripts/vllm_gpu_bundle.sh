@@ -4,7 +4,7 @@
 #
 #   bash scripts/vllm_gpu_bundle.sh            # here, with PyPI: build .carry/vllm-bundle/
 #   bash scripts/vllm_gpu_bundle.sh --install  # there: unpack into /tmp/vllm-site, print that path
-#   bash scripts/vllm_gpu_bundle.sh --check-cuda-imports  # here, after --install: see below
+#   bash scripts/vllm_gpu_bundle.sh --check-cuda-platform  # here, after --install: see below
 #
 # then: PYTHONPATH=/tmp/vllm-site bash scripts/run_from_source.sh \
 #           python3 -m pytest -q -m gpu tests/vllm/test_gpu.py
@@ -30,9 +30,9 @@
 # answer False), and the Attention layer's module imports vllm.vllm_flash_attn, which needs
 # _vllm_fa2_C or _vllm_fa3_C. Any other vLLM compiled op then fails with AttributeError naming
 # it; nothing in tests/vllm calls one. Fine for driving vLLM's classes, not for `vllm serve`.
-# --check-cuda-imports finds such needs without a GPU: with the installed bundle it makes vLLM's
-# CudaPlatform (capability 9.0) the current platform, imports tests/vllm's modules, loads the
-# plugin and builds and runs an attention and a MoE layer of it on CPU tensors.
+# --check-cuda-platform finds such needs without a GPU: it runs tests/vllm's CPU tests through
+# the installed bundle with vLLM's CUDA platform (capability 9.0) as the current platform, so
+# that vLLM imports and builds what it would on the GPU machine (arguments go to pytest).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 bundle="$root/.carry/vllm-bundle"
@@ -49,55 +49,39 @@ if [ "${1:-}" = "--install" ]; then
     echo "$site"
     exit 0
 fi
-if [ "${1:-}" = "--check-cuda-imports" ]; then
+if [ "${1:-}" = "--check-cuda-platform" ]; then
+    shift
     site="${VLLM_SITE:-/tmp/vllm-site}"
     cd "$root"
-    # vLLM prefers an out-of-tree platform plugin to the platforms it detects: this one names
-    # its CUDA platform, so every module sees CUDA from the first (no GPU or NVML here).
+    # vLLM prefers an out-of-tree platform plugin to the platforms it detects: this one is its
+    # CUDA platform answering a Hopper's capability without asking a GPU (NVML) for it.
     fake="$(mktemp -d)"
-    mkdir -p "$fake/tokenspeed_cuda_check-0.dist-info"
-    printf 'Metadata-Version: 2.1\nName: tokenspeed-cuda-check\nVersion: 0\n' \
-        > "$fake/tokenspeed_cuda_check-0.dist-info/METADATA"
+    info="$fake/tokenspeed_cuda_check-0.dist-info"
+    mkdir -p "$info"
+    printf 'Metadata-Version: 2.1\nName: tokenspeed-cuda-check\nVersion: 0\n' > "$info/METADATA"
     printf '[vllm.platform_plugins]\ncuda_check = tokenspeed_cuda_check:platform\n' \
-        > "$fake/tokenspeed_cuda_check-0.dist-info/entry_points.txt"
-    printf 'def platform():\n    return "vllm.platforms.cuda.CudaPlatform"\n' \
-        > "$fake/tokenspeed_cuda_check.py"
-    PYTHONPATH="$fake:$site" TOKENSPEED_KERNEL_VLLM_REFERENCE=1 exec bash \
-        scripts/run_from_source.sh python3 - <<'EOF'
-import sys
-
-from vllm.platforms import current_platform
+        > "$info/entry_points.txt"
+    cat > "$fake/tokenspeed_cuda_check.py" <<'EOF'
+def platform():
+    return "tokenspeed_cuda_check_platform.HopperWithoutGpu"
+EOF
+    cat > "$fake/tokenspeed_cuda_check_platform.py" <<'EOF'
+from vllm.platforms.cuda import NonNvmlCudaPlatform
 from vllm.platforms.interface import DeviceCapability
 
-assert current_platform.is_cuda(), current_platform
-# Asked while modules import; a Hopper's answer, as NVML gives on the GPU machine.
-type(current_platform).get_device_capability = classmethod(
-    lambda cls, device_id=0: DeviceCapability(9, 0)
-)
-sys.path.insert(0, "tests/vllm")
-import test_attention  # noqa: E402
-import test_gpu  # noqa: E402, F401
-import test_plugin  # noqa: E402, F401
-import test_validate  # noqa: E402, F401
-import test_vllm_moe  # noqa: E402
-import vllm.plugins  # noqa: E402
-from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 
-vllm.plugins.load_general_plugins()
-config = VllmConfig(device_config=DeviceConfig(device="cpu"))
-with set_current_vllm_config(config):
-    layer = test_attention.make_layer(config, sliding_window=128)
-    shape = dict(num_experts=8, top_k=2, hidden=64, intermediate=64)
-    total, expected, _ = test_vllm_moe.run_ranks(
-        shape, tp=2, ep=1, num_tokens=5, device="cpu", kernel="reference.moe_apply"
-    )
-test_vllm_moe.assert_close(total, expected)
-print(f"vllm_gpu_bundle: on {type(current_platform).__name__}: tests/vllm imports, the plugin")
-print(f"  loads, {type(layer.impl).__name__} and the MoE method build and run")
+class HopperWithoutGpu(NonNvmlCudaPlatform):
+    @classmethod
+    def get_device_capability(cls, device_id=0):
+        return DeviceCapability(9, 0)
 EOF
+    PYTHONPATH="$fake:$site" bash scripts/run_from_source.sh python3 -c \
+        'from vllm.platforms import current_platform as p; assert p.is_cuda(), p'
+    PYTHONPATH="$fake:$site" exec bash scripts/run_from_source.sh \
+        python3 -m pytest -q -m "not gpu" tests/vllm "$@"
 fi
 if [ $# -gt 0 ]; then
-    echo "usage: bash scripts/vllm_gpu_bundle.sh [--install | --check-cuda-imports]" >&2
+    echo "usage: bash scripts/vllm_gpu_bundle.sh [--install | --check-cuda-platform [ARGS]]" >&2
     exit 2
 fi
 
@@ -158,8 +142,8 @@ cat > "$stage/vllm/_C_stable_libtorch.py" <<'EOF'
 scripts/vllm_gpu_bundle.sh leaves out (75 MiB; 53 MiB after xz, more than a call carries beside
 the rest). vllm/platforms/cuda.py imports it unconditionally, and w8a8_utils asks two of its
 CUTLASS capability queries while being imported; those are defined here to answer False (no
-CUTLASS kernel is in this bundle). Every other torch.ops._C op stays undefined, so a call of one fails
-with AttributeError naming it."""
+CUTLASS kernel is in this bundle). Every other torch.ops._C op stays undefined, so a call of
+one fails with AttributeError naming it."""
 
 import logging
 
