@@ -5,9 +5,14 @@
 # TOOLS (default "memcheck racecheck initcheck") picks the tools, BUDGET_S (default 70) the
 # seconds each tool may spend starting new kernel-case runs, PLAIN_BUDGET_S (default 120) the
 # same for a first run without the sanitizer, which compiles the kernels (each tool then loads
-# them from Triton's cache) and checks every output against the reference; PRESET (default
+# them from Triton's cache) and checks every output against the reference; TOOL_TIMEOUT_S
+# (default 150) ends a tool whose run already started outlasts its budget (racecheck on a
+# big MoE GEMM can take minutes; the findings table then marks that tool's log as cut
+# short, and the sweep is not clean); PRESET (default
 # gpt-oss-120b) names the model shapes that run first. Logs go to $SANITIZE_OUT (default
-# bench-out/sanitize). About 7.5 minutes on an H100; the table says how many runs a budget
+# bench-out/sanitize). Bounded by PLAIN_BUDGET_S plus one run, then TOOL_TIMEOUT_S per tool:
+# about 10 minutes for the three tools, so where one command may run 10 minutes split it
+# (TOOLS=memcheck, then TOOLS="racecheck initcheck"); the table says how many runs a budget
 # skipped.
 #
 # PyTorch's caching allocator is off so that memcheck sees each tensor's own bounds and
@@ -28,7 +33,8 @@ echo "== without the sanitizer (compile, compare with the reference)"
 grep -E "FAILED|^runs:" "$out/plain.log"
 for tool in ${TOOLS:-memcheck racecheck initcheck}; do
     echo "== compute-sanitizer --tool $tool ($((SECONDS - start)) s so far)"
-    compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 1000 \
+    timeout "${TOOL_TIMEOUT_S:-150}" \
+        compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 1000 \
         --kernel-name-exclude kns=at::,kns=cublas,kns=cutlass,kns=nvjet,kns=xmma,kns=gemv \
         "${run[@]}" --budget-s "${BUDGET_S:-70}" >"$out/$tool.log" 2>&1 || status=$?
     grep -E "^runs:|SUMMARY" "$out/$tool.log"
