@@ -12,10 +12,10 @@ the platform's tile configs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
+from triton_attention_shapes import GPT_OSS, SHAPES
 
 from tokenspeed_kernel.ops.attention.reference import (
     reference_decode,
@@ -39,21 +39,6 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 SCALE = 0.125
 
 
-@dataclass(frozen=True)
-class Shape:
-    heads_q: int
-    heads_kv: int
-    dim: int
-    page_size: int
-    dtype: torch.dtype
-
-
-CPU_SHAPE = Shape(4, 2, 64, 16, torch.float16)
-GPT_OSS = Shape(64, 8, 64, 64, torch.bfloat16)
-SHAPES = [
-    pytest.param(CPU_SHAPE, id="cpu"),
-    pytest.param(GPT_OSS, id="gpt-oss", marks=pytest.mark.gpu),
-]
 # Tile configs of prefill/extend: the platform's, 16-row tiles, and one masked loop over
 # 32-row tiles packing GQA heads (the Hopper window layout). None on the GPU keeps its own.
 CONFIGS = [

@@ -12,10 +12,10 @@ bf16 dot is broken); the GPU versions run at GPT-OSS shapes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
+from triton_attention_shapes import SHAPES
 
 from tokenspeed_kernel.testing import assert_close
 from tokenspeed_kernel.tuning import pin_config
@@ -32,23 +32,6 @@ pytestmark = pytest.mark.filterwarnings(
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 SENTINEL = 7.0  # output rows no sequence covers keep what the caller put there
-
-
-@dataclass(frozen=True)
-class Shape:
-    heads_q: int
-    heads_kv: int
-    dim: int
-    page_size: int
-    dtype: torch.dtype
-
-
-CPU_SHAPE = Shape(4, 2, 64, 16, torch.float16)
-GPT_OSS = Shape(64, 8, 64, 64, torch.bfloat16)
-SHAPES = [
-    pytest.param(CPU_SHAPE, id="cpu"),
-    pytest.param(GPT_OSS, id="gpt-oss", marks=pytest.mark.gpu),
-]
 
 
 def _attend64(q, k, v, q_pos, k_pos, key_ok, *, window_left, sinks, scale, causal=True):
