@@ -26,6 +26,7 @@ import torch
 import tokenspeed_kernel as tk
 from tokenspeed_kernel.selector import select
 from tokenspeed_kernel.testing.inputs import MoEShape, build_moe
+from tokenspeed_kernel.tools.timing import capture_graph
 
 HQ, HKV, D, PAGE = 64, 8, 64, 64
 BF16, I32 = torch.bfloat16, torch.int32
@@ -47,21 +48,14 @@ def per_call_us(fn, calls: int = 200, repeats: int = 9) -> float:
 
 
 def graph_us(fn, replays: int = 100) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """One call captured in a CUDA graph: per replay."""
+    replay = capture_graph(fn, torch.cuda.current_device())
     for _ in range(5):
-        graph.replay()
+        replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
-        graph.replay()
+        replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / replays * 1e3

@@ -43,6 +43,7 @@ from tokenspeed_kernel.integrations.gpt_oss import (  # noqa: E402
     decode_batch,
     prefill_batch,
 )
+from tokenspeed_kernel.tools.timing import capture_graph  # noqa: E402
 
 PAGE_SIZE = 64
 # Relative error of a layer's block output against transformers': its eager path rounds the
@@ -73,26 +74,18 @@ def time_ms(fn, device, *, warmup=2, reps=5) -> float:
 
 def graph_ms(fn, device, *, reps=30) -> float:
     """Median time of one replay of fn() captured as a CUDA graph, in ms."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
+    replay = capture_graph(fn, device)
+    replay()
     torch.cuda.synchronize(device)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    del graph
+    del replay
     return statistics.median(times)
 
 

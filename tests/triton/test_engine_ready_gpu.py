@@ -15,6 +15,7 @@ from torch._dynamo.testing import CompileCounter
 
 import tokenspeed_kernel as tk
 from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_weights
+from tokenspeed_kernel.tools.timing import capture_graph
 
 pytestmark = [
     pytest.mark.gpu,
@@ -119,20 +120,6 @@ def test_compiled_decode_layer_does_not_recompile_per_batch_size(layer):
     assert counter.frame_count == 1
 
 
-def _capture(fn):
-    """Warm up on a side stream, then capture one call; returns the graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def test_decode_step_captured_in_a_cuda_graph_matches_eager(layer):
     batch = 16
     static = [t.clone() for t in _batch(batch)]
@@ -142,14 +129,14 @@ def test_decode_step_captured_in_a_cuda_graph_matches_eager(layer):
     def step():
         out.copy_(_step(*static, layer))
 
-    graph = _capture(step)
+    replay = capture_graph(step, torch.cuda.current_device())
     for seed in (5, 6):
         fresh = _batch(batch, seed=seed)
         for dst, src in zip(static, fresh, strict=True):
             dst.copy_(src)
         for cache, saved in zip(layer["caches"], caches, strict=True):
             cache.copy_(saved)
-        graph.replay()
+        replay()
         replayed = out.clone()
         replayed_caches = [c.clone() for c in layer["caches"]]
         for cache, saved in zip(layer["caches"], caches, strict=True):
@@ -200,11 +187,11 @@ def _op_calls(layer):
 @pytest.mark.parametrize("index", range(5))
 def test_every_op_replays_in_a_cuda_graph_on_new_inputs(layer, index):
     name, inputs, call, outputs = _op_calls(layer)[index]
-    graph = _capture(call)
+    replay = capture_graph(call, torch.cuda.current_device())
     gen = generator("engine-replay", name)
     for tensor in inputs:  # new values in the captured buffers
         tensor.copy_(torch.randn(tensor.shape, generator=gen).to(tensor.dtype))
-    graph.replay()
+    replay()
     replayed = [o.clone() for o in outputs]
     call()
     for got, want in zip(replayed, outputs, strict=True):

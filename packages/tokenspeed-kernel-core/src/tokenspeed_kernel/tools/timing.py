@@ -70,7 +70,7 @@ class Timer:
         note = ""
         if graph:
             try:
-                fn = _capture(fn, self.device)
+                fn = capture_graph(fn, self.device)
             except Exception as exc:  # e.g. a kernel that synchronizes cannot be captured
                 torch.cuda.synchronize(self.device)
                 note = f"graph capture failed ({type(exc).__name__}), timed eagerly"
@@ -93,7 +93,7 @@ class Timer:
         if self.device.type != "cuda":
             raise ValueError(f"graph timing needs a CUDA device, got {self.device}")
         try:
-            replay = _capture(fn, self.device)
+            replay = capture_graph(fn, self.device)
         except Exception:
             torch.cuda.synchronize(self.device)
             raise
@@ -195,7 +195,8 @@ def _spread(times: list[float]) -> tuple[float, float]:
     return ordered[round(0.1 * last)], ordered[round(0.9 * last)]
 
 
-def _capture(fn, device) -> Callable[[], None]:
+def capture_graph(fn, device) -> Callable[[], None]:
+    """One call of `fn` captured in a CUDA graph on `device`; returns the graph's replay."""
     # Warm up on a side stream first (lazy initialisation and autotuning must not be captured).
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
