@@ -1,7 +1,7 @@
 """GPT-OSS-120B's MoE and attention sharded across N GPUs the way vLLM shards them, each rank
 through the public ops, summed or gathered with torch.distributed (NCCL), checked against one
 GPU running the unsharded layer; per-rank times beside the one-GPU time in
-benchmarks/results/multi_gpu_<gpu>.md.
+benchmarks/results/multi_gpu_x<N>_<gpu>.md (one file per GPU count).
 
 1. MoE tensor parallel: every rank holds all 128 experts with I = 2880 split N ways
    (`tensor_parallel_shard`: whole 32-element scale groups, vLLM's split), calls moe_apply on
@@ -490,7 +490,7 @@ def report(ctx: Context) -> None:
         print("\n".join(lines))
     else:
         title = f"GPT-OSS-120B MoE and attention over {ctx.world} GPUs against one"
-        record.write("multi_gpu", record.header(title, device) + lines, device=device)
+        record.write(f"multi_gpu_x{ctx.world}", record.header(title, device) + lines, device=device)
 
 
 def notes(ctx: Context) -> list[str]:

@@ -10,10 +10,12 @@
 # big MoE GEMM can take minutes; the findings table then marks that tool's log as cut
 # short, and the sweep is not clean); PRESET (default
 # gpt-oss-120b) names the model shapes that run first. Logs go to $SANITIZE_OUT (default
-# bench-out/sanitize). Bounded by PLAIN_BUDGET_S plus one run, then TOOL_TIMEOUT_S per tool:
-# about 10 minutes for the three tools, so where one command may run 10 minutes split it
-# (TOOLS=memcheck, then TOOLS="racecheck initcheck"); the table says how many runs a budget
-# skipped.
+# bench-out/sanitize). GPUS (default: every GPU nvidia-smi lists) splits each pass into that
+# many processes, one per GPU (`--shard K/N`, logs <tool>.<K>.log), so a machine of several
+# GPUs sweeps that many times the runs in the same time. Bounded by PLAIN_BUDGET_S plus one
+# run, then TOOL_TIMEOUT_S per tool: about 10 minutes for the three tools, so where one command
+# may run 10 minutes split it (TOOLS=memcheck, then TOOLS="racecheck initcheck"); the table says
+# how many runs a budget skipped.
 #
 # PyTorch's caching allocator is off so that memcheck sees each tensor's own bounds and
 # initcheck each allocation's own bytes, not a cached block's. PyTorch's and cuBLAS's kernels
@@ -26,19 +28,35 @@ rm -f "$out"/*.log
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 run=(bash "$root/scripts/run_from_source.sh" python3 "$root/scripts/sanitize_kernels.py"
     --preset "${PRESET:-gpt-oss-120b}" "$@")
+gpus=${GPUS:-$(nvidia-smi -L | grep -c '^GPU')}
 status=0
 start=$SECONDS
-echo "== without the sanitizer (compile, compare with the reference)"
-"${run[@]}" --budget-s "${PLAIN_BUDGET_S:-120}" >"$out/plain.log" 2>&1 || status=$?
-grep -E "FAILED|^runs:" "$out/plain.log"
+
+# pass NAME BUDGET [PREFIX...]: the sweep as $gpus processes, shard K on GPU K, each logging
+# to $out/NAME.K.log; fails if any shard does.
+pass() {
+    local name=$1 budget=$2 pids=() k
+    shift 2
+    for ((k = 0; k < gpus; k++)); do
+        CUDA_VISIBLE_DEVICES=$k "$@" "${run[@]}" --budget-s "$budget" --shard "$k/$gpus" \
+            >"$out/$name.$k.log" 2>&1 &
+        pids+=($!)
+    done
+    local failed=0
+    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+    grep -hE "FAILED|^runs:|SUMMARY" "$out/$name".*.log
+    return $failed
+}
+
+echo "== without the sanitizer (compile, compare with the reference) on $gpus GPU(s)"
+pass plain "${PLAIN_BUDGET_S:-120}" || status=1
 for tool in ${TOOLS:-memcheck racecheck initcheck}; do
     echo "== compute-sanitizer --tool $tool ($((SECONDS - start)) s so far)"
-    timeout "${TOOL_TIMEOUT_S:-150}" \
+    pass "$tool" "${BUDGET_S:-70}" timeout "${TOOL_TIMEOUT_S:-150}" \
         compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 1000 \
         --kernel-name-exclude kns=at::,kns=cublas,kns=cutlass,kns=nvjet,kns=xmma,kns=gemv \
-        "${run[@]}" --budget-s "${BUDGET_S:-70}" >"$out/$tool.log" 2>&1 || status=$?
-    grep -E "^runs:|SUMMARY" "$out/$tool.log"
+        || status=1
 done
 echo "== findings ($((SECONDS - start)) s)"
-python3 "$root/scripts/sanitize_kernels.py" --summarize "$out"/*.log || status=$?
+python3 "$root/scripts/sanitize_kernels.py" --summarize "$out"/*.log || status=1
 exit $status

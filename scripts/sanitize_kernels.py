@@ -2,7 +2,7 @@
 
     bash scripts/sanitize.sh            # the whole sweep: memcheck, racecheck, initcheck
     python scripts/sanitize_kernels.py [--op OP] [--preset gpt-oss-120b] [--max-cases N]
-        [--budget-s S]
+        [--budget-s S] [--shard K/N]
     python scripts/sanitize_kernels.py --summarize LOG...   # findings table of sanitizer logs
 
 Each kernel that accepts this GPU runs the op's shared cases (odd sizes, one token, empty
@@ -12,7 +12,9 @@ sequences, page size 1, FP8 caches, ...) and, with --preset, a model's real shap
 sanitizer-clean but wrong kernel still fails. Each run prints a `case:` line before it starts,
 so the summary attributes every sanitizer report to the kernel and case that produced it.
 --budget-s stops starting new runs after that many seconds (the ones left are counted as
-skipped), so a slow tool still finishes in a known time. Exit status 1 if any comparison
+skipped), so a slow tool still finishes in a known time. --shard K/N runs every N-th run from
+the K-th (0-based) of the same ordered list, so N processes, one per GPU, split a sweep with
+each holding its share of the model shapes first. Exit status 1 if any comparison
 failed; the sanitizer's own exit code reports memory errors and races.
 """
 
@@ -96,6 +98,7 @@ def run(args) -> int:
     # Every kernel's model shapes before any odd shape, then the odd shapes kernel by kernel
     # in turn: a budget cuts some of every kernel's odd shapes, never a model shape first.
     runs.sort(key=lambda run: run[:2])
+    runs = [run for i, run in enumerate(runs) if i % args.shard[1] == args.shard[0]]
     failed = ran = skipped = 0
     start_all = time.perf_counter()
     for _, i, spec, case in runs:
@@ -130,11 +133,11 @@ _WHERE = re.compile(r"^=+\s+at (\S+?)(?:\+0x[0-9a-f]+)? in (\S+)")
 
 def summarize(logs: list[Path]) -> int:
     """Print one table row per (tool, finding, location, kernel case) over sanitizer logs named
-    <tool>.log, and the totals per tool; exit status 1 if any log reports a finding or a
-    comparison with the reference failed."""
+    <tool>.log (or <tool>.<shard>.log, one per GPU), and the totals per log; exit status 1 if
+    any log reports a finding or a comparison with the reference failed."""
     totals, findings = {}, collections.Counter()
     for log in logs:
-        tool = log.stem
+        tool = log.stem.split(".")[0]
         case, pending, errors, runs, failed = "(startup)", None, 0, "?", 0  # ? = cut short
         for line in log.read_text(errors="replace").splitlines():
             if m := _CASE.match(line):
@@ -149,10 +152,10 @@ def summarize(logs: list[Path]) -> int:
                 where = f"{Path(m[2]).name}"
                 findings[(tool, pending, where, case)] += 1
                 pending = None
-        totals[tool] = (runs, errors, failed)
-    print(f"{'tool':<10} {'kernel-case runs':<34} {'errors':>7}")
-    for tool, (runs, errors, _) in totals.items():
-        print(f"{tool:<10} {runs:<34} {errors:>7}")
+        totals[log.stem] = (runs, errors, failed)
+    print(f"{'log':<16} {'kernel-case runs':<34} {'errors':>7}")
+    for name, (runs, errors, _) in totals.items():
+        print(f"{name:<16} {runs:<34} {errors:>7}")
     if findings:
         print(f"\n{'tool':<10} {'n':>5}  {'finding':<60} {'at':<34} case")
         for (tool, what, where, case), n in sorted(findings.items()):
@@ -163,12 +166,21 @@ def summarize(logs: list[Path]) -> int:
     return 0 if clean else 1
 
 
+def shard(text: str) -> tuple[int, int]:
+    """'K/N' -> (K, N) with 0 <= K < N."""
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: expected K/N with 0 <= K < N")
+    return int(k), int(n)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", action="append")
     parser.add_argument("--preset", help="add this model's real shapes (e.g. gpt-oss-120b)")
     parser.add_argument("--max-cases", type=int, default=0, help="per kernel; 0 = all")
     parser.add_argument("--budget-s", type=float, default=0, help="0 = no limit")
+    parser.add_argument("--shard", type=shard, default=(0, 1), metavar="K/N")
     parser.add_argument("--summarize", nargs="+", type=Path, metavar="LOG")
     args = parser.parse_args()
     if args.summarize:

@@ -70,3 +70,27 @@ def test_model_moe_cases_keep_their_per_expert_shapes():
             assert shape.num_experts == sanitize_kernels.SANITIZED_EXPERTS
             assert case.request.num_experts == shape.num_experts
             assert case.name.endswith(f"-e{shape.num_experts}")
+
+
+def test_per_gpu_shard_logs_count_as_their_tool(tmp_path, capsys):
+    """A sweep split over GPUs writes <tool>.<K>.log: a finding in any shard is that tool's,
+    and a shard cut short makes the sweep unclean."""
+    status, out = _summarize(tmp_path, capsys, **{"memcheck.0": CLEAN, "memcheck.1": CLEAN})
+    assert status == 0 and "memcheck.1" in out
+    status, out = _summarize(tmp_path, capsys, **{"memcheck.0": CLEAN, "memcheck.1": FINDING})
+    assert status == 1 and "kvcache_store.py" in out
+    rows = [line.split() for line in out.splitlines() if "kvcache_store.py" in line]
+    assert rows and rows[0][0] == "memcheck"
+    status, out = _summarize(tmp_path, capsys, **{"racecheck.0": CLEAN, "racecheck.1": CUT_SHORT})
+    assert status == 1
+
+
+@pytest.mark.parametrize("text,expected", [("0/1", (0, 1)), ("3/4", (3, 4))])
+def test_shard_argument(text, expected):
+    assert sanitize_kernels.shard(text) == expected
+
+
+@pytest.mark.parametrize("text", ["4/4", "1", "-1/2", "a/b", "1/0"])
+def test_bad_shard_argument_is_named(text):
+    with pytest.raises(Exception, match="expected K/N with 0 <= K < N"):
+        sanitize_kernels.shard(text)
