@@ -94,3 +94,15 @@ def test_shard_argument(text, expected):
 def test_bad_shard_argument_is_named(text):
     with pytest.raises(Exception, match="expected K/N with 0 <= K < N"):
         sanitize_kernels.shard(text)
+
+
+@pytest.mark.parametrize("op", ["mha_decode_with_kvcache", "moe_apply"])
+def test_kernel_alone_runs_a_case_on_copied_inputs(op):
+    """--kernel-only (initcheck's mode) builds a case on the host, copies it over and runs the
+    kernel alone; here the reference kernel on the CPU stands in for a GPU kernel."""
+    from tokenspeed_kernel.registry import get_kernel
+    from tokenspeed_kernel.testing import conformance_cases
+
+    case = conformance_cases(op)[0]
+    spec = get_kernel(op, f"reference.{op}")
+    sanitize_kernels.run_kernel_alone(spec, case, "cpu")
