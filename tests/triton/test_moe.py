@@ -440,3 +440,29 @@ def test_wgmma_post_scaling_matches_the_reference_across_row_magnitudes():
             with pin_config(HOPPER, tile):
                 spec.fn.apply(plan, x, prepared, router_logits=logits, out=out)
             assert_close(out, expected, dtype=torch.bfloat16, name=f"out (M={m}, {tile})")
+
+
+def test_dynamic_fp8_quantizes_only_the_rows_the_gemm_wrote():
+    """GEMM1's output scratch holds whole tiles; rows past a tile's end and tiles past the
+    count are never written, so the dynamic quantizer leaves them alone (reading them was
+    compute-sanitizer initcheck's one finding) and quantizes the rest exactly as untiled."""
+    from tokenspeed_kernel_triton.moe.quant import quantize_rows
+
+    tile_m, n = 4, 48
+    gen = generator("quant-tiles")
+    act = torch.randn(4 * tile_m, n, generator=gen)
+    # Two used tiles: rows 0..2 (tile 0 ends at row 3), rows 4..7 (tile 1 full); tiles 2, 3 unused.
+    tiles = torch.tensor([0, 3, 1, 8, 0, 0, 0, 0], dtype=torch.int32)
+    num_tiles = torch.tensor([2], dtype=torch.int32)
+    written = torch.tensor([0, 1, 2, 4, 5, 6, 7])
+    act[3], act[8:] = float("nan"), float("inf")
+    want_q, want_scale = (t.clone() for t in quantize_rows(act[written], None, "test_plain"))
+    q, scale = quantize_rows(act, None, "test_tiled", (tiles, num_tiles, tile_m))
+    scale.fill_(-1.0)
+    q.view(torch.uint8).fill_(0x7F)
+    q, scale = quantize_rows(act, None, "test_tiled", (tiles, num_tiles, tile_m))
+    assert torch.equal(q[written].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale[written], want_scale)
+    skipped = torch.tensor([3, *range(8, 16)])
+    assert (scale[skipped] == -1.0).all()
+    assert (q[skipped].view(torch.uint8) == 0x7F).all()

@@ -118,7 +118,8 @@ def moe_forward(
     grouped_gemm(a_in, a_in_scale, *w13, act, routing, **gemm1, out_scale=out_scale, **common)
     act_scale = out_scale
     if fp8 and w2_input_scale is None:
-        act, act_scale = quantize_rows(act, None, "act")
+        tiles = (routing[2], routing[3], config.block_m)
+        act, act_scale = quantize_rows(act, None, "act", tiles)
     y = scratch("y", (M * top_k, H), torch.float32, x.device)
     w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
     grouped_gemm(act, act_scale, *w2, y, routing, gemm1=False, k_valid=Ip, n_valid=H, **common)

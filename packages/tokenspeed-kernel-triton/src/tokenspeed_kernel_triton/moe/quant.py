@@ -31,11 +31,23 @@ def _quant_rows_kernel(
     n_cols,
     stride_x,
     stride_q,
+    tiles_ptr,
+    num_tiles_ptr,
     DYNAMIC: tl.constexpr,
+    TILED: tl.constexpr,
+    TILE_M: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if TILED:
+        # Rows of the grouped GEMM's output: only those below their tile's end were written
+        # (and only those are read next); the rest of the scratch is never touched.
+        tile = row // TILE_M
+        if tile >= tl.load(num_tiles_ptr):
+            return
+        if row >= tl.load(tiles_ptr + 2 * tile + 1):
+            return
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -49,10 +61,12 @@ def _quant_rows_kernel(
     tl.store(q_ptr + row * stride_q + offs, round_to_fp8(q, INTERPRETED), mask=mask)
 
 
-def quantize_rows(x, static_scale: float | None, slot: str):
+def quantize_rows(x, static_scale: float | None, slot: str, tiles=None):
     """x [rows, n] -> (q [rows, n] float8_e4m3fn, scale): a float for a static scale, else
     [rows] float32 (one per row). Both tensors are the MoE call's scratch (workspace.py)
-    under `slot`: valid until the next MoE call on the stream."""
+    under `slot`: valid until the next MoE call on the stream. tiles: (tile table, tile count
+    on the device, rows per tile) when x is a grouped GEMM's output, whose rows past their
+    tile's end hold nothing: those rows are skipped, their q and scale left unwritten."""
     rows, n = x.shape
     q = scratch(f"{slot}_q", (rows, n), torch.float8_e4m3fn, x.device)
     scale = static_scale
@@ -69,7 +83,10 @@ def quantize_rows(x, static_scale: float | None, slot: str):
             n,
             x.stride(0),
             q.stride(0),
+            *(tiles[:2] if tiles else (x, x)),
             DYNAMIC=static_scale is None,
+            TILED=tiles is not None,
+            TILE_M=tiles[2] if tiles else 1,
             BLOCK=block,
             INTERPRETED=interpreting(),
             num_warps=4 if block <= 4096 else 8,
