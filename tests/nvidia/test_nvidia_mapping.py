@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import sys
 
 import pytest
@@ -146,6 +147,56 @@ def test_fa3_bf16_sinks_go_native_without_lse_and_merge_with_it(fa3):
     _call(fa3_decode.mha_decode_with_kvcache, merged)
     assert fa3.calls[-1]["sinks"] is None
     torch.testing.assert_close(merged["out"], native["out"], atol=1e-2, rtol=1.6e-2)
+
+
+def test_fa3_float32_sinks_bf16_holds_go_native_once_checked(fa3, monkeypatch):
+    """GPT-OSS's float32 sinks come from a bf16 checkpoint: FA3 takes their bf16 copy, made and
+    checked on the first call only; an in-place update checks again, and sinks bf16 cannot
+    hold (or non-finite ones) are merged afterwards, as before."""
+    from tokenspeed_kernel_nvidia.fa3 import _common
+
+    args = _decode_args(sinks_dtype=torch.bfloat16, lse=False)
+    want = dict(args, out=torch.empty_like(args["out"]))
+    _call(fa3_decode.mha_decode_with_kvcache, want)
+    sinks = args["sinks"].float()
+    reads = []
+    real_isfinite = torch.isfinite
+    monkeypatch.setattr(_common.torch, "isfinite", lambda t: reads.append(t) or real_isfinite(t))
+    for _ in range(3):
+        _call(fa3_decode.mha_decode_with_kvcache, dict(args, sinks=sinks))
+        assert fa3.calls[-1]["sinks"].dtype == torch.bfloat16
+        assert torch.equal(fa3.calls[-1]["sinks"], args["sinks"])
+    assert len(reads) == 1  # checked once: the verdict stays on the tensor
+    assert torch.equal(args["out"], want["out"])
+    sinks.add_(2**-12)  # in place: the version moves, bf16 no longer holds it
+    _call(fa3_decode.mha_decode_with_kvcache, dict(args, sinks=sinks))
+    assert fa3.calls[-1]["sinks"] is None and len(reads) == 2
+    for bad in (torch.full((8,), math.inf), torch.full((8,), math.nan)):
+        assert _common.native_sinks(bad) is None
+
+
+def test_fa3_float32_sinks_merge_inside_a_graph_capture(fa3, monkeypatch):
+    """A replay reads the live sinks (a weight reload in place keeps the graph), so a capture
+    merges even where an eager call already found the sinks exact."""
+    from tokenspeed_kernel_nvidia.fa3 import _common
+
+    args = _decode_args(sinks_dtype=torch.bfloat16, lse=False)
+    sinks = args["sinks"].float()
+    _call(fa3_decode.mha_decode_with_kvcache, dict(args, sinks=sinks))
+    assert fa3.calls[-1]["sinks"] is not None
+    monkeypatch.setattr(_common, "capturing", lambda tensor: True)
+    _call(fa3_decode.mha_decode_with_kvcache, dict(args, sinks=sinks))
+    assert fa3.calls[-1]["sinks"] is None
+    assert _common.native_sinks(args["sinks"]) is args["sinks"]  # bf16 sinks: live already
+
+
+def test_fa3_inference_tensor_sinks_merge_without_a_host_read(fa3):
+    """Inference tensors keep no version counter to key a verdict on: merged, never read."""
+    args = _decode_args(sinks_dtype=torch.bfloat16, lse=False)
+    with torch.inference_mode():
+        sinks = args["sinks"].float()
+    _call(fa3_decode.mha_decode_with_kvcache, dict(args, sinks=sinks))
+    assert fa3.calls[-1]["sinks"] is None
 
 
 def test_fa3_prefill_leaves_rows_no_sequence_owns(fa3):

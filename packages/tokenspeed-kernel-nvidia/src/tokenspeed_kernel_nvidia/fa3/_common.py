@@ -17,10 +17,12 @@ The wheel (`tokenspeed-fa3` 3.0.0.post20260810) ships `flash_attn_interface.py` 
   extend/decode positions).
 
 FP8 caches are declined: FA3 takes e4m3 only with q in e4m3 too, and quantizing q would add
-an error the contract does not allow. Sinks: FA3 reads them as bf16 only, so bf16 sinks go to
-the kernel as they are when no lse is asked for; float32 sinks, or any sinks with lse, run
-FA3 without the sink and merge it exactly in float32 afterwards (`_attention.sink_merge`: a few
-small elementwise kernels on out and the lse).
+an error the contract does not allow. Sinks: FA3 reads them as bf16 only. Without lse, sinks
+that bf16 holds exactly go to the kernel (bf16 sinks as they are; float32 sinks, in eager
+calls, as a bf16 copy once `native_sinks` has found them exact: GPT-OSS's come from a bf16
+checkpoint); other float32 sinks, or any sinks with lse, run FA3 without the sink and merge
+it exactly in float32 afterwards (`_attention.sink_merge`: a few small elementwise kernels on
+out and the lse).
 """
 
 from __future__ import annotations
@@ -53,23 +55,25 @@ def fa3_forward(q, k, v, *, out, lse, sinks, softmax_scale, causal, window_left,
     """One `flash_attn_3::fwd` call writing `out`, then the sink merge or the lse copy.
 
     `rows(softmax_lse)` views FA3's lse as out's rows [..., Hq]; `kw` are the op's index
-    arguments (cu_seqlens_q, seqused_k, page_table, max_seqlen_q, num_splits, ...).
-    `covered` in kw (popped) is a [rows] bool mask of the rows some sequence owns, or None:
-    rows outside it keep what out and lse held (the contract's unwritten rows).
+    arguments (cu_seqlens_q, seqused_k, page_table, max_seqlen_q, num_splits, ...). With
+    ragged q (cu_seqlens_q, clamped), rows no sequence owns keep what out and lse held (the
+    contract's unwritten rows): FA3 leaves them, and the merge and the lse copy skip them.
     """
-    covered = kw.pop("covered", None)
     fwd = FA3.load().flash_attn_3_gpu.fwd
-    native = sinks is not None and sinks.dtype == torch.bfloat16 and lse is None
+    kernel_sinks = native_sinks(sinks) if sinks is not None and lse is None else None
+    native = kernel_sinks is not None
     target = out if out.stride(-1) == 1 else torch.empty_like(out)
     result = fwd(
         dense_last_dim(q), dense_last_dim(k), dense_last_dim(v), out=target,
         softmax_scale=softmax_scale, is_causal=causal, window_size_left=window_left,
-        window_size_right=0 if causal else -1, sinks=sinks if native else None, **kw,
+        window_size_right=0 if causal else -1, sinks=kernel_sinks, **kw,
     )  # fmt: skip
     if target is not out:
         out.copy_(target)
     if native or (sinks is None and lse is None):
         return
+    ragged = kw.get("cu_seqlens_q")
+    covered = None if ragged is None else covered_rows(ragged, out.shape[0])
     rows_lse = no_key_lse(rows(result[1]))
     if sinks is not None:
         weight, rows_lse = sink_merge(rows_lse, sinks)
@@ -80,6 +84,43 @@ def fa3_forward(q, k, v, *, out, lse, sinks, softmax_scale, causal, window_left,
         if covered is not None:
             rows_lse = torch.where(covered.unsqueeze(-1), rows_lse, lse)
         lse.copy_(rows_lse)
+
+
+# Attribute a float32 sinks tensor carries once checked: (its version, the bf16 copy or None).
+_NATIVE = "_tokenspeed_fa3_bf16_sinks"
+
+
+def native_sinks(sinks: torch.Tensor) -> torch.Tensor | None:
+    """`sinks` as FA3's kernel takes them (bf16) where that is exact, else None (merge after).
+
+    bf16 sinks are returned as they are. Float32 sinks, in an eager call, are read back once to
+    check that every value is finite and equal to its bf16 rounding; the verdict and the bf16
+    copy stay on the tensor object, keyed by its version counter (an in-place update, such as
+    a weight reload, checks again), so a layer's sinks parameter costs one host read in its
+    first call and nothing after. A CUDA-graph capture merges instead: a replay must read the
+    live sinks (weights reloaded in place keep their graphs), not a copy made before. So do
+    sinks that cannot carry a verdict (inference tensors keep no version counter).
+    """
+    if sinks.dtype == torch.bfloat16:
+        return sinks
+    if capturing(sinks):
+        return None
+    try:
+        version = sinks._version
+    except RuntimeError:  # an inference tensor: no version counter to key a verdict on
+        return None
+    cached = getattr(sinks, _NATIVE, None)
+    if cached is None or cached[0] != version:
+        as_bf16 = sinks.to(torch.bfloat16)
+        exact = bool(torch.isfinite(sinks).all()) and torch.equal(as_bf16.to(sinks.dtype), sinks)
+        cached = (version, as_bf16 if exact else None)
+        setattr(sinks, _NATIVE, cached)
+    return cached[1]
+
+
+def capturing(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of `tensor`'s device."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def covered_rows(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from tokenspeed_kernel.registry import ANY
 
 from .._attention import clamp_offsets, clamp_page_table, clamp_seqlens
-from ._common import TRAITS, covered_rows, fa3_forward, register_fa3
+from ._common import TRAITS, fa3_forward, register_fa3
 
 PRIORITY = 90
 
@@ -26,10 +26,9 @@ def mha_extend_with_kvcache(
     if num_tokens == 0:
         return
     cu = clamp_offsets(cu_seqlens_q, num_tokens)
-    covered = covered_rows(cu, num_tokens) if sinks is not None or lse is not None else None
     fa3_forward(
         q, k_cache, v_cache, out=out, lse=lse, sinks=sinks, softmax_scale=softmax_scale,
-        causal=True, window_left=window_left, rows=lambda x: x.t(), covered=covered,
+        causal=True, window_left=window_left, rows=lambda x: x.t(),
         cu_seqlens_q=cu, max_seqlen_q=max_seqlen_q,
         seqused_k=clamp_seqlens(cache_seqlens, page_table, k_cache.shape[1]),
         page_table=clamp_page_table(page_table, k_cache.shape[0]), num_splits=0,

@@ -9,7 +9,7 @@ picks FA3 where it wins.
 from __future__ import annotations
 
 from .._attention import clamp_offsets
-from ._common import TRAITS, covered_rows, fa3_forward, register_fa3
+from ._common import TRAITS, fa3_forward, register_fa3
 
 PRIORITY = 95
 
@@ -23,12 +23,9 @@ def mha_prefill(
     if num_tokens == 0:
         return
     cu = clamp_offsets(cu_seqlens, num_tokens)
-    # Rows outside [cu[0], cu[B]) belong to no sequence and are left as they are; only the
-    # sink merge and the lse copy would touch them.
-    covered = covered_rows(cu, num_tokens) if sinks is not None or lse is not None else None
     fa3_forward(
         q, k, v, out=out, lse=lse, sinks=sinks, softmax_scale=softmax_scale, causal=causal,
-        window_left=window_left, rows=lambda x: x.t(), covered=covered, cu_seqlens_q=cu,
+        window_left=window_left, rows=lambda x: x.t(), cu_seqlens_q=cu,
         cu_seqlens_k=cu, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, num_splits=1,
     )  # fmt: skip
 
@@ -36,7 +33,7 @@ def mha_prefill(
 def register() -> None:
     traits = dict(TRAITS, non_causal=True)
     description = (
-        "FlashAttention-3 varlen forward (tokenspeed-fa3), sm_90; bf16 sinks native, "
-        "float32 sinks or lse merged exactly afterwards"
+        "FlashAttention-3 varlen forward (tokenspeed-fa3), sm_90; sinks bf16 holds exactly native, "
+        "other sinks or lse merged exactly afterwards"
     )
     register_fa3("mha_prefill", mha_prefill, traits, description, PRIORITY)
