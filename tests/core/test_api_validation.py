@@ -74,6 +74,11 @@ PREFILL_ERRORS = [
         "q has 8 heads and the keys 3",
     ),
     (
+        dict(q=torch.randn(6, 0, 64, dtype=BF16)),
+        ValueError,
+        r"q has 0 heads and the keys 2, .*\(at least one each\)",
+    ),
+    (
         dict(q=torch.randn(6, 64, 8, dtype=BF16).transpose(1, 2)),
         ValueError,
         "q has stride 8 in its last dim",

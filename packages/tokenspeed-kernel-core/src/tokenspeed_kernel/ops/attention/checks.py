@@ -182,10 +182,10 @@ def _request(
     softmax_scale, return_lse); `tokens`/`seqlen` are rounded up to powers of two
     (`request.size_bucket`, inlined). Returns (request, softmax scale)."""
     window_left, sinks, softmax_scale, return_lse = options
-    if hkv < 1 or hq % hkv:
+    if hkv < 1 or hq < 1 or hq % hkv:
         raise ValueError(
             f"{op}: q has {hq} heads and the keys {hkv}, "
-            "expected the query heads to be a multiple of the KV heads"
+            "expected the query heads to be a multiple of the KV heads (at least one each)"
         )
     if type(window_left) is not int:
         window_left = as_int(op, "window_left", window_left)
