@@ -100,7 +100,9 @@ def test_tune_then_select_round_trip(fakes, tmp_path):
     request = _decode(4)
     assert fakes[-1] == SLOW  # priorities alone
     timer = Timer(torch.device("cpu"), warmup=1, iters=3, budget_s=0.05)
-    records = tune.measure((OP,), "tiny", torch.device("cpu"), timer, kernel_glob="tunetest.*")
+    records = tune.measure(
+        tune.preset_points((OP,), "tiny"), torch.device("cpu"), timer, kernel_glob="tunetest.*"
+    )
     assert {r["kernel"] for r in records} == {SLOW, FAST}
     payload = tune.rankings_payload(CPU, records, {"command": "test"})
     path = tmp_path / "rankings.json"
@@ -296,6 +298,37 @@ def test_tune_cli_writes_a_file_the_selector_uses(fakes, tmp_path, capsys):
     registry.add_rankings(out)
     point = get_preset("tiny").attention_request(OP, window=True)._replace(tokens=1)
     assert selector.select(OP, point, CPU).name == FAST
+
+
+def test_tune_on_a_captured_workload(fakes, tmp_path, monkeypatch, capsys):
+    """`tune --replay` ranks the kernels on the calls a run recorded (B=1 twice, B=3 once): one
+    bucket per distinct batch bucket, and selection from the file follows it."""
+    from tokenspeed_kernel import capture, env
+
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv(capture.CAPTURE_ENV, str(calls))
+    env.reload()
+    for batch in (1, 1, 3):
+        request = _decode(batch)
+    monkeypatch.delenv(capture.CAPTURE_ENV)
+    env.reload()
+    out = tmp_path / "replayed.json"
+    argv = ["tune", "--replay", str(calls), "--kernels", "tunetest.*", "--iters", "3"]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    assert "replay of" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["created"]["replay"] == str(calls) and "preset" not in data["created"]
+    assert [e["sizes"] for e in data["rankings"]] == [{"tokens": 1}, {"tokens": 4}]
+    assert [e["label"] for e in data["rankings"]] == ["replay #0 x2", "replay #1 x1"]
+    assert all(next(iter(e["times_us"])) == FAST for e in data["rankings"])
+    registry.add_rankings(out)
+    assert selector.select(OP, request, CPU).name == FAST  # B=3: the tokens=4 bucket
+    with pytest.raises(SystemExit, match="records no call of kvcache_store"):
+        cli.main([*argv, "--op", "kvcache_store", "--out", str(out)])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match="holds no recorded calls"):
+        cli.main(["tune", "--replay", str(empty), "--out", str(out)])
 
 
 def test_tune_refuses_a_faked_platform(capsys):

@@ -152,6 +152,24 @@ def _even(total: int, parts: int) -> list[int]:
     return [total * i // parts for i in range(parts + 1)]
 
 
+def replay_inputs(record: dict, case: Case, device) -> tuple[tuple, dict]:
+    """Fresh inputs of the recorded call's shapes, with the recorded expert ids where the
+    capture holds them (they decide which experts' weights the call reads)."""
+    inputs = build_inputs(case, device)
+    recorded_ids = (record["args"].get("topk_ids") or {}).get("values")
+    if case.op == "moe_apply" and recorded_ids is not None:
+        inputs[1]["topk_ids"] = torch.tensor(recorded_ids, dtype=torch.int32).to(device)
+    return inputs
+
+
+def replay_points(path: Path) -> list[tuple[Point, dict]]:
+    """(point, record) for each distinct recorded call, labelled `#index xcount`."""
+    return [
+        (Point(case_from_record(record, i), "replay", i, "captured call", f"#{i} x{count}"), record)
+        for i, (record, count) in enumerate(load_capture(path))
+    ]
+
+
 def public_call(record: dict, case: Case, inputs, device, weights: dict) -> Any:
     """A zero-argument call of the public op with the recorded options."""
     op, a = record["op"], record["args"]
@@ -204,11 +222,7 @@ def replay_rows(
         progress.step(record["op"])
         case = case_from_record(record, index)
         point = Point(case, "replay", index, "captured call", f"#{index} x{count}")
-        inputs = build_inputs(case, device)
-        recorded_ids = (record["args"].get("topk_ids") or {}).get("values")
-        if case.op == "moe_apply" and recorded_ids is not None:
-            ids = torch.tensor(recorded_ids, dtype=torch.int32)
-            inputs[1]["topk_ids"] = ids.to(device)
+        inputs = replay_inputs(record, case, device)
         flops, nbytes = work(case, routing_ids(case, inputs))
         for name, note in _kernels_for(record, case, device, glob):
             scope = use_kernel(case.op, name) if name else contextlib.nullcontext()

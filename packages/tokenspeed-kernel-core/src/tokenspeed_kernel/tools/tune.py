@@ -9,7 +9,12 @@ spread. Points of the preset that fall into one bucket (same request key and siz
 by the geometric mean of each kernel's times over them.
 
     tokenspeed-kernel tune --preset gpt-oss-120b --out rankings-h100.json
+    TOKENSPEED_KERNEL_CAPTURE=calls.jsonl python serve.py          # record a real workload ...
+    tokenspeed-kernel tune --replay calls.jsonl --out rankings-h100.json   # ... and rank on it
     TOKENSPEED_KERNEL_RANKINGS=rankings-h100.json python serve.py   # select from it
+
+`--replay` measures the distinct calls recorded with TOKENSPEED_KERNEL_CAPTURE instead of a
+preset's shapes (fresh data of the recorded shapes, the recorded offsets, lengths and expert ids).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from ..platform import Platform, platform_of
 from ..registry import KernelSpec, kernels
 from ..testing.cases import Case
 from ._common import Progress, format_table, resolve_device, run_metadata, tool_parser, write_json
+from .replay import replay_inputs, replay_points
 from .timing import Timer
 from .workloads import MoEWeightsCache, Point, bench_points, build_inputs, kernel_call
 
@@ -56,6 +62,11 @@ def add_parser(sub) -> None:
         help="only this op (repeatable; default: every op)",
     )
     p.add_argument("--kernels", metavar="GLOB", help="kernel name glob (default: all)")
+    p.add_argument(
+        "--replay",
+        metavar="FILE",
+        help="measure the calls recorded with TOKENSPEED_KERNEL_CAPTURE=FILE instead of a preset",
+    )
     p.add_argument(
         "--with-reference",
         action="store_true",
@@ -95,14 +106,28 @@ def run(args: argparse.Namespace) -> int:
         budget_s=args.budget_ms / 1e3,
     )
     platform = platform_of(device)
-    print(f"tune on {device} ({platform}); timing: {timer.method}, preset {preset}")
     ops = tuple(args.op) if args.op else TUNED_OPS
+    if args.replay:
+        try:
+            points = [(p, r) for p, r in replay_points(Path(args.replay)) if p.op in ops]
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"tokenspeed-kernel tune: {exc}") from None
+        if not points:
+            raise SystemExit(
+                f"tokenspeed-kernel tune: {args.replay} records no call of {', '.join(ops)}"
+            )
+        source = dict(replay=args.replay)
+    else:
+        points = preset_points(ops, preset)
+        source = dict(preset=preset)
+    what = f"replay of {args.replay}" if args.replay else f"preset {preset}"
+    print(f"tune on {device} ({platform}); timing: {timer.method}, {what}")
     skip_reference = gpu and not args.with_reference
     measured = measure(
-        ops, preset, device, timer, kernel_glob=args.kernels, skip_reference=skip_reference
+        points, device, timer, kernel_glob=args.kernels, skip_reference=skip_reference
     )
     created = run_metadata(device)
-    created.update(preset=preset, timing=timer.method, graphs=gpu, l2_flush=gpu)
+    created.update(source, timing=timer.method, graphs=gpu, l2_flush=gpu)
     payload = rankings_payload(platform, measured, created)
     out = Path(args.out or f"rankings-{platform.arch}.json")
     if args.merge and out.exists():
@@ -140,35 +165,42 @@ def _sizes(case: Case, request: Any) -> dict[str, int]:
     return {k: v for k, v in rankings.request_sizes(request).items() if v}
 
 
+def preset_points(ops, preset: str) -> list[tuple[Point, None]]:
+    """The preset's benchmark points of `ops`, in `measure`'s form."""
+    return [(point, None) for op in ops for point in bench_points(op, preset)]
+
+
 def measure(
-    ops,
-    preset: str,
+    points: list[tuple[Point, dict | None]],
     device: torch.device,
     timer: Timer,
     *,
     kernel_glob: str | None = None,
     skip_reference: bool = False,
 ) -> list[dict[str, Any]]:
-    """One record per (point, kernel that supports it): op, key, sizes, label, kernel, figures."""
+    """One record per (point, kernel that supports it): op, key, sizes, label, kernel, figures.
+    points: (point, its capture record for a replayed call, else None)."""
     platform = platform_of(device)
-    plan: list[tuple[Point, Any, list[KernelSpec]]] = []
-    for op in ops:
+    plan: list[tuple[Point, dict | None, Any, list[KernelSpec]]] = []
+    for point, record in points:
         specs = [
             s
-            for s in kernels(op)
+            for s in kernels(point.op)
             if (kernel_glob is None or fnmatch.fnmatchcase(s.name, kernel_glob))
             and not (skip_reference and s.backend == "reference")
         ]
-        for point in bench_points(op, preset):
-            request = bucketed_request(point.case)
-            eligible = [s for s in specs if s.supports(request, platform).ok]
-            plan.append((point, request, eligible))
-    progress = Progress(sum(len(e) for _, _, e in plan), "tune")
+        request = bucketed_request(point.case)
+        eligible = [s for s in specs if s.supports(request, platform).ok]
+        plan.append((point, record, request, eligible))
+    progress = Progress(sum(len(e) for *_, e in plan), "tune")
     weights = MoEWeightsCache(device)
-    max_tokens = max((p.x for p, _, _ in plan if p.op == "moe_apply"), default=0)
+    max_tokens = max((p.case.shape.num_tokens for p, *_ in plan if p.op == "moe_apply"), default=0)
     records = []
-    for point, request, eligible in plan:
-        inputs = build_inputs(point.case, device)
+    for point, record, request, eligible in plan:
+        if record is None:
+            inputs = build_inputs(point.case, device)
+        else:
+            inputs = replay_inputs(record, point.case, device)
         for spec in eligible:
             progress.step(f"{spec.name} {point.label}")
             records.append(
