@@ -5,6 +5,7 @@ every measured bucket selects its fastest kernel, or the next one where that ker
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -57,9 +58,16 @@ def test_the_package_ships_rankings_that_load():
 
 @pytest.mark.parametrize("data,entry", list(_entries()))
 def test_each_bucket_selects_its_fastest_then_the_next(data, entry):
-    names = list(entry["times_us"])
     registered = {spec.name for spec in registry.kernels(entry["op"])}
-    assert set(names) <= registered, set(names) - registered
+    unknown = set(entry["times_us"]) - registered
+    # The files rank our Triton kernels beside the libraries'. In the workspace every name is
+    # registered; beside the nvidia wheel alone (no tokenspeed-kernel-triton) the Triton names
+    # are not, and selection ranks the kernels that are.
+    if importlib.util.find_spec("tokenspeed_kernel_triton") is not None:
+        assert not unknown, unknown
+    names = [name for name in entry["times_us"] if name in registered]
+    if not names:
+        pytest.skip(f"none of {sorted(unknown)} is registered here")
     platform = KNOWN_PLATFORMS["h100"]
     assert data["platform"]["arch"] == platform.arch
     request = _request(entry)
