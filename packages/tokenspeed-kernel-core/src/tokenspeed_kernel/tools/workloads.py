@@ -54,7 +54,8 @@ def bench_points(op: str, preset: ModelPreset | str) -> list[Point]:
     p = get_preset(preset) if isinstance(preset, str) else preset
     tiny = p.name == "tiny"
     heads = (p.num_q_heads, p.num_kv_heads, p.head_dim)
-    base = dict(dtype=p.dtype, sinks=0.0)
+    # Sinks as GPT-OSS's checkpoints and the engines hold them: a bf16 parameter.
+    base = dict(dtype=p.dtype, sinks=0.0, sinks_dtype=torch.bfloat16)
     layers = (("full", -1), (f"window {p.window_left}", p.window_left))
     points: list[Point] = []
     if op == "mha_prefill":
