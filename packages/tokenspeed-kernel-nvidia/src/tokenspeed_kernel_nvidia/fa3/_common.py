@@ -111,7 +111,7 @@ def native_sinks(sinks: torch.Tensor) -> torch.Tensor | None:
         return None
     cached = getattr(sinks, _NATIVE, None)
     if cached is None or cached[0] != version:
-        as_bf16 = sinks.to(torch.bfloat16)
+        as_bf16 = sinks.detach().to(torch.bfloat16)
         exact = bool(torch.isfinite(sinks).all()) and torch.equal(as_bf16.to(sinks.dtype), sinks)
         cached = (version, as_bf16 if exact else None)
         setattr(sinks, _NATIVE, cached)
