@@ -162,6 +162,61 @@ class Engine:
         )  # fmt: skip
 
 
+class DecodeBuffers:
+    """vLLM's runner for decode-only steps under a full CUDA graph: one set of persistent
+    buffers (batch rows, padded past the live requests), metadata built once over them, every
+    step refilled in place: what a captured graph replays."""
+
+    def __init__(self, engine: Engine, batch: int):
+        self.engine, self.batch = engine, batch
+        dev, width = engine.device, max(len(r.blocks) for r in engine.requests)
+        self.q = torch.zeros(batch, engine.hq, D, dtype=torch.bfloat16, device=dev)
+        self.k = torch.zeros(batch, engine.hkv, D, dtype=torch.bfloat16, device=dev)
+        self.v = torch.zeros_like(self.k)
+        self.out = torch.zeros_like(self.q)
+        self.slot_mapping = torch.full((batch,), -1, dtype=torch.int64, device=dev)
+        self.table = torch.zeros(batch, width, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
+        starts = torch.arange(batch + 1, dtype=torch.int32)
+        self.common = CommonAttentionMetadata(
+            query_start_loc=starts.to(dev), query_start_loc_cpu=starts, seq_lens=self.seq_lens,
+            num_reqs=batch, num_actual_tokens=batch, max_query_len=1,
+            max_seq_len=width * PAGE, block_table_tensor=self.table,
+            slot_mapping=self.slot_mapping, seq_lens_cpu_upper_bound=None,
+        )  # fmt: skip
+        self.metadata = engine.builder.build(0, self.common)
+
+    def fill(self):
+        """One new token for every request, written into the buffers in place (padding rows:
+        no slot, no length); returns the requests' float64 expected outputs."""
+        engine = self.engine
+        for r, req in enumerate(engine.requests):
+            q, k, v = (
+                torch.randn(t.shape[1:]).to(torch.bfloat16) for t in (self.q, self.k, self.v)
+            )
+            pos = req.length
+            req.k.append(k)
+            req.v.append(v)
+            self.q[r], self.k[r], self.v[r] = q, k, v
+            self.slot_mapping[r] = req.blocks[pos // PAGE] * PAGE + pos % PAGE
+            self.seq_lens[r] = req.length
+            self.table[r] = torch.tensor(req.blocks[: self.table.shape[1]], dtype=torch.int32)
+        return torch.cat([
+            engine.expected(self.q[r : r + 1].cpu(), req, exact=False)
+            for r, req in enumerate(engine.requests)
+        ])  # fmt: skip
+
+    def step(self):
+        """The two calls vLLM's model makes for the layer, on the buffers."""
+        engine = self.engine
+        engine.impl.do_kv_cache_update(
+            engine.layer, self.k, self.v, engine.kv_cache, self.slot_mapping
+        )
+        engine.impl.forward(
+            engine.layer, self.q, self.k, self.v, engine.kv_cache, self.metadata, self.out
+        )
+
+
 def reference_attention(q, k, v, *, window_left, sinks, scale):
     """q [n, Hq, D] at the last n of L positions; k/v [L, Hkv, D]; float64 throughout."""
     n, length = q.shape[0], k.shape[0]
@@ -261,6 +316,24 @@ def test_fused_output_quantization_is_refused(vllm_config):
     q = torch.randn(2, HQ, D).to(torch.bfloat16)
     with pytest.raises(NotImplementedError, match="fused output quantization"):
         layer.impl.forward(layer, q, q, q, torch.empty(0), None, q, output_scale=torch.ones(1))
+
+
+def test_decode_metadata_reads_the_runner_buffers_in_place(vllm_config):
+    """A full CUDA graph replays the metadata built at capture: the decode batch's page table
+    and lengths must be the runner's persistent buffers, not copies, so a replay reads what the
+    runner wrote for this step. Steps refilled in place then match float64 attention."""
+    layer = make_layer(vllm_config, sliding_window=8)
+    engine = Engine(layer, vllm_config, 3, sliding_window=8)
+    engine.step([(0, 20), (1, 1), (2, 9)])
+    buffers = DecodeBuffers(engine, batch=5)
+    decode = buffers.metadata.decode
+    assert buffers.metadata.prefill is None and buffers.metadata.num_decode_tokens == 5
+    assert decode.page_table.data_ptr() == buffers.table.data_ptr()
+    assert decode.cache_seqlens.data_ptr() == buffers.seq_lens.data_ptr()
+    for _ in range(3):
+        expected = buffers.fill()
+        buffers.step()
+        assert_close(buffers.out[:3].cpu(), expected, atol=2e-2)
 
 
 def test_kv_cache_shape_is_our_layout():

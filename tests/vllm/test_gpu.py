@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM 0.26: run bash scripts/test_vllm_plugin.sh")
 
 import torch  # noqa: E402
-from test_attention import Engine, assert_close, make_layer  # noqa: E402
+from test_attention import DecodeBuffers, Engine, assert_close, make_layer  # noqa: E402
 from test_vllm_moe import assert_close as assert_moe_close  # noqa: E402
 from test_vllm_moe import run_ranks  # noqa: E402
 
@@ -44,6 +44,33 @@ def test_attention_at_gpt_oss_120b_shapes(vllm_config, kv_cache_dtype, sliding_w
     out, md, expected = engine.step([(0, 1), (2, 1), (1, 150), (3, 64)], padding=5)
     assert md.num_decode_tokens == 2 and not md.prefill.fresh
     assert_close(out, expected, atol=tol)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 128], ids=["full", "window128"])
+def test_decode_steps_replay_in_a_cuda_graph(vllm_config, sliding_window):
+    """A decode-only step (cache update and attention) captured once in a CUDA graph, as vLLM's
+    full graphs capture it at a padded batch size, then replayed over the runner's buffers
+    refilled in place: each replay matches float64 attention over the cache as it grew."""
+    torch.manual_seed(0)
+    layer = make_layer(
+        vllm_config, sliding_window=sliding_window, heads=GPT_OSS_HEADS, device="cuda"
+    )
+    engine = Engine(
+        layer, vllm_config, 4, sliding_window=sliding_window, num_blocks=512, device="cuda"
+    )
+    engine.step([(0, 700), (1, 1), (2, 300), (3, 130)])
+    buffers = DecodeBuffers(engine, batch=8)
+    expected = buffers.fill()  # eager first: compiles and allocates outside the capture
+    buffers.step()
+    assert_close(buffers.out[:4].cpu(), expected, atol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        buffers.step()
+    for _ in range(4):
+        expected = buffers.fill()
+        buffers.out.fill_(float("nan"))
+        graph.replay()
+        assert_close(buffers.out[:4].cpu(), expected, atol=2e-2)
 
 
 @pytest.mark.parametrize(("tp", "ep"), [(1, 1), (4, 1), (8, 1), (1, 4)])

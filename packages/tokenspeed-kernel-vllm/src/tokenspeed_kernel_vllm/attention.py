@@ -237,8 +237,10 @@ class TokenspeedAttentionMetadata(AttentionMetadata):
 
 
 class TokenspeedAttentionMetadataBuilder(AttentionMetadataBuilder[TokenspeedAttentionMetadata]):
-    # Piecewise CUDA graphs capture everything around attention; capturing the attention ops
-    # themselves inside vLLM has not been run on a GPU yet.
+    # Piecewise CUDA graphs capture everything around attention. A decode step captured whole
+    # (UNIFORM_SINGLE_TOKEN_DECODE) reads the runner's buffers in place (tested on the CPU);
+    # its replay is checked by tests/vllm/test_gpu.py::test_decode_steps_replay_in_a_cuda_graph,
+    # which has not run on a GPU yet: until it has, attention stays out of vLLM's graphs.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
