@@ -75,8 +75,8 @@ def supports(request, platform) -> Support:
     if request.kv_dtype == FP8:
         # XQA's Hopper kernel (csrc/xqa/mha_sm90.cu) does its MMAs in the cache's element type:
         # with an e4m3 cache, MathElem is e4m3 and q is converted to it (needInputCvt), an error
-        # the contract does not allow (FA3 declines for the same reason). It failed all three
-        # FP8 conformance cases on an H100 (2026-11-25).
+        # the contract does not allow (FA3 declines for the same reason); the FP8 conformance
+        # cases fail on an H100 accordingly.
         return Support.no("XQA rounds q to e4m3 to multiply an FP8 cache (the contract keeps q)")
     if request.kv_dtype != request.dtype:
         return Support.no("XQA needs the KV cache in q's dtype")
