@@ -64,12 +64,19 @@ def main() -> None:
         f"- rankings file: `{args.rankings.resolve().relative_to(record.REPO)}`",
         f"- this page: `{record.command_line()}`",
         *([f"- note: {created['note']}"] if created.get("note") else []),
+        *(_earlier(run) for run in created.get("merged", [])),
         "",
         __doc__.split("\n\n")[2].replace("\n", " ").strip(),
         "",
     ]
     lines += tables(data)
     record.write("kernels", lines, device=device, record=not args.no_record)
+
+
+def _earlier(run: dict) -> str:
+    """A line for an earlier run whose other ops `tune --merge` kept in the file."""
+    note = f"; note: {run['note']}" if run.get("note") else ""
+    return f"- ops not re-measured above come from: {run['date']}, `{run['command']}`{note}"
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ per-device workspaces allocated once.
 
 The libraries read page ids, sequence lengths and offsets as they are; the contract
 (ARCHITECTURE.md section 5) says an out-of-range value is clamped and never makes a kernel
-read outside its tensors. Each clamp is one small elementwise kernel on [B] or [B, pages]
-ints (about 2 us in eager mode, less inside a CUDA graph), paid on every call.
+read outside its tensors. The clamps of one call are two small foreach kernels on [B] or
+[B, pages] ints (about 2 us each on the GPU in eager mode, less inside a CUDA graph), however
+many index tensors the call has, paid on every call.
 """
 
 from __future__ import annotations
@@ -18,19 +19,29 @@ _FLOAT32 = torch.float32
 _NEG_INF = float("-inf")
 
 
-def clamp_page_table(page_table: torch.Tensor, num_pages: int) -> torch.Tensor:
-    """page ids into [0, num_pages): a bad id reads some page of the cache, never past it."""
-    return page_table.clamp(0, num_pages - 1)
+def clamp_indices(tensors: list[torch.Tensor], highs: list[int]) -> list[torch.Tensor]:
+    """Copies of the int32 index tensors, each into [0, its high]: one foreach launch for the
+    lower bound and one for the upper bound, whatever the number of tensors (on an extend call
+    that is 2 launches instead of 3 separate clamps). Highs: `page_high`, `seqlen_high`,
+    `offset_high` below."""
+    clamped = torch._foreach_clamp_min(tensors, 0)
+    torch._foreach_clamp_max_(clamped, highs)
+    return clamped
 
 
-def clamp_seqlens(cache_seqlens: torch.Tensor, page_table: torch.Tensor, page_size: int):
+def page_high(num_pages: int) -> int:
+    """Page ids into [0, num_pages): a bad id reads some page of the cache, never past it."""
+    return num_pages - 1
+
+
+def seqlen_high(page_table: torch.Tensor, page_size: int) -> int:
     """cache_seqlens into [0, pages per sequence * P] (negative counts as 0)."""
-    return cache_seqlens.clamp(0, page_table.shape[1] * page_size)
+    return page_table.shape[1] * page_size
 
 
-def clamp_offsets(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def offset_high(num_tokens: int) -> int:
     """Ragged offsets into [0, T]."""
-    return cu_seqlens.clamp(0, num_tokens)
+    return num_tokens
 
 
 def dense_last_dim(x: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,15 @@
 """`mha_decode_with_kvcache` through FlashAttention-3's paged forward with its split-KV
 heuristic (num_splits=0): Q new tokens per sequence, causal among themselves.
 
-Priority 90, below the Triton decode (100). H100, one run, CUDA graphs (GPU.md), FA3 time /
-Triton time, page 64: full ctx 8192 B=1/16/64 1.53 / 1.15 / 1.15; window 127 B=1/16/64
-2.07 / 1.65 / 3.36 (ours ahead everywhere).
+Priority 90, below the Triton decode (100): behind it at every GPT-OSS decode bucket measured
+(`benchmarks/results/kernels_h100.md`); the measured ranking decides per shape.
 """
 
 from __future__ import annotations
 
 from tokenspeed_kernel.registry import ANY
 
-from .._attention import clamp_page_table, clamp_seqlens
+from .._attention import clamp_indices, page_high, seqlen_high
 from ._common import TRAITS, fa3_forward, register_fa3
 
 PRIORITY = 90
@@ -24,11 +23,14 @@ def mha_decode_with_kvcache(
     [B, Q, Hq] if given. k_scale/v_scale are 1.0 (FP8 caches are declined)."""
     if q.shape[0] == 0:
         return
+    seqlens, pages = clamp_indices(
+        [cache_seqlens, page_table],
+        [seqlen_high(page_table, k_cache.shape[1]), page_high(k_cache.shape[0])],
+    )
     fa3_forward(
         q, k_cache, v_cache, out=out, lse=lse, sinks=sinks, softmax_scale=softmax_scale,
         causal=True, window_left=window_left, rows=lambda x: x.transpose(1, 2),
-        seqused_k=clamp_seqlens(cache_seqlens, page_table, k_cache.shape[1]),
-        page_table=clamp_page_table(page_table, k_cache.shape[0]), num_splits=0,
+        seqused_k=seqlens, page_table=pages, num_splits=0,
     )  # fmt: skip
 
 

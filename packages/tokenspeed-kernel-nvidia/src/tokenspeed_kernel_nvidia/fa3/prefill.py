@@ -1,14 +1,14 @@
 """`mha_prefill` through FlashAttention-3 (ragged q/k/v, causal or not, window, sinks, GQA).
 
-Priority 95, below the Triton prefill (100). H100, one run, CUDA graphs (docs: GPU.md), Triton
-time / FA3 time: causal S=8192 x2 0.92 (FA3 ahead), S=1024 x16 1.09, window 127 1.55 (ours
-ahead). One priority cannot follow the shape; the measured ranking (`tokenspeed-kernel tune`)
-picks FA3 where it wins.
+Priority 95, below the Triton prefill (100). FA3 leads causal prefill from S=4096 on, ours
+leads at S=1024 and with window 127 (`benchmarks/results/kernels_h100.md`). One priority
+cannot follow the shape; the measured ranking (`tokenspeed-kernel tune`) picks FA3 where it
+wins.
 """
 
 from __future__ import annotations
 
-from .._attention import clamp_offsets
+from .._attention import clamp_indices, offset_high
 from ._common import TRAITS, fa3_forward, register_fa3
 
 PRIORITY = 95
@@ -22,7 +22,7 @@ def mha_prefill(
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return
-    cu = clamp_offsets(cu_seqlens, num_tokens)
+    (cu,) = clamp_indices([cu_seqlens], [offset_high(num_tokens)])
     fa3_forward(
         q, k, v, out=out, lse=lse, sinks=sinks, softmax_scale=softmax_scale, causal=causal,
         window_left=window_left, rows=lambda x: x.t(), cu_seqlens_q=cu,
