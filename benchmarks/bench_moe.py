@@ -315,17 +315,6 @@ SWEEP = {
     4096: [MoETileConfig(128, 128, 128, 64, 8, 3), MoETileConfig(64, 128, 128, 64, 4, 4)],
     8192: [MoETileConfig(128, 128, 128, 64, 8, 3), MoETileConfig(64, 128, 128, 64, 4, 4)],
 }
-# FP8 activations with e4m3 weights (mxfp4_e4m3.py): K steps of 128, with and without the
-# tensor cores' FP8 sums promoted to fp32 every 128 K elements.
-_E4M3_TILES = [
-    MoETileConfig(64, 128, 128, 128, 4, 4, fp8_acc_block=128),
-    MoETileConfig(64, 256, 128, 128, 8, 3, fp8_acc_block=128),
-    MoETileConfig(128, 128, 128, 128, 8, 3, fp8_acc_block=128),
-    MoETileConfig(128, 256, 128, 128, 8, 3, fp8_acc_block=128),
-    MoETileConfig(128, 128, 128, 128, 8, 3),
-    MoETileConfig(128, 128, 128, 64, 8, 4, fp8_acc_block=64),
-]
-E4M3_SWEEP = {m: _E4M3_TILES for m in (1024, 4096, 8192)}
 
 
 # The same for triton.moe_apply.sm90: post-scaled decode tiles with the ring two or three
@@ -416,20 +405,6 @@ VARIANTS = {
     "portable-bf16": ("triton.moe_apply", "bf16", False, "natural", {}),
     "portable-fp8-dynamic": ("triton.moe_apply, fp8 dynamic", "fp8", False, "natural", {}),
     "portable-fp8-static": ("triton.moe_apply, fp8 static", "fp8", True, "natural", {}),
-    "portable-fp8-e4m3": (
-        "triton.moe_apply, fp8 dynamic, e4m3 weights",
-        "fp8",
-        False,
-        "natural",
-        {"fp8_mma": True},
-    ),
-    "portable-fp8-e4m3-static": (
-        "triton.moe_apply, fp8 static, e4m3 weights",
-        "fp8",
-        True,
-        "natural",
-        {"fp8_mma": True},
-    ),
 }
 COLUMNS = ["M", "kernel", "distinct experts", "floor µs", "eager µs", "graph µs (1 layer)"]
 COLUMNS += ["graph µs (L2-cold)", "x floor", "TFLOP/s", "% bf16 dense"]
@@ -469,12 +444,11 @@ def sweep_lines(label, sizes, one, cold, act, scales, layers: int) -> list[str]:
     """Times of the alternative tiles (SWEEP, FRAGMENT_SWEEP) at the sizes run, each with its
     largest difference from the heuristic pick's output (which the side-by-side run checks
     against the reference): a tile that computes something else shows there."""
-    sweeps = E4M3_SWEEP if "e4m3" in label else SWEEP
-    if act != "bf16" and sweeps is SWEEP:
+    if act != "bf16":
         return []
     lines = ["", f"Tile sweep ({label}, µs; M <= 1024: graph-timed over {layers} layers; "
              "max |tile - pick| on one layer's output):", ""]  # fmt: skip
-    for m, configs in (FRAGMENT_SWEEP if label.startswith("sm90") else sweeps).items():
+    for m, configs in (FRAGMENT_SWEEP if label.startswith("sm90") else SWEEP).items():
         if m not in sizes:
             continue
         x, logits, _ = token_inputs(m)

@@ -298,8 +298,6 @@ def test_gpt_oss_120b_shapes(kernel, act):
         decodes = {"bf16": ("bf16", "fp16"), "bf16-hilo": ("bf16", "bf16")}
         expected = decodes.get(act, ("prmt", "prmt"))
         assert (prepared.tensors["w13_decode"], prepared.tensors["w2_decode"]) == expected
-    if activation_format == "fp8":  # e4m3 weights for FP8 MMAs (mxfp4_e4m3.py)
-        assert (prepared.tensors["w13_decode"], prepared.tensors["w2_decode"]) == ("e4m3",) * 2
     reference = get_kernel("moe_apply", "reference.moe_apply")
     ref_plan = moe_plan_for(reference, config, 4096, "cuda")
     ref_prepared = reference.fn.prepare_weights(ref_plan, weights)

@@ -23,11 +23,9 @@ from .routing import route
 PAD_MULTIPLE = 128
 
 # Weight formats as the kernels' W_FORMAT constexpr (host ints; constexpr twins for jit code).
-# "mxfp4-e4m3": MXFP4 in mxfp4_e4m3's words, decoded to e4m3 for FP8 MMAs.
-WEIGHT_FORMAT_CODES = {"bf16": 0, "fp8": 1, "mxfp4": 2, "mxfp4-e4m3": 3}
+WEIGHT_FORMAT_CODES = {"bf16": 0, "fp8": 1, "mxfp4": 2}
 W_FP8 = tl.constexpr(1)
 W_MXFP4 = tl.constexpr(2)
-W_MXFP4_E4M3 = tl.constexpr(3)
 # The largest float8_e4m3fn magnitude.
 FP8_MAX = tl.constexpr(448.0)
 

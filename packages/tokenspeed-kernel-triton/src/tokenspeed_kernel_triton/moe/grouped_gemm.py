@@ -7,12 +7,8 @@ bf16) and fed to the matrix units with an fp32 accumulator:
   scale per 32 K elements; see mxfp4_words.py for the word format and its two decoders
   (byte-permute lookups on NVIDIA sm_90+, portable arithmetic elsewhere).
 - FP8 weights: the per-output-channel scale multiplies the accumulator.
-- MXFP4 for FP8 MMAs (mxfp4_e4m3.py, chosen by moe_prepare_weights for FP8 activations where
-  the block scales allow): each weight row is an e4m3 tile times a power of two per output
-  channel, which multiplies the accumulator; the MMA runs on e4m3 x e4m3 at twice bf16's rate.
-Activations are bf16, or FP8 e4m3 with a per-tensor or per-row scale applied to the accumulator
-(the FP8 codes times their scale, as the reference dequantizes them): multiplied as e4m3 by
-e4m3 weights, else upcast exactly to bf16.
+Activations are bf16, or FP8 e4m3 upcast exactly to bf16 with a per-tensor or per-row scale
+applied to the accumulator (the FP8 codes times their scale, as the reference dequantizes them).
 
 GEMM1 (SWIGLU): A rows are gathered by token from x; the N block spans interleaved gate (even)
 and up (odd) rows of w13, so the epilogue adds the bias, splits the pairs and writes
@@ -33,21 +29,11 @@ import triton
 import triton.language as tl
 
 from .._launch import bind_launches
-from ._common import (
-    FP8_MAX,
-    W_FP8,
-    W_MXFP4,
-    W_MXFP4_E4M3,
-    WEIGHT_FORMAT_CODES,
-    round_to_bf16,
-    round_to_fp8,
-)
-from .mxfp4_e4m3 import decode_e4m3, decode_e4m3_ptx
+from ._common import FP8_MAX, W_FP8, W_MXFP4, WEIGHT_FORMAT_CODES, round_to_bf16, round_to_fp8
 from .mxfp4_words import WORD_ELEMENTS, decode_words, decode_words_ptx
 from .replay import recordable
 
 _MXFP4 = WEIGHT_FORMAT_CODES["mxfp4"]
-_MXFP4_E4M3 = WEIGHT_FORMAT_CODES["mxfp4-e4m3"]
 
 
 @triton.jit
@@ -61,25 +47,10 @@ def _weight_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Weight rows offs_n, columns k0..k0+BLOCK_K of one expert as [BLOCK_K, BLOCK_N] bf16
-    (e4m3 for W_MXFP4_E4M3). weights: (w_ptr, ws_ptr, w_base, ws_base, stride_wn, stride_sn)."""
+    """Weight rows offs_n, columns k0..k0+BLOCK_K of one expert as [BLOCK_K, BLOCK_N] bf16.
+    weights: (w_ptr, ws_ptr, w_base, ws_base, stride_wn, stride_sn)."""
     w_ptr, ws_ptr, w_base, ws_base, stride_wn, stride_sn = weights
-    if W_FORMAT == W_MXFP4_E4M3:
-        offs_s = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        shift = tl.load(ws_ptr + ws_base + offs_n[:, None] * stride_sn + offs_s[None, :])
-        if PTX_DECODE:
-            # The words' bytes, four to a register in the decoder (its pack of 4).
-            byte_ptr = w_ptr.to(tl.pointer_type(tl.uint8))
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            word_bytes = tl.load(
-                byte_ptr + 4 * w_base + offs_n[:, None] * (4 * stride_wn) + offs_b[None, :]
-            )
-            w = decode_e4m3_ptx(word_bytes, shift, BLOCK_N, BLOCK_K)
-        else:
-            offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            words = tl.load(w_ptr + w_base + offs_n[:, None] * stride_wn + offs_w[None, :])
-            w = decode_e4m3(words, shift, BLOCK_N, BLOCK_K, INTERPRETED)
-    elif W_FORMAT == W_MXFP4:
+    if W_FORMAT == W_MXFP4:
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_ptr + w_base + offs_n[:, None] * stride_wn + offs_w[None, :])
         offs_s = k0 // 32 + tl.arange(0, BLOCK_K // 32)
@@ -96,14 +67,9 @@ def _weight_tile(
 
 
 @triton.jit
-def _mma(a, b, acc, INTERPRETED: tl.constexpr, FP8_ACC_BLOCK: tl.constexpr = 0):
-    """acc + a @ b. FP8_ACC_BLOCK (e4m3 x e4m3 on sm_90): K elements the tensor cores sum
-    before each add into the fp32 accumulator (their own FP8 accumulation keeps fewer mantissa
-    bits); 0 leaves it to Triton (never promoted on sm_90)."""
+def _mma(a, b, acc, INTERPRETED: tl.constexpr):
     if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    if FP8_ACC_BLOCK > 0:
-        return tl.dot(a, b, acc, max_num_imprecise_acc=FP8_ACC_BLOCK)
     return tl.dot(a, b, acc)
 
 
@@ -152,7 +118,6 @@ def _grouped_gemm_kernel(
     a_scale,
     w_ptr,
     ws_ptr,
-    row_scale_ptr,
     bias_ptr,
     out_ptr,
     route_w_ptr,
@@ -168,7 +133,6 @@ def _grouped_gemm_kernel(
     stride_wn,
     stride_se,
     stride_sn,
-    stride_re,
     stride_be,
     stride_om,
     out_scale,
@@ -187,7 +151,6 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    FP8_ACC_BLOCK: tl.constexpr,
 ):
     """A_SCALE: 0 none, 1 per tensor (a_scale), 2 per A row (a_scale_ptr). INTERPRETED (the
     Triton 3.6 interpreter, whose bf16 tl.dot multiplies raw bits and whose bf16 cast truncates)
@@ -227,14 +190,10 @@ def _grouped_gemm_kernel(
             )
             acc = _mma(a, b, acc, INTERPRETED)
             acc = _mma(lo, b, acc, INTERPRETED)
-        elif W_FORMAT == W_MXFP4_E4M3:
-            acc = _mma(a, b, acc, INTERPRETED, FP8_ACC_BLOCK)
         else:
             acc = _mma(a.to(tl.bfloat16), b, acc, INTERPRETED)
     if W_FORMAT == W_FP8:
         acc *= tl.load(ws_ptr + ws_base + offs_n)[None, :]
-    if W_FORMAT == W_MXFP4_E4M3:
-        acc *= tl.load(row_scale_ptr + expert * stride_re + offs_n)[None, :]
     if A_SCALE == 1:
         acc *= a_scale
     elif A_SCALE == 2:
@@ -270,7 +229,6 @@ def grouped_gemm(
     config,
     interpreted: bool,
     ptx_decode: bool = False,
-    row_scale=None,
     out_scale: float | None = None,
     alpha: float = 0.0,
     limit: float = 0.0,
@@ -279,15 +237,13 @@ def grouped_gemm(
 
     a [rows, K] (x [M, H] gathered by token for GEMM1, the sorted `a` rows for GEMM2); a_scale
     None, a float (per tensor) or [rows] float32; w [E, N, K] (mxfp4: [E, N, K/2] uint8 with
-    w_scale [E, N, K/32]; fp8: w_scale [E, N] float32; mxfp4-e4m3: int32 words [E, N, K/8],
-    w_scale the int8 block shifts [E, N, K/32], row_scale [E, N] float32, a e4m3); bias [E, N]
-    float32 or None.
+    w_scale [E, N, K/32]; fp8: w_scale [E, N] float32); bias [E, N] float32 or None.
     GEMM1 writes the SwiGLU rows to out [sorted rows, N/2]; GEMM2 writes routing-weighted rows
     to out [M * top_k, n_valid] float32.
     """
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
     N = w.shape[1]
-    K = w.shape[2] * (WORD_ELEMENTS if w_format in (_MXFP4, _MXFP4_E4M3) else 1)
+    K = w.shape[2] * (WORD_ELEMENTS if w_format == _MXFP4 else 1)
     block_n = config.block_n1 if gemm1 else config.block_n2
     a_scale_mode = 0 if a_scale is None else (1 if isinstance(a_scale, float) else 2)
     scale_ptr = a_scale if a_scale_mode == 2 else a
@@ -299,7 +255,6 @@ def grouped_gemm(
         a_scale if a_scale_mode == 1 else 1.0,
         w,
         ws,
-        row_scale if row_scale is not None else ws,
         bias if bias is not None else ws,
         out,
         topk_weights,
@@ -314,8 +269,7 @@ def grouped_gemm(
         w.stride(0),
         w.stride(1),
         ws.stride(0) if w_scale is not None else 0,
-        ws.stride(1) if w_format in (_MXFP4, _MXFP4_E4M3) else 0,
-        row_scale.stride(0) if row_scale is not None else 0,
+        ws.stride(1) if w_format == _MXFP4 else 0,
         bias.stride(0) if bias is not None else 0,
         out.stride(0),
         1.0 if out_scale is None else out_scale,
@@ -334,7 +288,6 @@ def grouped_gemm(
         BLOCK_M=config.block_m,
         BLOCK_N=block_n,
         BLOCK_K=config.block_k,
-        FP8_ACC_BLOCK=config.fp8_acc_block if w_format == _MXFP4_E4M3 else 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

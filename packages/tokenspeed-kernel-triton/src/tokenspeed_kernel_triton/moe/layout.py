@@ -19,7 +19,7 @@ import torch
 from tokenspeed_kernel.ops.moe.types import PreparedMoEWeights
 from tokenspeed_kernel.tuning import pinned_config
 
-from . import mxfp4_e4m3, replay, shift_words_sm90
+from . import replay, shift_words_sm90
 from ._common import padded_sizes, swiglu_fits_f16
 from .fragment_layout_sm90 import fragment_order, group_gate_up, panel_major
 from .mxfp4_words import encode_words
@@ -55,11 +55,6 @@ class PaddedMoEKernel:
 
     def forward_options(self, config, tensors: dict) -> dict:
         """`forward`'s keywords beyond routing, top_k, out, alpha and limit."""
-        return {}
-
-    def prepare_options(self, plan) -> dict:
-        """`prepare_weights`' keywords beyond the checkpoint, sizes, word order and
-        f16_intermediate."""
         return {}
 
     def apply(
@@ -105,7 +100,6 @@ class PaddedMoEKernel:
             **checkpoint,
             word_order=self.word_order,
             f16_intermediate=swiglu_fits_f16(config.activation.alpha, config.activation.limit),
-            **self.prepare_options(plan),
         )
         for name in ("w13_input_scale", "w2_input_scale"):
             value = getattr(weights, name)
@@ -127,7 +121,6 @@ def prepare_weights(
     word_order: str = "natural",
     f16_intermediate: bool = True,
     shift_decode: bool = True,
-    fp8_mma: bool = False,
 ) -> dict:
     """Checkpoint tensors (see the MoE contract) -> dict of padded tensors for `moe_forward`
     (word_order "natural") or `moe_forward_sm90` ("fragment").
@@ -138,10 +131,7 @@ def prepare_weights(
     decodes it exactly (recorded as "w13_decode" / "w2_decode"): shift_words' fp16 layout for
     w2 when f16_intermediate (the caller's SwiGLU clamp bounds the intermediate,
     _common.swiglu_fits_f16) and every w2 scale byte allows it, else its bf16 layout, else
-    mxfp4_words' byte-permute words ("prmt"; always, with shift_decode=False). fp8_mma (MXFP4,
-    natural order; for FP8 activations): each weight whose block scales allow it in
-    mxfp4_e4m3's words ("w13_decode" / "w2_decode" "e4m3": int8 block shifts in place of the
-    scales, float32 "w13_row_scale" / "w2_row_scale"), the others in mxfp4_words' words. Raises
+    mxfp4_words' byte-permute words ("prmt"; always, with shift_decode=False). Raises
     ValueError for MXFP4 scale bytes above 240 (the kernel's exact range)."""
     if word_order not in ("natural", "fragment"):
         raise ValueError(
@@ -158,7 +148,7 @@ def prepare_weights(
     w2_kinds = w2_kinds if shift_decode else ()
     if weight_format == "mxfp4":
         scales = (w13_scale, w2_scale)
-        tensors = _prepare_mxfp4(w13, w2, scales, (E, Hp, Ip), word_order, w2_kinds, fp8_mma)
+        tensors = _prepare_mxfp4(w13, w2, scales, (E, Hp, Ip), word_order, w2_kinds)
     elif weight_format == "fp8":
         tensors = dict(
             w13=_pad_fp8(w13, (E, 2 * Ip, Hp)),
@@ -181,10 +171,9 @@ def prepare_weights(
     return tensors
 
 
-def _prepare_mxfp4(w13, w2, scales, sizes, word_order: str, w2_kinds: tuple, fp8_mma: bool):
+def _prepare_mxfp4(w13, w2, scales, sizes, word_order: str, w2_kinds: tuple) -> dict:
     """prepare_weights for MXFP4: padded words and scales; w2_kinds: the shift_words_sm90
-    layouts w2 may take in fragment order (w13 takes bf16), cheapest first (none: prmt);
-    fp8_mma: try mxfp4_e4m3's words (natural order)."""
+    layouts w2 may take in fragment order (w13 takes bf16), cheapest first (none: prmt)."""
     E, Hp, Ip = sizes
     for name, s in zip(("w13_scale", "w2_scale"), scales, strict=True):
         top = int(s.max()) if s.numel() else 0
@@ -209,11 +198,7 @@ def _prepare_mxfp4(w13, w2, scales, sizes, word_order: str, w2_kinds: tuple, fp8
             ordered = fragment_order(tensors[name])
             tensors[name] = shift_words_sm90.encode(ordered, kind) if kind else ordered
     for name in ("w13", "w2"):
-        encoded = mxfp4_e4m3.encode(tensors[name], tensors[f"{name}_scale"]) if fp8_mma else None
-        if encoded is not None:
-            tensors[name], tensors[f"{name}_scale"], tensors[f"{name}_row_scale"] = encoded
-            tensors[f"{name}_decode"] = "e4m3"
-        elif tensors.get(f"{name}_decode", "prmt") == "prmt":
+        if tensors.get(f"{name}_decode", "prmt") == "prmt":
             tensors[name] = encode_words(tensors[name])
         if word_order == "fragment":
             for key in (name, f"{name}_scale"):

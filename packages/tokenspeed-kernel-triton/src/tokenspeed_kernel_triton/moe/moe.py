@@ -36,9 +36,6 @@ class MoETileConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    # FP8 MMAs (e4m3 weights): K elements summed in the tensor cores between fp32 adds
-    # (grouped_gemm._mma); 0: Triton's default.
-    fp8_acc_block: int = 0
 
 
 # (max tokens x top_k, config), first match wins. One line of hardware reason each.
@@ -55,13 +52,6 @@ _NVIDIA = (
     # together with the in-register dequantized weight tile.
     (None, MoETileConfig(128, 128, 128, 64, 8, 3)),
 )
-# FP8 activations times e4m3-decoded MXFP4 (mxfp4_e4m3.py): e4m3 tiles are half the bytes of
-# bf16 ones, so K steps of 128 fit the same shared memory.
-_NVIDIA_FP8_MMA = (
-    (64, MoETileConfig(16, 64, 64, 128, 4, 6)),
-    (16384, MoETileConfig(64, 128, 128, 128, 4, 4, fp8_acc_block=128)),
-    (None, MoETileConfig(128, 128, 128, 128, 8, 3, fp8_acc_block=128)),
-)
 _AMD = (
     # CDNA: 64 KB LDS on gfx942 bounds stages x tile; wave64 makes 4 warps = 256 threads.
     (64, MoETileConfig(16, 64, 64, 128, 4, 2)),
@@ -72,14 +62,13 @@ _AMD = (
 _INTERPRETER = ((None, MoETileConfig(16, 64, 64, 128, 4, 1)),)
 
 
-def pick_config(num_pairs: int, vendor: str, fp8_mma: bool = False) -> MoETileConfig:
-    """The tile config for `num_pairs` = tokens x top_k on a `vendor` device, with e4m3 weights
-    for FP8 MMAs or not (or the pinned one, `tuning.pin_config(KERNEL_NAME, config)`)."""
+def pick_config(num_pairs: int, vendor: str) -> MoETileConfig:
+    """The tile config for `num_pairs` = tokens x top_k on a `vendor` device (or the pinned
+    one, `tuning.pin_config(KERNEL_NAME, config)`)."""
     pinned = pinned_config(KERNEL_NAME)
     if pinned is not None:
         return pinned
-    nvidia = _NVIDIA_FP8_MMA if fp8_mma else _NVIDIA
-    return first_match({"nvidia": nvidia, "amd": _AMD}.get(vendor, _INTERPRETER), num_pairs)
+    return first_match({"nvidia": _NVIDIA, "amd": _AMD}.get(vendor, _INTERPRETER), num_pairs)
 
 
 def moe_forward(
@@ -109,46 +98,36 @@ def moe_forward(
     if M == 0:
         return out
     platform = platform_of(x.device)
-    fp8 = activation_format == "fp8"
-    fp8_mma = fp8 and prepared.get("w13_decode") == "e4m3"
-    config = pick_config(M * top_k, platform.vendor, fp8_mma)
+    config = pick_config(M * top_k, platform.vendor)
     routing, ids_to_check = route_for_gemms(
         prepared, top_k, config.block_m, expert_offset=expert_offset, **routing_inputs
     )
+    fp8 = activation_format == "fp8"
     a_in, a_in_scale = quantize_rows(x, w13_input_scale, "x") if fp8 else (x, None)
-    common = dict(config=config, interpreted=interpreting(), ptx_decode=has_ptx_decode(platform))
+    common = dict(
+        w_format=WEIGHT_FORMAT_CODES[prepared["weight_format"]],
+        config=config,
+        interpreted=interpreting(),
+        ptx_decode=has_ptx_decode(platform),
+    )
     act = _swiglu_rows(x, routing[4] * config.block_m, prepared, fp8, w2_input_scale)
     H, Ip = prepared["hidden_size"], prepared["padded_intermediate_size"]
     gemm1 = dict(gemm1=True, k_valid=H, n_valid=2 * Ip, alpha=alpha, limit=limit)
     out_scale = w2_input_scale if fp8 else None
     w13 = (prepared["w13"], prepared["w13_scale"], prepared["w13_bias"])
-    grouped_gemm(
-        a_in, a_in_scale, *w13, act, routing, **gemm1, out_scale=out_scale,
-        **_weight_format(prepared, "w13"), **common,
-    )  # fmt: skip
+    grouped_gemm(a_in, a_in_scale, *w13, act, routing, **gemm1, out_scale=out_scale, **common)
     act_scale = out_scale
     if fp8 and w2_input_scale is None:
         tiles = (routing[2], routing[3], config.block_m)
         act, act_scale = quantize_rows(act, None, "act", tiles)
     y = scratch("y", (M * top_k, H), torch.float32, x.device)
     w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
-    grouped_gemm(
-        act, act_scale, *w2, y, routing, gemm1=False, k_valid=Ip, n_valid=H,
-        **_weight_format(prepared, "w2"), **common,
-    )  # fmt: skip
+    grouped_gemm(act, act_scale, *w2, y, routing, gemm1=False, k_valid=Ip, n_valid=H, **common)
     combine(
         y, out, top_k=top_k, topk_ids=ids_to_check, num_experts=prepared["num_experts"],
         expert_offset=expert_offset,
     )  # fmt: skip
     return out
-
-
-def _weight_format(prepared: dict, name: str) -> dict:
-    """grouped_gemm's w_format and row_scale for weight `name` ("w13" or "w2")."""
-    if prepared.get(f"{name}_decode") == "e4m3":
-        code = WEIGHT_FORMAT_CODES["mxfp4-e4m3"]
-        return dict(w_format=code, row_scale=prepared[f"{name}_row_scale"])
-    return dict(w_format=WEIGHT_FORMAT_CODES[prepared["weight_format"]])
 
 
 def _swiglu_rows(x, rows: int, prepared: dict, fp8: bool, w2_input_scale) -> torch.Tensor:
@@ -171,14 +150,6 @@ class TritonMoE(PaddedMoEKernel):
     weight_layout = WEIGHT_LAYOUT
     word_order = "natural"
     forward = staticmethod(moe_forward)
-
-    def prepare_options(self, plan) -> dict:
-        # e4m3 weight tiles for FP8 MMAs where the e4m3 type is NVIDIA's (sm_89+; AMD's
-        # gfx942 uses the fnuz variant) or in the interpreter (CPU tests of the layout).
-        config, platform = plan.config, platform_of(plan.device)
-        fp8_mma = config.activation_format == "fp8" and config.weight_format == "mxfp4"
-        fp8_mma = fp8_mma and (interpreting() or platform.vendor == "nvidia")
-        return dict(fp8_mma=fp8_mma)
 
     def forward_options(self, config, tensors: dict) -> dict:
         return dict(
