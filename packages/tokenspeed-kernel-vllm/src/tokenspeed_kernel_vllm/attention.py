@@ -237,11 +237,14 @@ class TokenspeedAttentionMetadata(AttentionMetadata):
 
 
 class TokenspeedAttentionMetadataBuilder(AttentionMetadataBuilder[TokenspeedAttentionMetadata]):
-    # Piecewise CUDA graphs capture everything around attention. A decode step captured whole
-    # (UNIFORM_SINGLE_TOKEN_DECODE) reads the runner's buffers in place (tested on the CPU);
-    # its replay is checked by tests/vllm/test_gpu.py::test_decode_steps_replay_in_a_cuda_graph,
-    # which has not run on a GPU yet: until it has, attention stays out of vLLM's graphs.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Decode-only steps of one query token per request may be captured whole: the metadata reads
+    # the runner's persistent buffers in place (tests/vllm/test_attention.py) and a captured
+    # step replays correctly over them refilled (tests/vllm/test_gpu.py). Steps with prefill or
+    # extend rows plan on the host (max query length, the fresh-prompt test), so they stay
+    # piecewise: attention runs eagerly between the captured pieces.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
