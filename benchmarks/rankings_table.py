@@ -23,6 +23,9 @@ DEFAULT = (
 )
 
 
+EARLIER = " †"
+
+
 def tables(data: dict) -> list[str]:
     lines: list[str] = []
     ops = dict.fromkeys(entry["op"] for entry in data["rankings"])
@@ -39,10 +42,16 @@ def tables(data: dict) -> list[str]:
                     cells.append("-")
                     continue
                 mark = " **(selected)**" if name == best else ""
+                if entry.get("notes", {}).get(name, "").startswith("measured "):
+                    mark = EARLIER + mark
                 cells.append(f"{times[name]:.1f} ({times[name] / times[best]:.2f}x){mark}")
             rows.append(cells)
         lines += [f"## {op}", "", "us (x selected)", ""]
         lines += record.table(["bucket", *kernels], rows) + [""]
+    if any(EARLIER in line for line in lines):
+        lines += [f"{EARLIER.strip()} timed in an earlier run on the same GPU kind (`tune --merge "
+                  "--keep-kernels`: its library did not travel with this run); the run's date "
+                  "is in the rankings file's notes.", ""]  # fmt: skip
     return lines
 
 

@@ -516,3 +516,27 @@ def test_prefill_bucket_has_two_sizes(fakes):
     near = tk.explain("mha_prefill", request._replace(seqlen=8192), CPU)
     assert near.selected == "tunetest.prefill.a"
     assert "seqlen <= 4096 (nearest measured to tokens <= 4096, seqlen <= 8192)" in str(near)
+
+
+def test_tune_keep_kernels_adds_a_run_of_other_kernels_to_the_buckets(fakes, tmp_path, capsys):
+    """A library measured in a run of its own joins the buckets of the file (say, FA3 and
+    FlashInfer, which do not fit one machine together): the kernels timed now replace their
+    old times, the others keep theirs, noted with their run's date."""
+    out = tmp_path / "cpu.json"
+    both = ["tune", "--op", OP, "--kernels", "tunetest.*", "--iters", "3", "--out", str(out)]
+    assert cli.main(both) == 0
+    first = json.loads(out.read_text())
+    only_fast = ["tune", "--op", OP, "--kernels", FAST, "--iters", "3", "--out", str(out)]
+    assert cli.main([*only_fast, "--keep-kernels"]) == 2
+    assert "--keep-kernels needs --merge" in capsys.readouterr().err
+    assert cli.main([*only_fast, "--merge", "--keep-kernels"]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["rankings"]) == len(first["rankings"])
+    for old, new in zip(first["rankings"], data["rankings"], strict=True):
+        assert set(new["times_us"]) == {SLOW, FAST}
+        assert new["times_us"][SLOW] == old["times_us"][SLOW]
+        assert new["notes"][SLOW].startswith(f"measured {first['created']['date']}")
+        assert not new["notes"][FAST].startswith("measured ")
+        assert list(new["times_us"]) == sorted(new["times_us"], key=new["times_us"].get)
+    assert cli.main([*only_fast, "--merge"]) == 0  # without it, this run's kernels only
+    assert all(set(e["times_us"]) == {FAST} for e in json.loads(out.read_text())["rankings"])

@@ -84,6 +84,12 @@ def add_parser(sub) -> None:
         help="keep the entries of ops not measured now from an existing --out file of this "
         "platform (measure ops over several runs into one file)",
     )
+    p.add_argument(
+        "--keep-kernels",
+        action="store_true",
+        help="with --merge: in the buckets measured now, also keep the file's times of kernels "
+        "this run did not time (say, a library not installed here), marked with their run",
+    )
     p.add_argument("--warmup", type=int, help="warm-up calls (default: 10 GPU, 1 CPU)")
     p.add_argument("--iters", type=int, help="most timed runs (default: 100 GPU, 5 CPU)")
     p.add_argument(
@@ -130,8 +136,10 @@ def run(args: argparse.Namespace) -> int:
     created.update(source, timing=timer.method, graphs=gpu, l2_flush=gpu)
     payload = rankings_payload(platform, measured, created)
     out = Path(args.out or f"rankings-{platform.arch}.json")
+    if args.keep_kernels and not args.merge:
+        raise ValueError("tune: --keep-kernels needs --merge")
     if args.merge and out.exists():
-        kept = merge_into(payload, rankings.load(out), ops)
+        kept = merge_into(payload, rankings.load(out), ops, keep_kernels=args.keep_kernels)
         print(f"kept {kept} entries of other ops from {out}")
     write_json(out, payload)
     rankings.load(out)  # what was written must load: the selector will read it
@@ -294,9 +302,13 @@ def rankings_payload(
     )
 
 
-def merge_into(payload: dict[str, Any], old: rankings.Source, ops) -> int:
+def merge_into(
+    payload: dict[str, Any], old: rankings.Source, ops, *, keep_kernels: bool = False
+) -> int:
     """Add `old`'s entries for ops not in `ops` to `payload` (same platform only); returns
-    how many were kept. Each run's provenance is kept under created["merged"]."""
+    how many were kept. Each run's provenance is kept under created["merged"]. keep_kernels:
+    in each bucket measured now, also the times of the kernels this run has no record of,
+    noted with the date of the run they come from."""
     mine = {k: payload["platform"][k] for k in ("vendor", "arch", "name")}
     theirs = {k: old.platform.get(k) for k in ("vendor", "arch", "name")}
     if mine != theirs:
@@ -305,10 +317,32 @@ def merge_into(payload: dict[str, Any], old: rankings.Source, ops) -> int:
             "write to another file"
         )
     kept = [dict(e) for e in old.entries if e["op"] not in ops]
+    if keep_kernels:
+        _keep_kernels(payload["rankings"], old)
     payload["rankings"] = kept + payload["rankings"]
     earlier = {k: v for k, v in old.created.items() if k != "merged"}
     payload["created"]["merged"] = [earlier, *old.created.get("merged", [])]
     return len(kept)
+
+
+def _keep_kernels(entries: list[dict[str, Any]], old: rankings.Source) -> None:
+    """merge_into's keep_kernels, in place on this run's entries."""
+    earlier = {(e["op"], e["key"], tuple(sorted(e["sizes"].items()))): e for e in old.entries}
+    run = old.created.get("date", "an earlier run")
+    for entry in entries:
+        before = earlier.get((entry["op"], entry["key"], tuple(sorted(entry["sizes"].items()))))
+        if before is None:
+            continue
+        for name, us in before["times_us"].items():
+            if name in entry["times_us"] or name in entry["notes"]:
+                continue
+            entry["times_us"][name] = us
+            if name in before.get("spread_us", {}):
+                entry["spread_us"][name] = before["spread_us"][name]
+            note = before.get("notes", {}).get(name, "")
+            note = note if note.startswith("measured ") else f"measured {run}; {note}"
+            entry["notes"][name] = note.rstrip("; ")
+        entry["times_us"] = dict(sorted(entry["times_us"].items(), key=lambda kv: kv[1]))
 
 
 def _geomean(values: list[float]) -> float:
