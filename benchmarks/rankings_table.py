@@ -49,9 +49,13 @@ def tables(data: dict) -> list[str]:
         lines += [f"## {op}", "", "us (x selected)", ""]
         lines += record.table(["bucket", *kernels], rows) + [""]
     if any(EARLIER in line for line in lines):
-        lines += [f"{EARLIER.strip()} timed in an earlier run on the same GPU kind (`tune --merge "
-                  "--keep-kernels`: its library did not travel with this run); the run's date "
-                  "is in the rankings file's notes.", ""]  # fmt: skip
+        lines += [
+            f"{EARLIER.strip()} timed in an earlier run on the same GPU kind and kept by `tune "
+            "--merge --keep-kernels` (FA3 and FlashInfer do not fit one upload to the GPU "
+            "machine, so each library is timed in a run of its own); each such kernel's run "
+            "date is in the rankings file's notes.",
+            "",
+        ]
     return lines
 
 

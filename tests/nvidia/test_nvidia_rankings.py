@@ -13,6 +13,7 @@ import torch
 
 import tokenspeed_kernel as tk
 from tokenspeed_kernel import rankings, registry
+from tokenspeed_kernel.ops.moe.request import MoERequest
 from tokenspeed_kernel.platform import KNOWN_PLATFORMS
 from tokenspeed_kernel_nvidia.registration import RANKINGS
 
@@ -22,6 +23,7 @@ REQUESTS = {
     "mha_extend_with_kvcache": tk.AttentionRequest,
     "mha_decode_with_kvcache": tk.AttentionRequest,
     "kvcache_store": tk.KVStoreRequest,
+    "moe_apply": MoERequest,
 }
 
 
@@ -42,9 +44,14 @@ def _request(entry):
             fields[name] = value == "true"
         elif value.lstrip("-").isdigit():
             fields[name] = int(value)
-        else:
+        elif isinstance(getattr(torch, value, None), torch.dtype):
             fields[name] = getattr(torch, value)
-    return cls(**fields, **entry["sizes"])
+        else:  # a format or routing name (MoE)
+            fields[name] = value
+    sizes = dict(entry["sizes"])
+    if entry["op"] == "moe_apply":  # a plan's bucket is its max_num_tokens
+        sizes = dict(max_num_tokens=sizes.pop("tokens"), **sizes)
+    return cls(**fields, **sizes)
 
 
 def test_the_package_ships_rankings_that_load():
@@ -68,7 +75,7 @@ def test_each_bucket_selects_its_fastest_then_the_next(data, entry):
     names = [name for name in entry["times_us"] if name in registered]
     if not names:
         pytest.skip(f"none of {sorted(unknown)} is registered here")
-    platform = KNOWN_PLATFORMS["h100"]
+    (platform,) = [p for p in KNOWN_PLATFORMS.values() if p.name == data["platform"]["name"]]
     assert data["platform"]["arch"] == platform.arch
     request = _request(entry)
     by_time = sorted(names, key=entry["times_us"].get)
