@@ -89,7 +89,7 @@ def main() -> None:
 def _earlier(run: dict) -> str:
     """A line for an earlier run whose other ops `tune --merge` kept in the file."""
     note = f"; note: {run['note']}" if run.get("note") else ""
-    return f"- ops not re-measured above come from: {run['date']}, `{run['command']}`{note}"
+    return f"- an earlier run merged into this file: {run['date']}, `{run['command']}`{note}"
 
 
 if __name__ == "__main__":
