@@ -1,6 +1,7 @@
 """Decode attention and kvcache_store on the GPU: numerics at GPT-OSS-120B shapes, then time
-against FlashAttention-3 (`flash_attn_with_kvcache` with sinks) in the same run; rewrites
-benchmarks/results/decode_<gpu>.md.
+our Triton decode and the kernel the public op selects (the shipped rankings) against
+FlashAttention-3 (`flash_attn_with_kvcache` with sinks) and FlashInfer's XQA, each where its
+library is installed, in the same run; rewrites benchmarks/results/decode_<gpu>.md.
 
     python3 benchmarks/bench_decode.py [--sweep] [--no-record]
 """
@@ -8,6 +9,7 @@ benchmarks/results/decode_<gpu>.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import statistics
 
@@ -15,8 +17,10 @@ import record
 import torch
 from record import table
 
+import tokenspeed_kernel as tk
 from tokenspeed_kernel.ops.attention.reference import reference_decode, reference_kvcache_store
 from tokenspeed_kernel.platform import Platform, platform_of
+from tokenspeed_kernel.registry import get_kernel
 from tokenspeed_kernel.testing import compare
 from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_triton.attention.decode import KERNEL_NAME, mha_decode_with_kvcache
@@ -33,10 +37,11 @@ CASES = [  # (batch, context, window_left)
     (1, 8192, -1),
     (16, 8192, -1),
     (64, 8192, -1),
-    (128, 4096, -1),
+    (128, 8192, -1),
     (1, 8192, 127),
     (16, 8192, 127),
     (64, 8192, 127),
+    (128, 8192, 127),
     (64, 8192, -1, FP8),
 ]
 SWEEP = {  # label -> pinned config (None = heuristic), for the cases marked in SWEEP_CASES
@@ -53,11 +58,16 @@ METHOD = (
     "of 20 CUDA-graph replays; a replay runs the call back to back over several input sets "
     "whose visible K/V pages are disjoint and together exceed 4x the L2, so no call finds its "
     "keys in cache. Bytes = K and V of the visible keys (window: 128 keys per sequence); "
-    "floor = bytes / copy bandwidth. FA3 runs in the same process (bf16 sinks, "
-    "`window_size=(127, 0)` for the window rows); its FP8 path wants FP8 queries, so FP8 KV "
-    "has no FA3 column. Numerics: out and lse of ours (and FA3's out) against the core "
-    "reference on the first input set of every case. FA3 / ours > 1: we are faster."
+    "floor = bytes / copy bandwidth. selected: the kernel `tk.mha_decode_with_kvcache` picks "
+    "on this GPU (shipped rankings, then priority), timed through the public op. FA3 and XQA "
+    "(FlashInfer's `trtllm_batch_decode_with_kv_cache` through its registered adapter) run in "
+    "the same process where installed (bf16 sinks, `window_size=(127, 0)` / `window_left=127` "
+    "for the window rows); FA3's FP8 path wants FP8 queries and XQA's Hopper kernel converts "
+    "q to the cache's e4m3, so FP8 KV has no peer column. Numerics: out and lse of ours (and "
+    "the selected kernel's and the peers' out) against the core reference on the first input "
+    "set of every case. peer / selected > 1: the selected kernel is faster."
 )
+XQA = "flashinfer.mha_decode_with_kvcache.xqa"
 
 
 def copy_bandwidth() -> float:
@@ -119,8 +129,9 @@ def build(batch, ctx, window, l2_bytes, gen, kv_dtype=torch.bfloat16):
     return k_cache, v_cache, sets, seqlens, sinks, visible
 
 
-def check(k_cache, v_cache, s, seqlens, sinks, window, fa3) -> dict:
-    """Triton (out and lse) and FA3 against the reference on one input set."""
+def check(k_cache, v_cache, s, seqlens, sinks, window, fa3, others) -> dict:
+    """Triton (out and lse), FA3 and `others` (label -> call(i) returning out) against the
+    reference on one input set."""
     kw = dict(
         page_table=s["page_table"],
         cache_seqlens=seqlens,
@@ -143,6 +154,8 @@ def check(k_cache, v_cache, s, seqlens, sinks, window, fa3) -> dict:
     }
     if fa3 is not None:
         result["fa3_out"] = compare(fa3(0), want, dtype=torch.bfloat16, name="fa3")
+    for label, call in others.items():
+        result[f"{label}_out"] = compare(call(0), want, dtype=torch.bfloat16, name=label)
     return {k: (v.ok, f"{v.max_abs:.2e}") for k, v in result.items()}
 
 
@@ -167,6 +180,26 @@ def fa3_caller(k_cache, v_cache, sets, seqlens, sinks, window):
             softmax_scale=D**-0.5,
             sinks=sinks_bf16,
         )
+
+    return call
+
+
+def xqa_caller(k_cache, v_cache, sets, seqlens, sinks, window, platform):
+    """XQA through its registered adapter (the contract's arguments), or None where FlashInfer
+    is not installed (every bf16 case here is one XQA takes: sinks, window, page 64, GQA 8)."""
+    if importlib.util.find_spec("flashinfer") is None or platform.vendor != "nvidia":
+        return None
+    spec = get_kernel("mha_decode_with_kvcache", XQA)
+    outs = [torch.empty_like(s["q"]) for s in sets]
+
+    def call(i):
+        s = sets[i]
+        spec.fn(
+            s["q"], k_cache, v_cache, page_table=s["page_table"], cache_seqlens=seqlens,
+            window_left=window, sinks=sinks, softmax_scale=D**-0.5, k_scale=1.0, v_scale=1.0,
+            out=outs[i], lse=None,
+        )  # fmt: skip
+        return outs[i]
 
     return call
 
@@ -226,11 +259,28 @@ def run_decode_case(case, l2: int, bw: float, platform: Platform, sweep: bool, g
             s["q"], k_cache, v_cache, page_table=s["page_table"], out=outs[i], **kw
         )
 
-    numerics = check(k_cache, v_cache, sets[0], seqlens, sinks, window, fa3)
+    selected_outs = [torch.empty_like(s["q"]) for s in sets]
+    fp8_scales = dict(k_scale=1.0, v_scale=1.0) if kv_dtype == FP8 else {}
+
+    def selected(i):
+        s = sets[i]
+        return tk.mha_decode_with_kvcache(
+            s["q"], k_cache, v_cache, page_table=s["page_table"], cache_seqlens=seqlens,
+            window_left=window, sinks=sinks, out=selected_outs[i], **fp8_scales,
+        )  # fmt: skip
+
+    selected_name = _selected_kernel(selected)
+    xqa = None
+    if kv_dtype == torch.bfloat16:
+        xqa = xqa_caller(k_cache, v_cache, sets, seqlens, sinks, window, platform)
+    others = {"selected": selected, **({"xqa": xqa} if xqa is not None else {})}
+    numerics = check(k_cache, v_cache, sets[0], seqlens, sinks, window, fa3, others)
     configs = {"heuristic": None}
     if sweep and (batch, ctx, window) in SWEEP_CASES:
         configs.update(SWEEP)
     fa3_us = time_calls(fa3, len(sets)) if fa3 is not None else float("nan")
+    xqa_us = time_calls(xqa, len(sets)) if xqa is not None else float("nan")
+    selected_us = time_calls(selected, len(sets))
     rows = []
     for label, config in configs.items():
         if config is None:
@@ -251,6 +301,9 @@ def run_decode_case(case, l2: int, bw: float, platform: Platform, sweep: bool, g
                 us=us,
                 tbps=visible / us / 1e6,
                 fa3_us=fa3_us,
+                xqa_us=xqa_us,
+                selected=selected_name,
+                selected_us=selected_us,
                 floor_us=visible / (bw * 1e12) * 1e6,
                 numerics=numerics,
             )
@@ -265,20 +318,46 @@ def _cells(r: dict, sweep: bool) -> list[object]:
     if sweep:
         return cells + [r["config"], f"{r['us']:.2f}"]
     bad = {k: v for k, v in r["numerics"].items() if not v[0]}
-    fa3 = r["fa3_us"]
-    peer = ["-", "-"] if math.isnan(fa3) else [f"{fa3:.2f}", f"{fa3 / r['us']:.2f}"]
+    sel = r["selected_us"]
+    peers = []
+    for us in (r["fa3_us"], r["xqa_us"]):
+        peers += ["-", "-"] if math.isnan(us) else [f"{us:.2f}", f"{us / sel:.2f}"]
     return (
         cells
-        + [f"{r['us']:.2f}", f"{r['tbps']:.2f}", *peer, f"{r['floor_us']:.2f}"]
-        + ["ok" if not bad else f"fail {bad}"]
+        + [f"{r['us']:.2f}", r["selected"], f"{sel:.2f}", *peers, f"{r['floor_us']:.2f}"]
+        + [f"{sel / r['floor_us']:.2f}", "ok" if not bad else f"fail {bad}"]
     )
 
 
+def _selected_kernel(call) -> str:
+    """The kernel name the public op's cached selection gives for call(0)."""
+    from tokenspeed_kernel.ops.attention import api
+
+    chosen = []
+    original = api.select
+
+    def spy(op, request, platform):
+        spec = original(op, request, platform)
+        chosen.append(spec.name)
+        return spec
+
+    api.select = spy
+    try:
+        call(0)
+    finally:
+        api.select = original
+    return chosen[-1] if chosen else "?"
+
+
 def decode_lines(rows: list[dict]) -> list[str]:
-    """The heuristic rows side by side with FA3, then the pinned configs (--sweep)."""
+    """The heuristic rows side by side with the selected kernel and the peers, then the pinned
+    configs (--sweep)."""
     columns = ["B", "ctx", "window", "KV", "splits"]
+    peers = ["FA3 µs", "FA3 / selected", "XQA µs", "XQA / selected"]
     lines = table(
-        columns + ["ours µs", "ours TB/s", "FA3 µs", "FA3 / ours", "floor µs", "numerics"],
+        columns
+        + ["Triton µs", "selected", "selected µs", *peers, "floor µs", "selected x floor"]
+        + ["numerics"],
         (_cells(r, False) for r in rows if r["config"] == "heuristic"),
     )
     swept = [r for r in rows if r["config"] != "heuristic"]
@@ -316,10 +395,11 @@ def main() -> None:
     bw = copy_bandwidth()
     platform = platform_of(torch.device("cuda", 0))
     fa3_version = record.package_version("tokenspeed-fa3", "flash-attn-3", "flash_attn_3")
+    xqa_version = record.package_version("flashinfer-python", "flashinfer")
     lines = record.header(
-        f"Decode attention and kvcache_store against FlashAttention-3, {props.name}",
+        f"Decode attention and kvcache_store against FlashAttention-3 and XQA, {props.name}",
         f"{props.name} ({platform.sm_count} SMs, {l2 >> 20} MiB L2)",
-        {"FA3": fa3_version},
+        {"FA3": fa3_version, "FlashInfer": xqa_version},
     )
     lines += [
         METHOD,
