@@ -102,6 +102,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.keep_kernels and not args.merge:  # before any timing
+        raise ValueError("tune: --keep-kernels needs --merge")
     device = resolve_device(args.device)
     gpu = device.type == "cuda"
     preset = args.tool_preset or ("gpt-oss-120b" if gpu else "tiny")
@@ -136,8 +138,6 @@ def run(args: argparse.Namespace) -> int:
     created.update(source, timing=timer.method, graphs=gpu, l2_flush=gpu)
     payload = rankings_payload(platform, measured, created)
     out = Path(args.out or f"rankings-{platform.arch}.json")
-    if args.keep_kernels and not args.merge:
-        raise ValueError("tune: --keep-kernels needs --merge")
     if args.merge and out.exists():
         kept = merge_into(payload, rankings.load(out), ops, keep_kernels=args.keep_kernels)
         print(f"kept {kept} entries of other ops from {out}")
