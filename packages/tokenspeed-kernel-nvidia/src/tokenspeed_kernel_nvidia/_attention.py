@@ -20,8 +20,8 @@ _NEG_INF = float("-inf")
 
 def clamp_indices(tensors: list[torch.Tensor], highs: list[int]) -> list[torch.Tensor]:
     """Copies of the int32 index tensors, each into [0, its high]: one clamp launch per tensor.
-    (torch's foreach clamps take no fast path for int32 on CUDA: two launches per tensor, seen
-    with torch.profiler on an H100.) Highs: `page_high`, `seqlen_high`, `offset_high` below."""
+    (torch's foreach clamps take no fast path for int32 on CUDA: they launch two kernels per
+    tensor.) Highs: `page_high`, `seqlen_high`, `offset_high` below."""
     return [t.clamp(0, high) for t, high in zip(tensors, highs, strict=True)]
 
 
