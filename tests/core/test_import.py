@@ -18,10 +18,8 @@ out = tk.mha_prefill(q, q, q, cu_seqlens=cu, max_seqlen=4)
 assert out.shape == q.shape
 assert not torch.cuda.is_initialized(), "a CPU op touched the GPU"
 vendor_modules = [m for m in sys.modules if m.startswith(("flashinfer", "tokenspeed_kernel_"))]
-dev_modules = [
-    m for m in sys.modules
-    if m.startswith(("tokenspeed_kernel.tools", "tokenspeed_kernel.testing", "tokenspeed_kernel.cli"))
-]
+developer = ("tokenspeed_kernel.tools", "tokenspeed_kernel.testing", "tokenspeed_kernel.cli")
+dev_modules = [m for m in sys.modules if m.startswith(developer)]
 assert not dev_modules, f"the runtime loaded developer modules: {dev_modules}"
 print("loaded", ",".join(sorted(r.name for r in plugins.load_plugins() if r.status == "loaded")))
 print("vendor", ",".join(vendor_modules))

@@ -509,5 +509,5 @@ def test_clamp_indices_bounds_each_tensor_and_leaves_the_inputs():
     assert got[0].tolist() == [0, 3, 5]
     assert got[1].tolist() == [0, 128]
     assert got[2].tolist() == [[0, 7], [0, 7]]
-    for t, b in zip((offsets, seqlens, pages), before):
+    for t, b in zip((offsets, seqlens, pages), before, strict=True):
         assert torch.equal(t, b)
