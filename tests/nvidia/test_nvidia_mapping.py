@@ -496,18 +496,3 @@ def test_cutlass_workspace_size_call_binds_to_the_installed_library(real_flashin
         8, 256, 128, 4, 2, x_dtype=torch.bfloat16, weight_dtype=torch.uint8,
         use_w4_group_scaling=True, device=torch.device("cpu"),
     )  # fmt: skip
-
-
-def test_clamp_indices_bounds_each_tensor_and_leaves_the_inputs():
-    offsets = torch.tensor([0, 3, 99], dtype=torch.int32)
-    seqlens = torch.tensor([-4, 130], dtype=torch.int32)
-    pages = torch.tensor([[0, 7], [-1, 8]], dtype=torch.int32)
-    before = [t.clone() for t in (offsets, seqlens, pages)]
-    highs = [_attention.offset_high(5), _attention.seqlen_high(pages, 64), _attention.page_high(8)]
-    got = _attention.clamp_indices([offsets, seqlens, pages], highs)
-    assert highs == [5, 128, 7]
-    assert got[0].tolist() == [0, 3, 5]
-    assert got[1].tolist() == [0, 128]
-    assert got[2].tolist() == [[0, 7], [0, 7]]
-    for t, b in zip((offsets, seqlens, pages), before, strict=True):
-        assert torch.equal(t, b)

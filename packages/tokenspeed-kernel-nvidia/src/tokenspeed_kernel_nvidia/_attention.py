@@ -18,26 +18,19 @@ _FLOAT32 = torch.float32
 _NEG_INF = float("-inf")
 
 
-def clamp_indices(tensors: list[torch.Tensor], highs: list[int]) -> list[torch.Tensor]:
-    """Copies of the int32 index tensors, each into [0, its high]: one clamp launch per tensor.
-    (torch's foreach clamps take no fast path for int32 on CUDA: they launch two kernels per
-    tensor.) Highs: `page_high`, `seqlen_high`, `offset_high` below."""
-    return [t.clamp(0, high) for t, high in zip(tensors, highs, strict=True)]
+def clamp_page_table(page_table: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """page ids into [0, num_pages): a bad id reads some page of the cache, never past it."""
+    return page_table.clamp(0, num_pages - 1)
 
 
-def page_high(num_pages: int) -> int:
-    """Page ids into [0, num_pages): a bad id reads some page of the cache, never past it."""
-    return num_pages - 1
-
-
-def seqlen_high(page_table: torch.Tensor, page_size: int) -> int:
+def clamp_seqlens(cache_seqlens: torch.Tensor, page_table: torch.Tensor, page_size: int):
     """cache_seqlens into [0, pages per sequence * P] (negative counts as 0)."""
-    return page_table.shape[1] * page_size
+    return cache_seqlens.clamp(0, page_table.shape[1] * page_size)
 
 
-def offset_high(num_tokens: int) -> int:
+def clamp_offsets(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Ragged offsets into [0, T]."""
-    return num_tokens
+    return cu_seqlens.clamp(0, num_tokens)
 
 
 def dense_last_dim(x: torch.Tensor) -> torch.Tensor:

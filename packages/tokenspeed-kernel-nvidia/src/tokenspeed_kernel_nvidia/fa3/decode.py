@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tokenspeed_kernel.registry import ANY
 
-from .._attention import clamp_indices, page_high, seqlen_high
+from .._attention import clamp_page_table, clamp_seqlens
 from ._common import TRAITS, fa3_forward, register_fa3
 
 PRIORITY = 90
@@ -23,14 +23,11 @@ def mha_decode_with_kvcache(
     [B, Q, Hq] if given. k_scale/v_scale are 1.0 (FP8 caches are declined)."""
     if q.shape[0] == 0:
         return
-    seqlens, pages = clamp_indices(
-        [cache_seqlens, page_table],
-        [seqlen_high(page_table, k_cache.shape[1]), page_high(k_cache.shape[0])],
-    )
     fa3_forward(
         q, k_cache, v_cache, out=out, lse=lse, sinks=sinks, softmax_scale=softmax_scale,
         causal=True, window_left=window_left, rows=lambda x: x.transpose(1, 2),
-        seqused_k=seqlens, page_table=pages, num_splits=0,
+        seqused_k=clamp_seqlens(cache_seqlens, page_table, k_cache.shape[1]),
+        page_table=clamp_page_table(page_table, k_cache.shape[0]), num_splits=0,
     )  # fmt: skip
 
 

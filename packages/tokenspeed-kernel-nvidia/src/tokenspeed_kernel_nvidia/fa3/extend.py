@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tokenspeed_kernel.registry import ANY
 
-from .._attention import clamp_indices, offset_high, page_high, seqlen_high
+from .._attention import clamp_offsets, clamp_page_table, clamp_seqlens
 from ._common import TRAITS, fa3_forward, register_fa3
 
 PRIORITY = 90
@@ -25,19 +25,13 @@ def mha_extend_with_kvcache(
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return
-    cu, seqlens, pages = clamp_indices(
-        [cu_seqlens_q, cache_seqlens, page_table],
-        [
-            offset_high(num_tokens),
-            seqlen_high(page_table, k_cache.shape[1]),
-            page_high(k_cache.shape[0]),
-        ],
-    )
+    cu = clamp_offsets(cu_seqlens_q, num_tokens)
     fa3_forward(
         q, k_cache, v_cache, out=out, lse=lse, sinks=sinks, softmax_scale=softmax_scale,
         causal=True, window_left=window_left, rows=lambda x: x.t(),
         cu_seqlens_q=cu, max_seqlen_q=max_seqlen_q,
-        seqused_k=seqlens, page_table=pages, num_splits=0,
+        seqused_k=clamp_seqlens(cache_seqlens, page_table, k_cache.shape[1]),
+        page_table=clamp_page_table(page_table, k_cache.shape[0]), num_splits=0,
     )  # fmt: skip
 
 

@@ -8,7 +8,7 @@ wins.
 
 from __future__ import annotations
 
-from .._attention import clamp_indices, offset_high
+from .._attention import clamp_offsets
 from ._common import TRAITS, fa3_forward, register_fa3
 
 PRIORITY = 95
@@ -22,7 +22,7 @@ def mha_prefill(
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return
-    (cu,) = clamp_indices([cu_seqlens], [offset_high(num_tokens)])
+    cu = clamp_offsets(cu_seqlens, num_tokens)
     fa3_forward(
         q, k, v, out=out, lse=lse, sinks=sinks, softmax_scale=softmax_scale, causal=causal,
         window_left=window_left, rows=lambda x: x.t(), cu_seqlens_q=cu,

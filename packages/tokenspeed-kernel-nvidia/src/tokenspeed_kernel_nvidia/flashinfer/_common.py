@@ -18,7 +18,7 @@ import torch
 
 from tokenspeed_kernel.registry import Support, register_kernel
 
-from .._attention import clamp_indices, page_high, seqlen_high, workspace
+from .._attention import clamp_page_table, clamp_seqlens, workspace
 from .._library import FLASHINFER
 
 HALF = (torch.bfloat16, torch.float16)
@@ -80,15 +80,12 @@ def batch_decode(backend, query, k_cache, v_cache, target, out3, *, page_table, 
     """`trtllm_batch_decode_with_kv_cache` (XQA or trtllm-gen) of query [B, Hq, D] into target
     (out3 itself, or a dense stand-in copied back), one new token per sequence."""
     page_size = k_cache.shape[1]
-    seq_lens, block_tables = clamp_indices(
-        [cache_seqlens, page_table],
-        [seqlen_high(page_table, page_size), page_high(k_cache.shape[0])],
-    )
+    seq_lens = clamp_seqlens(cache_seqlens, page_table, page_size)
     flashinfer().decode.trtllm_batch_decode_with_kv_cache(
         query=query,
         kv_cache=(k_cache, v_cache),
         workspace_buffer=decode_workspace(backend.replace("-", "_"), query.device),
-        block_tables=block_tables,
+        block_tables=clamp_page_table(page_table, k_cache.shape[0]),
         seq_lens=seq_lens,
         max_seq_len=page_table.shape[1] * page_size,
         bmm1_scale=softmax_scale * k_scale,

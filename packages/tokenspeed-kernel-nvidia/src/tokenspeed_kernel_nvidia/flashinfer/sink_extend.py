@@ -11,7 +11,7 @@ import torch
 
 from tokenspeed_kernel.registry import ANY
 
-from .._attention import clamp_indices, page_high
+from .._attention import clamp_page_table
 from ._common import HALF, register_flashinfer
 from ._sink_wrapper import HEAD_DIMS, PRIORITY, host_offsets, run_paged, supports
 
@@ -27,8 +27,7 @@ def page_list(page_table, cache_seqlens, page_size: int, num_pages: int) -> dict
     indptr = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=indptr[1:])
     owned = torch.arange(page_table.shape[1]).unsqueeze(0) < counts.unsqueeze(1)
-    (pages,) = clamp_indices([page_table], [page_high(num_pages)])
-    indices = pages[owned.to(page_table.device)]
+    indices = clamp_page_table(page_table, num_pages)[owned.to(page_table.device)]
     return dict(
         kv_indptr=indptr, kv_indices=indices, last_page_len=lengths - (counts - 1) * page_size
     )
