@@ -31,7 +31,7 @@ from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_triton.moe.fragment_config_sm90 import FragmentConfig
 from tokenspeed_kernel_triton.moe.moe import MoETileConfig
 from tokenspeed_kernel_triton.moe.moe_sm90 import moe_forward_sm90
-from tokenspeed_kernel_triton.moe.routing import route
+from tokenspeed_kernel_triton.moe.routing import FUSED_MAX_PAIRS, route
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -78,9 +78,10 @@ def test_routing_matches_reference_with_ties(tokens, experts, top_k):
 def test_routing_refuses_ready_counters_it_cannot_clear():
     """Only the one-program router zeroes the GEMMs' per-tile counters, and only as many as
     there can be tiles: anything else is refused before a launch, not left stale."""
-    logits = torch.randn(65, 16, generator=generator("moe-ready", 65)).to(DEVICE)
+    tokens = FUSED_MAX_PAIRS // 4 + 1
+    logits = torch.randn(tokens, 16, generator=generator("moe-ready", tokens)).to(DEVICE)
     ready = torch.empty(1024, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="at most 256 pairs"):
+    with pytest.raises(ValueError, match=f"at most {FUSED_MAX_PAIRS} pairs"):
         route(logits, None, None, top_k=4, num_experts=16, block_m=8, ready=ready)
     with pytest.raises(ValueError, match="int32 counters"):
         route(logits[:2], None, None, top_k=4, num_experts=16, block_m=8, ready=ready[:1])
@@ -109,10 +110,11 @@ def test_router_prescales_rows_exactly():
 
 
 def test_router_refuses_prescaling_beyond_one_program():
-    logits = torch.randn(65, 16, generator=generator("moe-prescale", 65)).to(DEVICE)
-    x = torch.zeros(65, 32, dtype=torch.bfloat16, device=DEVICE)
-    exponents = torch.empty(65, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="prescale needs at most 256 pairs"):
+    tokens = FUSED_MAX_PAIRS // 4 + 1
+    logits = torch.randn(tokens, 16, generator=generator("moe-prescale", tokens)).to(DEVICE)
+    x = torch.zeros(tokens, 32, dtype=torch.bfloat16, device=DEVICE)
+    exponents = torch.empty(tokens, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=f"prescale needs at most {FUSED_MAX_PAIRS} pairs"):
         route(logits, None, None, top_k=4, num_experts=16, block_m=2, prescale=(x, x, exponents))
 
 
@@ -383,8 +385,8 @@ def test_wgmma_programmatic_dependent_launch_changes_nothing():
     one call and for calls back to back on one stream (each finds the last one's counters)."""
     spec, plan, prepared = _wgmma_gpt_oss_layer()
     g = torch.Generator(device="cuda").manual_seed(3)
-    # Up to 64 tokens (the one-program router's 256 pairs): decode tiles, and the prefill
-    # tile at M=64 (GEMM2 then waits for 45 GEMM1 CTAs per tile).
+    # Decode tiles up to 16 tokens, and the prefill tile at M=64. Tile counters only where
+    # the one-program router zeroes them (up to FUSED_MAX_PAIRS pairs).
     decode = dict(block_w=64, block_t=8, num_warps=4, gemm2_split_k=2)
     tiles = {
         1: dict(decode, stages=2, chunks=4),
@@ -397,7 +399,8 @@ def test_wgmma_programmatic_dependent_launch_changes_nothing():
         logits = [torch.randn(m, 128, generator=g, device="cuda") for _ in range(3)]
         results = []
         # Plain launches; GEMM2 waiting for GEMM1's grid; GEMM2 waiting tile by tile.
-        for pdl, tile_ready in ((False, False), (True, False), (True, True)):
+        waits = ((False, False), (True, False), (True, True))
+        for pdl, tile_ready in waits if m * 4 <= FUSED_MAX_PAIRS else waits[:2]:
             outs = [torch.empty_like(x) for x in xs]
             with pin_config(HOPPER, FragmentConfig(**tile, pdl=pdl, tile_ready=tile_ready)):
                 for x, lg, out in zip(xs, logits, outs, strict=True):

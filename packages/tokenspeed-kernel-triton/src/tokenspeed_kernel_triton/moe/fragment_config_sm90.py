@@ -102,8 +102,11 @@ CONFIGS = (
     # ~105 experts) or ~8 (M = 256): token tiles just wide enough for them. H100, GPT-OSS-120B,
     # graph-timed over 4 layers' weights (L2-cold), `bench_moe.py --variants sm90 --sweep
     # --sizes 64,256,1024`: M=64 64x8 tiles, GEMM2 in 2 splits, 584 us (64x8 tile by tile 586,
-    # 128x16 596, post-scaled 64x2 / 64x4 674 / 623, the 128x64 prefill tile 864); M=256
-    # 128x16 650 us (64x16 656 / 679 in 2 splits, 128x32 692, 64x8 818, 128x64 942).
+    # 128x16 596, post-scaled 64x2 / 64x4 674 / 623, the 128x64 prefill tile 864), each with
+    # the one-program router's ~75 us, which tile counters and post-scaling need; through the
+    # three-launch router (routing.FUSED_MAX_PAIRS) the pick takes 505 us, and at TP=8's
+    # I=384 every tile tried lay within 7% of it. M=256 128x16 650 us (64x16 656 / 679 in 2
+    # splits, 128x32 692, 64x8 818, 128x64 942).
     (256, FragmentConfig(64, 8, 4, 3, gemm2_split_k=2, chunks=2)),
     (1024, FragmentConfig(128, 16, 4, 4)),
     # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert

@@ -34,9 +34,12 @@ from .._launch import bind_launches
 from .replay import recordable
 from .workspace import scratch
 
-# Pairs (tokens x top_k) that one program routes and ranks on its own: the stable rank compares
-# every pair of a chunk, [CHUNK, CHUNK] elements, cheap at 256.
-FUSED_MAX_PAIRS = 256
+# Pairs (tokens x top_k) that one program routes and ranks on its own (the stable rank compares
+# every pair with every other): up to the decode tiles' 64, whose tile counters and prescaled x
+# only this router writes. Beyond that one program is the bottleneck: H100, GPT-OSS-120B,
+# graph-timed end to end, M = 20 / 48 / 64 took 341 / 554 / 584 us through it against 307 / 477 /
+# 508 through the three-launch router.
+FUSED_MAX_PAIRS = 64
 # The one-program router runs in one warp up to this many pairs, then in four. H200, router
 # alone, graph-timed: 4 pairs 2.5 us (four warps 3.1), 8 pairs 3.1 (3.5), 16 pairs 4.6 (3.6).
 ONE_WARP_MAX_PAIRS = 8
