@@ -33,7 +33,7 @@ import record
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from tokenspeed_kernel import moe_plan, moe_prepare_weights
+from tokenspeed_kernel import moe_plan, moe_prepare_weights, tensor_parallel_shard
 from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEWeights
 from tokenspeed_kernel.registry import get_kernel
 from tokenspeed_kernel.testing import compare, moe_plan_for, tolerance
@@ -45,7 +45,18 @@ from tokenspeed_kernel_triton.moe.layout import prepare_weights
 from tokenspeed_kernel_triton.moe.moe import MoETileConfig
 
 E, TOP_K, H, I = 128, 4, 2880, 2880  # noqa: E741
-EXPERT_BYTES = (2 * I * H // 2 + 2 * I * H // 32) + (H * I // 2 + H * I // 32)
+# The tensor-parallel degree of the shard row: GPT-OSS-120B on 8 GPUs.
+TP = 8
+
+
+def expert_bytes(intermediate: int) -> int:
+    """One expert's MXFP4 weights and scales (unpadded) at `intermediate` channels."""
+    return (2 * intermediate * H // 2 + 2 * intermediate * H // 32) + (
+        H * intermediate // 2 + H * intermediate // 32
+    )
+
+
+EXPERT_BYTES = expert_bytes(I)
 
 
 def copy_bandwidth() -> float:
@@ -175,14 +186,14 @@ PEER_COLUMNS = ["M", "distinct experts", "floor µs", "ours µs", "vLLM µs", "v
 PEER_COLUMNS += ["ours x floor", "vLLM x floor", "ours % bf16 dense", "vLLM % bf16 dense"]
 
 
-def check_same_function(weights: MoEWeights, plan, ours, peer) -> list[str]:
+def check_same_function(config: MoEConfig, weights: MoEWeights, plan, ours, peer) -> list[str]:
     """Markdown lines: at CHECK_SIZES, ours (moe_apply) against the core reference (bf16
     tolerance) and the peer against the emulation of its rounding (`compare_to_emulation`),
     then each side's, and the emulation's, error against the reference; raises AssertionError
     if either check fails."""
     reference = get_kernel("moe_apply", "reference.moe_apply")
-    ref_plan = moe_plan_for(reference, CONFIG, max(CHECK_SIZES), "cuda")
-    ref_prepared = reference.fn.prepare_weights(ref_plan, weights)  # float32, 12.7 GB
+    ref_plan = moe_plan_for(reference, config, max(CHECK_SIZES), "cuda")
+    ref_prepared = reference.fn.prepare_weights(ref_plan, weights)  # float32, 12.7 GB unsharded
     t = ref_prepared.tensors
     tol = tolerance(torch.bfloat16)
     lines = [
@@ -206,7 +217,7 @@ def check_same_function(weights: MoEWeights, plan, ours, peer) -> list[str]:
         )
         got_peer = peer(x, logits)
         emulated, steps = peers.triton_kernels_moe_emulation(
-            CONFIG, x, logits, t["w13"], t["w2"], t["w13_bias"], t["w2_bias"]
+            config, x, logits, t["w13"], t["w2"], t["w13_bias"], t["w2_bias"]
         )
         checks = (
             compare(got_ours, expected, dtype=torch.bfloat16, name=f"ours M={m} vs reference"),
@@ -259,28 +270,63 @@ def time_pair(m: int, plan, ours: list, peer_layers: list) -> tuple[float, float
 def peer_side_by_side(args, bw: float, dense: float) -> tuple[str | None, list[str]]:
     """(the peer's origin or None, the section's lines): moe_apply as a user calls it (plan,
     prepare, apply) against peer:vllm.triton_kernels on the same checkpoint weights, each over
-    `args.layers` distinct copies in turn."""
+    `args.layers` distinct copies in turn; the whole layer, then rank 0's shard at TP=8."""
     sizes = PEER_SIZES if not args.sizes else tuple(int(m) for m in args.sizes.split(","))
     weights = checkpoint_weights()
-    plan = moe_plan(CONFIG, device="cuda", max_num_tokens=max(sizes + CHECK_SIZES))
-    ours = [moe_prepare_weights(plan, weights) for _ in range(args.layers)]
+    shard_config, shard_weights = tensor_parallel_shard(CONFIG, weights, rank=0, world_size=TP)
     try:
         origin = peers.triton_kernels_origin()
     except ImportError as exc:
-        origin, peer_layers = None, []
-        note = f"not importable ({exc})"
+        origin, note = None, f"not importable ({exc})"
     else:
         if torch.cuda.get_device_capability() != (9, 0):
             raise SystemExit("bench_moe: the vLLM peer reproduces the sm_90 path; use --no-peer")
-        peer_layers = [peers.TritonKernelsMoE(CONFIG, weights) for _ in range(args.layers)]
         note = ""
-    lines = check_same_function(weights, plan, ours[0], peer_layers[0]) if peer_layers else []
+    lines = [
+        "ours = `moe_apply` as planned for this GPU (plan, prepare, apply; the kernel is named "
+        "under each table); vLLM = peer:vllm.triton_kernels, vLLM 0.26's GPT-OSS MoE on "
+        "sm_90 (TRITON MXFP4 backend: OpenAI triton_kernels routing + matmul_ogs with fused "
+        "SwiGLU, weights swizzled as vLLM does; tools/peers.py). Both on the same checkpoint "
+        "weights and inputs, CUDA-graph replayed over "
+        f"{args.layers} layers' distinct weight copies in turn (L2-cold, as in a model); vLLM / "
+        "ours > 1: ours is faster. floor = the distinct selected experts' bytes / copy "
+        "bandwidth; % bf16 dense for M >= 1024.",
+    ]
+    sections = (
+        ("The whole layer", CONFIG, weights),
+        (
+            f"Tensor parallel, TP={TP}: rank 0's shard (I={shard_config.intermediate_size} of "
+            f"{I}, `tensor_parallel_shard`), as each of 8 GPUs runs it before the engine's "
+            "all-reduce; the same inputs and routing.",
+            shard_config,
+            shard_weights,
+        ),
+    )
     del weights
+    for title, config, layer_weights in sections:
+        lines += ["", title, ""]
+        lines += side_by_side_table(args, bw, dense, config, layer_weights, sizes, note)
+        torch.cuda.empty_cache()
+    return origin, lines
+
+
+def side_by_side_table(args, bw, dense, config, weights, sizes, note: str) -> list[str]:
+    """The table of ours against the peer for one layer shape, then the same-function lines
+    (`note` says why the peer's columns are empty, "" when it runs)."""
+    plan = moe_plan(config, device="cuda", max_num_tokens=max(sizes + CHECK_SIZES))
+    ours = [moe_prepare_weights(plan, weights) for _ in range(args.layers)]
+    peer_layers = (
+        [] if note else [peers.TritonKernelsMoE(config, weights) for _ in range(args.layers)]
+    )
+    checks = (
+        check_same_function(config, weights, plan, ours[0], peer_layers[0]) if peer_layers else []
+    )
+    i = config.intermediate_size
     rows = []
     for m in sizes:
         t_ours, t_peer, distinct = time_pair(m, plan, ours, peer_layers)
-        floor = distinct * EXPERT_BYTES / bw * 1e6
-        flops = m * TOP_K * 2 * (H * 2 * I + I * H)
+        floor = distinct * expert_bytes(i) / bw * 1e6
+        flops = m * TOP_K * 2 * (H * 2 * i + i * H)
 
         def pct(us, flops=flops, m=m):
             return f"{100 * flops / (us * 1e-6) / dense:.0f}%" if m >= 1024 else "-"
@@ -292,17 +338,7 @@ def peer_side_by_side(args, bw: float, dense: float) -> tuple[str | None, list[s
             + [pct(t_ours), pct(t_peer) if peer_layers else "-"]
         )
         print(rows[-1], flush=True)
-    text = [
-        f"ours = `moe_apply` as planned for this GPU ({plan.kernel}; plan, prepare, apply); vLLM "
-        "= peer:vllm.triton_kernels, vLLM 0.26's GPT-OSS MoE on sm_90 (TRITON MXFP4 backend: "
-        "OpenAI triton_kernels routing + matmul_ogs with fused SwiGLU, weights swizzled as "
-        "vLLM does; tools/peers.py). Both on the same checkpoint weights and inputs, "
-        f"CUDA-graph replayed over {args.layers} layers' distinct weight copies in turn "
-        "(L2-cold, as in a model); vLLM / ours > 1: ours is faster. floor = the distinct "
-        "selected experts' bytes / copy bandwidth; % bf16 dense for M >= 1024.",
-        "",
-    ]
-    return origin, text + record.table(PEER_COLUMNS, rows) + lines
+    return record.table(PEER_COLUMNS, rows) + ["", f"ours: {plan.kernel}."] + checks
 
 
 # Alternative tiles timed by --sweep, per M (the heuristic's pick is among them).
@@ -321,9 +357,10 @@ SWEEP = {
 # steps deep, one or two chunks' wgmmas in flight, GEMM2 in 2 to 4 splits waiting for GEMM1's
 # grid, or in 2 tile by tile (why the pick wins: docs/decisions.md); at serving batches
 # (M = 64: ~2.4 tokens per selected expert; 256: ~8) narrower token tiles than the prefill
-# tile's 64, which pads each expert's few tokens to 64 MMA columns.
+# tile's 64, which pads each expert's few tokens to 64 MMA columns. Post-scaled and
+# tile-by-tile configs need the one-program router (routing.FUSED_MAX_PAIRS), so only up to
+# M = 16.
 _POST = dict(block_w=64, block_t=2, num_warps=4, chunks=4, pdl=True, post_scale=True)
-_TILE_READY = dict(gemm2_split_k=2, chunks=4, pdl=True, tile_ready=True, mma_in_flight=1)
 FRAGMENT_SWEEP = {
     m: [
         FragmentConfig(**_POST, stages=stages, gemm2_split_k=split, mma_in_flight=in_flight)
@@ -338,11 +375,10 @@ FRAGMENT_SWEEP = {
     for m in (1, 4, 16)
 }
 FRAGMENT_SWEEP[64] = [
-    FragmentConfig(64, 2, 4, 2, **_TILE_READY, post_scale=True),
-    FragmentConfig(64, 4, 4, 2, **_TILE_READY, post_scale=True),
-    FragmentConfig(64, 8, 4, 2, **_TILE_READY),
-    FragmentConfig(64, 16, 4, 2, **_TILE_READY),
     FragmentConfig(64, 8, 4, 3, gemm2_split_k=2, chunks=2),
+    FragmentConfig(64, 8, 4, 3, chunks=2),
+    FragmentConfig(64, 8, 4, 2, gemm2_split_k=2, chunks=4, pdl=True, mma_in_flight=1),
+    FragmentConfig(64, 16, 4, 4),
     FragmentConfig(128, 16, 4, 4),
     FragmentConfig(128, 64, 4, 4),
 ]
