@@ -2,9 +2,16 @@
 FlashInfer ports it (`trtllm_batch_decode_with_kv_cache(..., backend="trtllm-gen")`, kernels
 shipped prebuilt in flashinfer-cubin for sm_100/sm_103).
 
-Not run here: no Blackwell GPU is lent. It is registered for sm_100/sm_103 and its argument
+Not run here: no Blackwell GPU is lent. It is registered for sm_100/sm_103, its argument
 mapping is tested on the CPU against a recording stand-in of FlashInfer
-(tests/nvidia/test_flashinfer_mapping.py); its conformance GPU test skips on Hopper.
+(tests/nvidia/test_nvidia_mapping.py), and its conformance GPU test skips on Hopper. Checked
+without a GPU by scripts/check_trtllm_gen_build.sh (tests/nvidia/test_trtllm_gen_build.py):
+FlashInfer's trtllm-gen module (the launcher and reduction kernels that load the cubins)
+compiles with nvcc for sm_100a; for every request the traits below admit, the cubin table holds
+a decode kernel for sm_100 and sm_103 under each key FlashInfer's kernel selection may look up
+(fmhaKernels.cuh, mirrored in the test); and those cubins have the sha256 the table records.
+The cubins come from flashinfer-cubin 0.6.13, the last on PyPI: its trtllm-gen FMHA directory
+is the artifact FlashInfer 0.6.14 names, with the checksums 0.6.14 expects.
 
 Mapping (decode.py, 0.6.14 and 0.7.2.post1): kv_cache (k, v) [num_pages, P, Hkv, D] with
 kv_layout="NHD" (transposed to HND as a view, no copy); the head and page strides may be
