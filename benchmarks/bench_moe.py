@@ -296,13 +296,12 @@ def peer_side_by_side(args, bw: float, dense: float) -> tuple[str | None, list[s
         ("The whole layer", CONFIG, weights),
         (
             f"Tensor parallel, TP={TP}: rank 0's shard (I={shard_config.intermediate_size} of "
-            f"{I}, `tensor_parallel_shard`), as each of 8 GPUs runs it before the engine's "
+            f"{I}, `tensor_parallel_shard`), as each of {TP} GPUs runs it before the engine's "
             "all-reduce; the same inputs and routing.",
             shard_config,
             shard_weights,
         ),
     )
-    del weights
     for title, config, layer_weights in sections:
         lines += ["", title, ""]
         lines += side_by_side_table(args, bw, dense, config, layer_weights, sizes, note)
