@@ -35,8 +35,8 @@ def epilogue_operands(
     SCALE_BIAS), since x's row of token t was multiplied by 2^(126 - E_t) (x_exp_ptr: E_t),
     which the raw bf16 weights' 2^-126 and the factors' bias leave as 2^(SCALE_BIAS - E_t);
     else ones (unused). source: ((sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be),
-    expert, tile, pid_w, row_end)."""
-    pointers, expert, tile, pid_w, row_end = source
+    expert, tile, pid_w, row_end, n_valid: the rows the bias has)."""
+    pointers, expert, tile, pid_w, row_end, n_valid = source
     sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be = pointers
     rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, out_layout))
     cols = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_layout))
@@ -44,7 +44,7 @@ def epilogue_operands(
     pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0, cache_modifier=".cg")
     bias = gl.zeros([BLOCK_W], gl.float32, gl.SliceLayout(1, out_layout))
     if HAS_BIAS:
-        bias = gl.load(bias_ptr + expert * stride_be + rows)
+        bias = gl.load(bias_ptr + expert * stride_be + rows, mask=rows < n_valid, other=0.0)
     factor = gl.full([BLOCK_T], 1.0, gl.float32, gl.SliceLayout(0, out_layout))
     if SWIGLU:
         if POST_SCALE:

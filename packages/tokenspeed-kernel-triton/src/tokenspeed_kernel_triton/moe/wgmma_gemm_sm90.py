@@ -171,10 +171,13 @@ def _fragment_gemm_kernel(
     # chunks: _wc / _sc), through the cp.async ring with the activations. The ring keeps
     # STAGES - 1 steps of HBM reads in flight, which small batches need: each CTA has little
     # else to overlap (M=1: 46.3 us against 51.5 loading them into registers one step ahead).
+    # A row block may overhang the padded rows (256-row blocks over rows padded to 128): its
+    # rows past N reread row N - 1, and the epilogue stores only rows below N_VALID.
     wc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_copy)))
     wr = pid_w * BLOCK_W + gl.arange(
         0, BLOCK_W, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_copy))
     )
+    wr = gl.minimum(wr, N - 1)
     wj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_copy)))
     w_rows = wr // _PANEL_ROWS * stride_wp + wr % _PANEL_ROWS * stride_wn
     w_copy_ptrs = (
@@ -186,6 +189,7 @@ def _fragment_gemm_kernel(
     )
     sc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, scales_copy))
     sr = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, scales_copy))
+    sr = gl.minimum(sr, N - 1)
     s_rows = sr // _PANEL_ROWS * stride_sp + sr % _PANEL_ROWS * stride_sn
     s_copy_ptrs = (
         ws_ptr + expert * stride_se + s_rows[None, :] + ((k_first + sc) * stride_sc)[:, None]
@@ -228,7 +232,7 @@ def _fragment_gemm_kernel(
     # instead of following it (a few registers; 64-token tiles would hold 32 per thread).
     PRELOAD: gl.constexpr = BLOCK_T <= 8
     epilogue_ptrs = (sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be)
-    epilogue = (epilogue_ptrs, expert, tile, pid_w, row_end)
+    epilogue = (epilogue_ptrs, expert, tile, pid_w, row_end, N_VALID)
     if PRELOAD:
         operands = epilogue_operands(
             epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, BLOCK_W, BLOCK_T, out_layout
