@@ -332,9 +332,8 @@ def _wgmma_gpt_oss_layer():
 def test_wgmma_ring_steps_of_several_chunks_are_exact():
     """Two or four K chunks per ring step (and zero-filled chunks where a CTA's count does not
     divide: K = 2944 is 23 chunks, GEMM2's splits 12 and 11), with all of a step's wgmmas in
-    flight or one at a time, and chunks decoded and multiplied in two K halves, multiply in
-    the same order as one chunk per step: the output is bit for bit the same, at the decode
-    and the prefill tiles."""
+    flight or one at a time, multiply in the same order as one chunk per step: the output is
+    bit for bit the same, at the decode and the prefill tiles."""
     spec, plan, prepared = _wgmma_gpt_oss_layer()
     g = torch.Generator(device="cuda").manual_seed(2)
     tiles = {1: (64, 8, 4, 4, 2), 4: (64, 8, 4, 4, 2), 300: (128, 64, 4, 4, 1)}
@@ -342,22 +341,13 @@ def test_wgmma_ring_steps_of_several_chunks_are_exact():
         x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
         logits = torch.randn(m, 128, generator=g, device="cuda")
         outs = []
-        # (chunks per step, wgmma chunks in flight, chunks in two K halves): four chunks
-        # waited one by one as well; the prefill tile's fragments are 4x larger, so at most
-        # two chunks there.
-        variants = ((1, None, False), (1, None, True), (2, None, True), (2, None, False))
-        variants += ((4, None, False), (4, 1, False)) if block_t == 8 else ()
-        for chunks, in_flight, halves in variants:
+        # (chunks per step, wgmma chunks in flight): four chunks waited one by one as well;
+        # the prefill tile's fragments are 4x larger, so at most two chunks there.
+        variants = ((1, None), (2, None), (4, None), (4, 1))
+        for chunks, in_flight in variants if block_t == 8 else variants[:2]:
             out = torch.empty_like(x)
             tile = FragmentConfig(
-                block_w,
-                block_t,
-                warps,
-                stages,
-                split,
-                chunks,
-                mma_in_flight=in_flight,
-                half_chunks=halves,
+                block_w, block_t, warps, stages, split, chunks, mma_in_flight=in_flight
             )
             with pin_config(HOPPER, tile):
                 spec.fn.apply(plan, x, prepared, router_logits=logits, out=out)

@@ -24,8 +24,7 @@ class FragmentConfig:
     post_scale: raw weight halves into the MMA against block-diagonal activations (wgmma's N is
     4 * block_t), the e8m0 factors applied to fp32 partials (fragment_steps_sm90.post_scaled_step;
     shift-decoded weights with an fp16 intermediate only, else moe_forward_sm90 falls back to
-    scaled fragments); half_chunks: each K chunk decoded and multiplied as two 64-element
-    halves, the second decoding while the first multiplies (scaled fragments only)."""
+    scaled fragments)."""
 
     block_w: int
     block_t: int
@@ -37,7 +36,6 @@ class FragmentConfig:
     tile_ready: bool = False
     mma_in_flight: int | None = None
     post_scale: bool = False
-    half_chunks: bool = False
 
     def __post_init__(self) -> None:
         # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
@@ -47,8 +45,6 @@ class FragmentConfig:
             raise ValueError(f"FragmentConfig: chunks {self.chunks} is not a power of two")
         if self.post_scale and self.in_flight > 2:
             raise ValueError("FragmentConfig: post_scale keeps one or two chunks' wgmmas in flight")
-        if self.half_chunks and self.post_scale:
-            raise ValueError("FragmentConfig: half_chunks applies to scaled fragments only")
         if self.tile_ready and not self.pdl:
             raise ValueError("FragmentConfig: tile_ready needs pdl")
         if not 1 <= self.in_flight <= self.chunks:

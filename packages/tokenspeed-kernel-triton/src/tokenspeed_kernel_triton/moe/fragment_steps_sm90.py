@@ -52,57 +52,13 @@ def decode_fragment(
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots_tables(
             words, factor, lo_table + zero, hi_table + zero
         )
-    return _fragment_order(e0, e1, e2, e3, e4, e5, e6, e7, dot_a, BLOCK_W, 4)
-
-
-@gluon.jit
-def _fragment_order(
-    e0, e1, e2, e3, e4, e5, e6, e7, dot_a: gl.constexpr, BLOCK_W: gl.constexpr, JLO: gl.constexpr
-):
-    """Slots 0..7 of words [BLOCK_W, 4 * JLO] (word 4 or 2 * jhi + jlo, JLO scale blocks) ->
-    the [BLOCK_W, 32 * JLO] A fragment, K = 32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0."""
     low = gl.join(gl.join(e0, e1), gl.join(e2, e3))
     high = gl.join(gl.join(e4, e5), gl.join(e6, e7))
-    slots = gl.join(low, high)  # [W, 4 * JLO, b0, b1, b2]
-    slots = gl.reshape(slots, [BLOCK_W, 4, JLO, 2, 2, 2])  # [W, jhi, jlo, b0, b1, b2]
+    slots = gl.join(low, high)  # [W, 16, b0, b1, b2]
+    slots = gl.reshape(slots, [BLOCK_W, 4, 4, 2, 2, 2])  # [W, jhi, jlo, b0, b1, b2]
     frag = gl.permute(slots, (0, 2, 5, 4, 1, 3))  # [W, jlo, b2, b1, jhi, b0]: K order
-    frag = gl.reshape(frag, [BLOCK_W, 32 * JLO])
+    frag = gl.reshape(frag, [BLOCK_W, 128])
     return gl.convert_layout(frag, dot_a, assert_trivial=True)
-
-
-@gluon.jit
-def _decode_half(
-    quads,
-    scale_words,
-    half: gl.constexpr,
-    lo_table,
-    hi_table,
-    dot_a: gl.constexpr,
-    BLOCK_W: gl.constexpr,
-    SHIFT: gl.constexpr,
-    F16: gl.constexpr,
-):
-    """[W, jhi, jlo % 2] words of scale blocks 2 * half + jlo % 2 -> their [W, 64] fragment."""
-    words = gl.reshape(quads, [BLOCK_W, 8])  # word 2 * jhi + jlo % 2
-    jlo = gl.arange(0, 8, layout=gl.SliceLayout(0, words.type.layout)) % 2 + 2 * half
-    zero = gl.zeros_like(words)
-    selector = (jlo * 0x0101 + 0x4040)[None, :] + zero
-    # The same rows per thread as the whole chunk's words: a relabeling, no data movement.
-    scale_words = gl.convert_layout(
-        scale_words, gl.SliceLayout(1, words.type.layout), assert_trivial=True
-    )
-    if SHIFT:
-        factor = shift_words_sm90.scale_factors(scale_words[:, None] + zero, selector, F16)
-        if F16:
-            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words_sm90.decode_word_slots_f16(words, factor)
-        else:
-            e0, e1, e2, e3, e4, e5, e6, e7 = shift_words_sm90.decode_word_slots_bf16(words, factor)
-    else:
-        factor = bf16_scale_factors(scale_words[:, None] + zero, selector)
-        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_slots_tables(
-            words, factor, lo_table + zero, hi_table + zero
-        )
-    return _fragment_order(e0, e1, e2, e3, e4, e5, e6, e7, dot_a, BLOCK_W, 2)
 
 
 @gluon.jit
@@ -258,94 +214,36 @@ def mma_step(
     SHIFT_DECODE: gl.constexpr,
     SPLIT_A: gl.constexpr,
     MMA_IN_FLIGHT: gl.constexpr,
-    HALF_CHUNKS: gl.constexpr,
 ):
     """One ring step with scaled fragments (the e8m0 factor multiplied into the halves). ring:
-    as post_scaled_step, with the byte-permute lookup tables (lo, hi) last. HALF_CHUNKS: each
-    chunk as two 64-element K halves (_half_chunk_mmas)."""
+    as post_scaled_step, with the byte-permute lookup tables (lo, hi) last."""
     ring_words, ring_scales, act, act_lo, lo_table, hi_table = ring
     BLOCK_W: gl.constexpr = ring_words.shape[1]
     for c in gl.static_range(CHUNKS):
         slot = ring_step * CHUNKS + c
         words = ring_words.index(slot).load(words_layout)
         scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
-        if HALF_CHUNKS:
-            acc = _half_chunk_mmas(
-                acc, words, scale_words, ring, ring_step, c, dot_a, SHIFT_DECODE, SPLIT_A
-            )
-        else:
-            frag = decode_fragment(
-                words,
-                scale_words,
-                lo_table,
-                hi_table,
-                dot_a,
-                BLOCK_W,
-                SHIFT_DECODE,
-                act.dtype == gl.float16,
-                False,
-            )
-            # Asynchronous, so that the next chunk decodes while this one multiplies; its
-            # A registers stay untouched until the wait below (a fresh value per chunk).
-            b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
-            acc = warpgroup_mma(frag, b, acc, is_async=True)
-            if SPLIT_A:
-                b_lo = act_lo.index(ring_step).slice(c * 128, 128, dim=1)
-                b_lo = b_lo.permute((1, 0))
-                acc = warpgroup_mma(frag, b_lo, acc, is_async=True)
-            if c >= MMA_IN_FLIGHT:
-                # At most MMA_IN_FLIGHT chunks multiply while the next one decodes: the
-                # registers of older fragments are free again (long steps, few registers).
-                acc = warpgroup_mma_wait(MMA_IN_FLIGHT * (2 if SPLIT_A else 1), deps=[acc])
+        frag = decode_fragment(
+            words,
+            scale_words,
+            lo_table,
+            hi_table,
+            dot_a,
+            BLOCK_W,
+            SHIFT_DECODE,
+            act.dtype == gl.float16,
+            False,
+        )
+        # Asynchronous, so that the next chunk decodes while this one multiplies; its
+        # A registers stay untouched until the wait below (a fresh value per chunk).
+        b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
+        acc = warpgroup_mma(frag, b, acc, is_async=True)
+        if SPLIT_A:
+            b_lo = act_lo.index(ring_step).slice(c * 128, 128, dim=1)
+            b_lo = b_lo.permute((1, 0))
+            acc = warpgroup_mma(frag, b_lo, acc, is_async=True)
+        if c >= MMA_IN_FLIGHT:
+            # At most MMA_IN_FLIGHT chunks multiply while the next one decodes: the
+            # registers of older fragments are free again (long steps, few registers).
+            acc = warpgroup_mma_wait(MMA_IN_FLIGHT * (2 if SPLIT_A else 1), deps=[acc])
     return warpgroup_mma_wait(0, deps=[acc])
-
-
-@gluon.jit
-def _half_chunk_mmas(
-    acc,
-    words,
-    scale_words,
-    ring,
-    ring_step,
-    c: gl.constexpr,
-    dot_a: gl.constexpr,
-    SHIFT_DECODE: gl.constexpr,
-    SPLIT_A: gl.constexpr,
-):
-    """Chunk c of the step in two K halves: the second half decodes while the first multiplies,
-    in the registers of one chunk's fragment (two chunks in flight would need twice as many).
-    Each wait leaves only the wgmma just issued in flight, so that the older half's registers
-    are free before the next half decodes into them."""
-    ring_words = ring[0]
-    BLOCK_W: gl.constexpr = ring_words.shape[1]
-    # A thread's four words of a row are jlo 0..3: the halves are jlo < 2 and jlo >= 2.
-    quads = gl.reshape(words, [BLOCK_W, 4, 2, 2])  # [W, jhi, jlo // 2, jlo % 2]
-    first, second = gl.split(gl.permute(quads, (0, 1, 3, 2)))
-    acc = _half_mma(acc, first, scale_words, ring, ring_step, c, 0, dot_a, SHIFT_DECODE, SPLIT_A)
-    return _half_mma(acc, second, scale_words, ring, ring_step, c, 1, dot_a, SHIFT_DECODE, SPLIT_A)
-
-
-@gluon.jit
-def _half_mma(
-    acc,
-    quads,
-    scale_words,
-    ring,
-    ring_step,
-    c: gl.constexpr,
-    h: gl.constexpr,
-    dot_a: gl.constexpr,
-    SHIFT: gl.constexpr,
-    SPLIT_A: gl.constexpr,
-):
-    """Half h of chunk c: decode, issue its wgmma(s), then wait for all but them."""
-    ring_words, ring_scales, act, act_lo, lo_table, hi_table = ring
-    BLOCK_W: gl.constexpr = ring_words.shape[1]
-    F16: gl.constexpr = act.dtype == gl.float16
-    frag = _decode_half(quads, scale_words, h, lo_table, hi_table, dot_a, BLOCK_W, SHIFT, F16)
-    b = act.index(ring_step).slice(c * 128 + h * 64, 64, dim=1).permute((1, 0))
-    acc = warpgroup_mma(frag, b, acc, is_async=True)
-    if SPLIT_A:
-        b_lo = act_lo.index(ring_step).slice(c * 128 + h * 64, 64, dim=1).permute((1, 0))
-        acc = warpgroup_mma(frag, b_lo, acc, is_async=True)
-    return warpgroup_mma_wait(2 if SPLIT_A else 1, deps=[acc])

@@ -97,7 +97,6 @@ def _fragment_gemm_kernel(
     TILE_READY: gl.constexpr,
     MMA_IN_FLIGHT: gl.constexpr,
     POST_SCALE: gl.constexpr,
-    HALF_CHUNKS: gl.constexpr,
     SCALE_BIAS: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
@@ -262,16 +261,7 @@ def _fragment_gemm_kernel(
             )
         else:
             acc = mma_step(
-                acc,
-                ring,
-                slot,
-                words_layout,
-                dot_a,
-                CHUNKS,
-                SHIFT_DECODE,
-                SPLIT_A,
-                MMA_IN_FLIGHT,
-                HALF_CHUNKS,
+                acc, ring, slot, words_layout, dot_a, CHUNKS, SHIFT_DECODE, SPLIT_A, MMA_IN_FLIGHT
             )
     async_copy.wait_group(0)
 
@@ -412,7 +402,6 @@ def _config_constexprs(config) -> dict:
         TILE_READY=config.tile_ready,
         MMA_IN_FLIGHT=config.in_flight,
         POST_SCALE=config.post_scale,
-        HALF_CHUNKS=config.half_chunks,
         num_warps=config.num_warps,
         launch_pdl=config.pdl,
         **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
