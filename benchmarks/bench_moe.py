@@ -356,7 +356,9 @@ SWEEP = {
 # steps deep, one or two chunks' wgmmas in flight, GEMM2 in 2 to 4 splits waiting for GEMM1's
 # grid, or in 2 tile by tile (why the pick wins: docs/decisions.md); at serving batches
 # (M = 64: ~2.4 tokens per selected expert; 256: ~8) narrower token tiles than the prefill
-# tile's 64, which pads each expert's few tokens to 64 MMA columns. Post-scaled and
+# tile's 64, which pads each expert's few tokens to 64 MMA columns, with and without
+# programmatic dependent launch and GEMM2's split; from M = 1024 the prefill tile with and
+# without PDL and narrower token tiles. Post-scaled and
 # tile-by-tile configs need the one-program router (routing.FUSED_MAX_PAIRS), so only up to
 # M = 16.
 _POST = dict(block_w=64, block_t=2, num_warps=4, chunks=4, pdl=True, post_scale=True)
@@ -374,26 +376,27 @@ FRAGMENT_SWEEP = {
     for m in (1, 4, 16)
 }
 FRAGMENT_SWEEP[64] = [
+    FragmentConfig(64, 8, 4, 3, pdl=True),
+    FragmentConfig(64, 8, 4, 4, pdl=True),
+    FragmentConfig(64, 8, 4, 3, chunks=2, pdl=True),
+    FragmentConfig(64, 8, 4, 3, gemm2_split_k=2, chunks=2, pdl=True),
     FragmentConfig(64, 8, 4, 3, gemm2_split_k=2, chunks=2),
-    FragmentConfig(64, 8, 4, 3, chunks=2),
-    FragmentConfig(64, 8, 4, 2, gemm2_split_k=2, chunks=4, pdl=True, mma_in_flight=1),
-    FragmentConfig(64, 16, 4, 4),
-    FragmentConfig(128, 16, 4, 4),
-    FragmentConfig(128, 64, 4, 4),
+    FragmentConfig(64, 16, 4, 4, pdl=True),
+    FragmentConfig(128, 16, 4, 4, pdl=True),
 ]
 FRAGMENT_SWEEP[256] = [
-    FragmentConfig(64, 8, 4, 3, gemm2_split_k=2, chunks=2),
-    FragmentConfig(64, 16, 4, 3, gemm2_split_k=2, chunks=2),
-    FragmentConfig(64, 16, 4, 4),
-    FragmentConfig(64, 32, 4, 4),
+    FragmentConfig(128, 16, 4, 4, pdl=True),
     FragmentConfig(128, 16, 4, 4),
-    FragmentConfig(128, 32, 4, 4),
-    FragmentConfig(128, 64, 4, 4),
+    FragmentConfig(64, 16, 4, 4, pdl=True),
+    FragmentConfig(64, 8, 4, 3, chunks=2, pdl=True),
+    FragmentConfig(128, 32, 4, 4, pdl=True),
+    FragmentConfig(128, 64, 4, 4, pdl=True),
 ]
 FRAGMENT_SWEEP[1024] = [
-    FragmentConfig(64, 32, 4, 4),
-    FragmentConfig(128, 32, 4, 4),
+    FragmentConfig(128, 64, 4, 4, pdl=True),
     FragmentConfig(128, 64, 4, 4),
+    FragmentConfig(128, 32, 4, 4, pdl=True),
+    FragmentConfig(64, 32, 4, 4, pdl=True),
 ]
 
 

@@ -101,22 +101,28 @@ CONFIGS = (
     # Serving batches, where each selected expert holds a few tokens (M = 64: 256 pairs over
     # ~105 experts) or ~8 (M = 256): token tiles just wide enough for them. H100, GPT-OSS-120B,
     # graph-timed over 4 layers' weights (L2-cold), `bench_moe.py --variants sm90 --sweep
-    # --sizes 64,256,1024`: M=64 64x8 tiles, GEMM2 in 2 splits, 584 us (64x8 tile by tile 586,
-    # 128x16 596, post-scaled 64x2 / 64x4 674 / 623, the 128x64 prefill tile 864), each with
-    # the one-program router's ~75 us, which tile counters and post-scaling need; through the
-    # three-launch router (routing.FUSED_MAX_PAIRS) the pick takes 505 us, and at TP=8's
-    # I=384 every tile tried lay within 7% of it. M=256 128x16 650 us (64x16 656 / 679 in 2
-    # splits, 128x32 692, 64x8 818, 128x64 942).
-    (256, FragmentConfig(64, 8, 4, 3, gemm2_split_k=2, chunks=2)),
-    (1024, FragmentConfig(128, 16, 4, 4)),
+    # --sizes 64,256,1024`: M=64 64x8 tiles 584 us (64x8 tile by tile 586, 128x16 596,
+    # post-scaled 64x2 / 64x4 674 / 623, the 128x64 prefill tile 864), each with the
+    # one-program router's ~75 us, which tile counters and post-scaling need; through the
+    # three-launch router (routing.FUSED_MAX_PAIRS) 505 us. M=256 128x16 650 us (64x16 656 /
+    # 679 in 2 splits, 128x32 692, 64x8 818, 128x64 942).
+    # Programmatic dependent launch behind the three-launch router (GEMM2 streams its first
+    # weights, and the combine starts, while the kernel before finishes; the router's kernels
+    # do not trigger early, so GEMM1 starts when they end), with GEMM2 unsplit at M=64. Same
+    # run as vLLM's path, whole layer / TP=8 shard (I=384), µs, against the same tiles without
+    # PDL and GEMM2 in 2 splits: H200 M=64 442 / 87.5 against 464 / 108 (in 2 splits with PDL
+    # 449 / 111), M=256 573 / 109 against 576 / 112, M=1024 1013 / 196 against 1022 / 198,
+    # M=4096 2515 / 488 against 2545 / 489; H100 M=64 511 / 108 against 511 / 122, M=256 647 /
+    # 134 against 651 / 137, M=1024 1033 / 211 against 1042 / 212, M=4096 2540 / 521 against
+    # 2558 / 523, M=8192 4565 / 925 against 4582 / 926.
+    (256, FragmentConfig(64, 8, 4, 3, pdl=True)),
+    (1024, FragmentConfig(128, 16, 4, 4, pdl=True)),
     # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert
     # (M=4096: 2615 us; 128 tokens x 8 warps 3109. M=8192: 4802; 128 tokens 5178). 8 warps on
     # this tile measured within run-to-run noise of 4 (2573 us). Two chunks per step need ~2x
-    # the registers here and lost (M=4096: 3491 us against 2545). No PDL (the router that
-    # clears the tile counters is the one-program decode router; with GEMM2 waiting for the
-    # grid, M=4096 / 8192 measured 2597 / 4771 us against 2561 / 4620). H100, M=1024: 1039
-    # us (128x32: 1049, 64x32: 1157).
-    (None, FragmentConfig(128, 64, 4, 4)),
+    # the registers here and lost (M=4096: 3491 us against 2545). H100, M=1024: 1039 us
+    # (128x32: 1049, 64x32: 1157).
+    (None, FragmentConfig(128, 64, 4, 4, pdl=True)),
 )
 
 

@@ -1,7 +1,7 @@
 """The Hopper Gluon MoE kernel (`triton.moe_apply.sm90`, sm_90 only: Blackwell has no wgmma):
 MXFP4 weights decoded straight into wgmma register fragments (wgmma_gemm_sm90.py), bf16
 activations. route -> GEMM1 + bias + SwiGLU -> GEMM2 + bias, routing weight -> combine, with
-programmatic dependent launch between them at decode sizes.
+programmatic dependent launch from GEMM1 on (fragment_config_sm90.CONFIGS).
 """
 
 from __future__ import annotations

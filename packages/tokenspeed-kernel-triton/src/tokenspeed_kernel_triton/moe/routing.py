@@ -318,7 +318,8 @@ def route(
 ):
     """Route M tokens and group the pairs by expert. For the one-program decode kernel (at most
     FUSED_MAX_PAIRS pairs), on CUDA sm_90+: launch_dependents lets a kernel launched behind it
-    with programmatic dependent launch start early; ready, int32 [>= max_tiles], is zeroed for
+    with programmatic dependent launch start early (beyond it, such a kernel starts when the
+    last of the three launches ends); ready, int32 [>= max_tiles], is zeroed for
     the GEMMs' per-tile counters; prescale = (x [M, H] bf16, scaled [M, H] bf16, exponents [M]
     int32) also writes `_prescale_row` of each row of x into scaled and exponents.
     router_logits [M, E] (or None with precomputed topk_weights [M, k] float32 and topk_ids [M, k]
