@@ -119,12 +119,21 @@ CONFIGS = (
     # M=256 602 / 110 against 596 / 113.
     (256, FragmentConfig(64, 8, 4, 3, pdl=True)),
     (1024, FragmentConfig(128, 16, 4, 4, pdl=True)),
-    # Larger batches: 64-token tiles waste less padding than 128 at ~128 rows per expert
-    # (M=4096: 2615 us; 128 tokens x 8 warps 3109. M=8192: 4802; 128 tokens 5178). 8 warps on
-    # this tile measured within run-to-run noise of 4 (2573 us). Two chunks per step need ~2x
-    # the registers here and lost (M=4096: 3491 us against 2545). H100, M=1024: 1039 us
-    # (128x32: 1049, 64x32: 1157).
-    (None, FragmentConfig(128, 64, 4, 4, pdl=True)),
+    # Prefill batches up to M=2048: 64-token tiles waste less padding than 128 at up to ~64
+    # rows per expert. 8 warps on this tile measured within run-to-run noise of 4. Two chunks
+    # per step need ~2x the registers here and lost (M=4096: 3491 us against 2545). H100,
+    # M=1024: 1039 us (128x32: 1049, 64x32: 1157). H200, M=2048: 1451 us against 1554 for
+    # the 128-token tile below.
+    (8192, FragmentConfig(128, 64, 4, 4, pdl=True)),
+    # From ~128 rows per expert: 128 tokens per tile halve the weight decode per MMA, and a
+    # two-step ring keeps shared memory for two independent 4-warp CTAs per SM (255
+    # registers), which interleave one's decode with the other's wgmmas. One 8-warp CTA of two
+    # warpgroups on the same rows steps them in lockstep through the ring's barriers and
+    # lost. H200, same run as vLLM's path, whole layer / TP=8 shard (I=384), µs: M=4096 2348
+    # / 480 against 2503 / 489 for 128x64 (vLLM 2429 / 428), M=8192 3958 / 814 against 4470 /
+    # 867 (vLLM 3998 / 698); 256x128 on 8 warps 2659 / 545 and 4415 / 917, 64x128 2948 / 581
+    # and 5022 / 996, 128x128 with a three-step ring (one CTA per SM) 3493 / 680 at M=4096.
+    (None, FragmentConfig(128, 128, 4, 2, pdl=True)),
 )
 
 
