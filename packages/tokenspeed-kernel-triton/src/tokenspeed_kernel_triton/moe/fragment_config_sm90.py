@@ -114,9 +114,9 @@ CONFIGS = (
     # 449 / 111), M=256 573 / 109 against 576 / 112, M=1024 1013 / 196 against 1022 / 198,
     # M=4096 2515 / 488 against 2545 / 489; H100 M=64 511 / 108 against 511 / 122, M=256 647 /
     # 134 against 651 / 137, M=1024 1033 / 211 against 1042 / 212, M=4096 2540 / 521 against
-    # 2558 / 523, M=8192 4565 / 925 against 4582 / 926. A second H200 (another day's machine,
-    # whose times run ~5% above the first's at every M): M=64 478 / 87.8 against 481 / 109,
-    # M=256 602 / 110 against 596 / 113.
+    # 2558 / 523, M=8192 4565 / 925 against 4582 / 926. A second H200 machine, on which ours
+    # ran ~5% slower than on the first at every M: M=64 478 / 87.8 against 481 / 109, M=256
+    # 602 / 110 against 596 / 113.
     (256, FragmentConfig(64, 8, 4, 3, pdl=True)),
     (1024, FragmentConfig(128, 16, 4, 4, pdl=True)),
     # Prefill batches up to M=2048: 64-token tiles waste less padding than 128 at up to ~64
