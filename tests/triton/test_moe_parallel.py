@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import tokenspeed_kernel as tk
+from tokenspeed_kernel.ops.moe.reference import topk_softmax
 from tokenspeed_kernel.platform import platform_of
 from tokenspeed_kernel.registry import get_kernel
 from tokenspeed_kernel.testing import assert_close, moe_plan_for, tolerance
 from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_inputs, moe_weights
 from tokenspeed_kernel.tuning import pin_config
+from tokenspeed_kernel_triton.moe import routing as triton_routing
 from tokenspeed_kernel_triton.moe.moe import MoETileConfig
 from tokenspeed_kernel_triton.moe.routing import route
 
@@ -115,14 +117,31 @@ def _shard_outputs(kernel, config, weights, split, world_size, x, routing) -> li
     return outputs
 
 
-@pytest.mark.parametrize("tokens,top_k", [(5, 2), (70, 4)])
-def test_routing_groups_only_the_local_experts(tokens, top_k):
+@pytest.mark.parametrize("block_counts", [False, True])
+@pytest.mark.parametrize("precomputed", [False, True])
+@pytest.mark.parametrize("tokens,top_k", [(5, 2), (70, 4), (1500, 2)])
+def test_routing_groups_only_the_local_experts(
+    tokens, top_k, precomputed, block_counts, monkeypatch
+):
     """Experts 5..10 of 16: tiles name local experts 0..5 in order, every local pair once,
-    no other pair; the one-program (10 pairs) and multi-kernel (280 pairs) routers."""
+    no other pair; the one-program (10 pairs) and multi-kernel (280 and 3000 pairs) routers,
+    from logits or from precomputed ids with -1 and ids past E among them. The multi-kernel
+    router's align kernel counts the ids itself, or sums the counts of blocks of pairs (64
+    tokens per top-k block, 1024 pairs per count block), here one block per load as with 128
+    blocks of 128 experts."""
+    monkeypatch.setattr(triton_routing, "BLOCK_COUNTS_MIN_PAIRS", 64 if block_counts else 1 << 30)
+    monkeypatch.setattr(triton_routing, "_COUNTS_PER_LOAD", 16)
     gen = generator("moe-ep-routing", tokens, top_k)
     logits = torch.randn(tokens, 16, generator=gen).to(DEVICE)
+    given = (None, None)
+    if precomputed:
+        given_w, given_ids = topk_softmax(logits, top_k)
+        given_ids = given_ids.to(torch.int32)
+        given_ids[::3, 0] = -1
+        given_ids[1::7, -1] = 16
+        given, logits = (given_w, given_ids), None
     weights, ids, sorted_pairs, tiles, num_tiles, bound = route(
-        logits, None, None, top_k=top_k, num_experts=16, block_m=4, expert_offset=5,
+        logits, *given, top_k=top_k, num_experts=16, block_m=4, expert_offset=5,
         num_local_experts=6,
     )  # fmt: skip
     flat = ids.reshape(-1).long().cpu() - 5
