@@ -128,7 +128,9 @@ def test_routing_groups_only_the_local_experts(
     from logits or from precomputed ids with -1 and ids past E among them. The multi-kernel
     router's align kernel counts the ids itself, or sums the counts of blocks of pairs (64
     tokens per top-k block, 1024 pairs per count block), here one block per load as with 128
-    blocks of 128 experts."""
+    blocks of 128 experts. Every entry of the tile table and every sorted row is written on
+    each call, the unused ones with 0 (the GEMMs read whole tiles): a second call into the
+    same buffers, filled with -7 in between, leaves none of it."""
     monkeypatch.setattr(triton_routing, "BLOCK_COUNTS_MIN_PAIRS", 64 if block_counts else 1 << 30)
     monkeypatch.setattr(triton_routing, "_COUNTS_PER_LOAD", 16)
     gen = generator("moe-ep-routing", tokens, top_k)
@@ -140,10 +142,17 @@ def test_routing_groups_only_the_local_experts(
         given_ids[::3, 0] = -1
         given_ids[1::7, -1] = 16
         given, logits = (given_w, given_ids), None
-    weights, ids, sorted_pairs, tiles, num_tiles, bound = route(
-        logits, *given, top_k=top_k, num_experts=16, block_m=4, expert_offset=5,
-        num_local_experts=6,
-    )  # fmt: skip
+
+    def routed():
+        return route(
+            logits, *given, top_k=top_k, num_experts=16, block_m=4, expert_offset=5,
+            num_local_experts=6,
+        )  # fmt: skip
+
+    for buffer in routed()[2:4]:  # sorted pairs, tiles
+        buffer.fill_(-7)
+    weights, ids, sorted_pairs, tiles, num_tiles, bound = routed()
+    assert (sorted_pairs != -7).all() and (tiles != -7).all()
     flat = ids.reshape(-1).long().cpu() - 5
     local = torch.nonzero((flat >= 0) & (flat < 6)).reshape(-1).tolist()
     seen, last = [], -1
