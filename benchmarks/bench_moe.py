@@ -136,12 +136,9 @@ def token_inputs(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def layer_forward(x, prepared: dict, logits, out, act: str = "bf16", scales=(None, None)):
     """One layer's forward through the kernel its weights were prepared for: fragment word
-    order is triton.moe_apply.sm90's layout (bf16 activations only), natural order
-    triton.moe_apply's."""
-    if prepared["word_order"] == "fragment":
-        moe_sm90.moe_forward_sm90(x, prepared, top_k=TOP_K, out=out, router_logits=logits)
-        return
-    moe.moe_forward(
+    order is triton.moe_apply.sm90's layout, natural order triton.moe_apply's."""
+    forward = moe_sm90.moe_forward_sm90 if prepared["word_order"] == "fragment" else moe.moe_forward
+    forward(
         x,
         prepared,
         top_k=TOP_K,
@@ -446,6 +443,8 @@ VARIANTS = {
         "fragment",
         {"f16_intermediate": False, "shift_decode": False},
     ),
+    "sm90-fp8-dynamic": ("triton.moe_apply.sm90, fp8 dynamic", "fp8", False, "fragment", {}),
+    "sm90-fp8-static": ("triton.moe_apply.sm90, fp8 static", "fp8", True, "fragment", {}),
     "portable-bf16": ("triton.moe_apply", "bf16", False, "natural", {}),
     "portable-fp8-dynamic": ("triton.moe_apply, fp8 dynamic", "fp8", False, "natural", {}),
     "portable-fp8-static": ("triton.moe_apply, fp8 static", "fp8", True, "natural", {}),

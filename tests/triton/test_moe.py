@@ -204,7 +204,7 @@ def test_pinned_config_gives_the_same_result():
     "act,hidden,expected",
     [
         ("bf16", 2880, HOPPER),
-        ("fp8", 2880, KERNEL),  # the wgmma kernel takes bf16 activations only
+        ("fp8", 2880, HOPPER),  # e4m3 values as bf16 operands, scales on the accumulators
         ("bf16", 2888, KERNEL),  # x rows are copied in 16-byte vectors
     ],
 )
@@ -275,17 +275,21 @@ def gpt_oss_weights(activation_format="bf16", static=False, seed=0, device="cuda
         (HOPPER, "bf16"),
         (HOPPER, "bf16-hilo"),
         (HOPPER, "bf16-prmt"),
+        (HOPPER, "fp8-dynamic"),
+        (HOPPER, "fp8-static"),
+        (HOPPER, "fp8-dynamic-hilo"),
     ],
 )
 def test_gpt_oss_120b_shapes(kernel, act):
     """bf16 on triton.moe_apply.sm90 shift-decodes both weights, w2 to fp16 for an fp16 SwiGLU
     intermediate. bf16-hilo plants a w2 scale byte fp16 cannot hold (bf16 hi + lo, w2 still
     shift-decoded to bf16); bf16-prmt plants one bf16's shift decode cannot hold in each weight
-    (byte-permute decode for both)."""
+    (byte-permute decode for both). fp8-dynamic-hilo: fp8 activations with the bf16 hi + lo
+    intermediate (its quantization reads hi + lo, writes hi)."""
     activation_format = "fp8" if act.startswith("fp8") else "bf16"
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format=activation_format)
     weights = gpt_oss_weights(activation_format, static=act == "fp8-static")
-    if act == "bf16-hilo":
+    if act.endswith("-hilo"):
         weights.w2_scale[5, 100, 7] = 103  # 2^-24: below fp16's reach for 0.5 * scale
     if act == "bf16-prmt":
         weights.w13_scale[9, 11, 13] = 129  # the factor 2^128 is no bf16
@@ -297,8 +301,9 @@ def test_gpt_oss_120b_shapes(kernel, act):
     plan = moe_plan_for(spec, config, 4096, "cuda")
     prepared = spec.fn.prepare_weights(plan, weights)
     if kernel == HOPPER:
-        decodes = {"bf16": ("bf16", "fp16"), "bf16-hilo": ("bf16", "bf16")}
-        expected = decodes.get(act, ("prmt", "prmt"))
+        expected = ("prmt", "prmt") if act.endswith("-prmt") else ("bf16", "fp16")
+        if act.endswith("-hilo"):
+            expected = ("bf16", "bf16")
         assert (prepared.tensors["w13_decode"], prepared.tensors["w2_decode"]) == expected
     reference = get_kernel("moe_apply", "reference.moe_apply")
     ref_plan = moe_plan_for(reference, config, 4096, "cuda")

@@ -144,6 +144,14 @@ def scaled_fragments(config: FragmentConfig) -> FragmentConfig:
     return dataclasses.replace(config, post_scale=False, block_t=8)
 
 
+@functools.cache
+def grid_wait(config: FragmentConfig) -> FragmentConfig:
+    """The config with GEMM2 waiting for the whole kernel before it (no tile counters): with
+    fp8 activations a quantization pass runs between the GEMMs, and GEMM1's counters would
+    not say that it is done."""
+    return dataclasses.replace(config, tile_ready=False)
+
+
 def gemm2_splits(requested: int, K: int) -> int:
     """The GEMM2 split count for `requested` ways over K (padded) columns: as many as there
     are non-empty splits of whole 128-column chunks."""

@@ -1,7 +1,8 @@
 """The Hopper Gluon MoE kernel (`triton.moe_apply.sm90`, sm_90 only: Blackwell has no wgmma):
-MXFP4 weights decoded straight into wgmma register fragments (wgmma_gemm_sm90.py), bf16
-activations. route -> GEMM1 + bias + SwiGLU -> GEMM2 + bias, routing weight -> combine, with
-programmatic dependent launch from GEMM1 on (fragment_config_sm90.CONFIGS).
+MXFP4 weights decoded straight into wgmma register fragments (wgmma_gemm_sm90.py), bf16 or fp8
+activations (e4m3 values in bf16 / fp16 operands, their scales on the accumulators). route ->
+GEMM1 + bias + SwiGLU -> GEMM2 + bias, routing weight -> combine, with programmatic dependent
+launch from GEMM1 on (fragment_config_sm90.CONFIGS).
 """
 
 from __future__ import annotations
@@ -14,8 +15,15 @@ from tokenspeed_kernel.tuning import first_match, pinned_config
 
 from ._common import route_for_gemms, swiglu_fits_f16
 from .combine import combine
-from .fragment_config_sm90 import CONFIGS, FragmentConfig, gemm2_splits, scaled_fragments
+from .fragment_config_sm90 import (
+    CONFIGS,
+    FragmentConfig,
+    gemm2_splits,
+    grid_wait,
+    scaled_fragments,
+)
 from .layout import PaddedMoEKernel
+from .quant import quantize_rows
 from .routing import max_tiles
 from .wgmma_gemm_sm90 import fragment_gemm
 from .workspace import scratch
@@ -43,13 +51,20 @@ def moe_forward_sm90(
     *,
     top_k: int,
     out: torch.Tensor,
+    activation_format: str = "bf16",
+    w13_input_scale: float | None = None,
+    w2_input_scale: float | None = None,
     alpha: float = 1.702,
     limit: float = 7.0,
     expert_offset: int = 0,
     **routing_inputs,
 ) -> torch.Tensor:
-    """moe_forward (moe.py, the same routing_inputs and expert_offset) on Hopper for x [M, H] bf16
-    and weights prepared in fragment order (layout.prepare_weights(..., word_order="fragment"))."""
+    """moe_forward (moe.py, the same routing_inputs, expert_offset and FP8 activations) on
+    Hopper for x [M, H] bf16 and weights prepared in fragment order
+    (layout.prepare_weights(..., word_order="fragment")). FP8 activations: x and the SwiGLU
+    intermediate are quantized to e4m3 as moe.py's are (static per-tensor scales when given,
+    else per token / per pair row), their values stored exactly in the GEMMs' half types and
+    their scales applied to the accumulators."""
     # The SwiGLU intermediate: fp16 where prepare_weights laid w2 out to decode to fp16 (one MMA
     # per K step, and as accurate as bf16 hi + lo); else bf16 [hi | lo] halves.
     M = x.shape[0]
@@ -66,6 +81,11 @@ def moe_forward_sm90(
     post_scalable = prepared["w13_decode"] == "bf16" and f16_intermediate
     config = pick_config(M * top_k, post_scalable)
     routing_inputs = dict(routing_inputs, expert_offset=expert_offset)
+    fp8 = activation_format == "fp8"
+    x_scale = None
+    if fp8:
+        config = grid_wait(config)
+        x, x_scale = quantize_rows(x, w13_input_scale, "x", values_as=torch.bfloat16)
     routing, ids_to_check, ready, x_exp, x_in = _route(x, prepared, top_k, config, routing_inputs)
     H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
     Ip = prepared["padded_intermediate_size"]
@@ -86,10 +106,20 @@ def moe_forward_sm90(
         k_valid=H,
         n_valid=2 * I,
         x_exp=x_exp,
+        in_scale=x_scale,
         alpha=alpha,
         limit=limit,
         **common,
     )
+    act_scale = None
+    if fp8:
+        # The intermediate's rows in place: e4m3 values in its half type (bf16 [hi | lo]: hi).
+        tiles = (routing[2], routing[3], config.block_t)
+        valid = act[:, :I]
+        lo_offset = 0 if f16_intermediate else Ip
+        _, act_scale = quantize_rows(
+            valid, w2_input_scale, "act", tiles, into=valid, lo_offset=lo_offset
+        )
     splits = gemm2_splits(config.gemm2_split_k, Ip)
     y = scratch("y", (M * top_k * splits, H), torch.float32, x.device)
     w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
@@ -105,6 +135,7 @@ def moe_forward_sm90(
         k_valid=I,
         n_valid=H,
         split_k=splits,
+        in_scale=act_scale,
         ready_target=-(-2 * I // config.block_w),
         **common,
     )
@@ -148,12 +179,19 @@ def _route(x, prepared, top_k, config, routing_inputs: dict):
 
 class TritonMoESm90(PaddedMoEKernel):
     """The registered "moe_apply" kernel object for Hopper: MXFP4 words in fragment order,
-    decoded in registers into wgmma's A operand; bf16 activations."""
+    decoded in registers into wgmma's A operand; bf16 or fp8 activations."""
 
     name = KERNEL_NAME
     weight_layout = WEIGHT_LAYOUT
     word_order = "fragment"
     forward = staticmethod(moe_forward_sm90)
+
+    def forward_options(self, config, tensors: dict) -> dict:
+        return dict(
+            activation_format=config.activation_format,
+            w13_input_scale=tensors["w13_input_scale"],
+            w2_input_scale=tensors["w2_input_scale"],
+        )
 
 
 def supports(request, platform) -> Support:
@@ -175,7 +213,8 @@ def supports(request, platform) -> Support:
 # - log2(gain) for w2), which picks each weight's decode: gain 1 shift-decodes w13 to bf16 and
 # w2 to fp16 (fp16 intermediate, post-scaled decode tiles); 2^17 puts w13's bytes above bf16's
 # shift range (prmt) and w2's below fp16's (bf16 hi + lo intermediate); 2^-10 puts w2's above
-# bf16's (prmt).
+# bf16's (prmt). FP8 activations at a decode tile (post-scaled) and the prefill tile, with the
+# fp16 and the bf16 [hi | lo] intermediates.
 _GPT_OSS = dict(num_experts=8, top_k=4, hidden_size=2880, intermediate_size=2880)
 AOT_CASES = (
     dict(_GPT_OSS, num_tokens=1),
@@ -186,6 +225,9 @@ AOT_CASES = (
     dict(_GPT_OSS, num_tokens=4096),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**17),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**-10),
+    dict(_GPT_OSS, num_tokens=1, activation_format="fp8"),
+    dict(_GPT_OSS, num_tokens=4096, activation_format="fp8"),
+    dict(_GPT_OSS, num_tokens=4096, activation_format="fp8", gain=2.0**17),
 )
 
 
@@ -197,7 +239,7 @@ def register() -> None:
         platforms=["nvidia:sm_90"],
         traits={
             "weight_format": {"mxfp4"},
-            "activation_format": {"bf16"},
+            "activation_format": {"bf16", "fp8"},
             "routing": {"topk_softmax"},
             "bias": True,
             "expert_parallel": True,

@@ -1,7 +1,8 @@
 """FP8 e4m3 activation quantization per row (dynamic, per token) or per tensor (static).
 
 Matches core's `quantize_fp8`: dynamic scale = max(amax, 1e-12) / 448 with IEEE division, then
-q = clamp(x / scale, -448, 448) rounded to nearest even.
+q = clamp(x / scale, -448, 448) rounded to nearest even. The e4m3 values may be stored as fp8 or,
+exactly, as bf16 / fp16 (for the Hopper kernel's half-precision operands).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def _quant_rows_kernel(
     stride_q,
     tiles_ptr,
     num_tiles_ptr,
+    lo_offset,
     DYNAMIC: tl.constexpr,
+    HI_LO: tl.constexpr,
     TILED: tl.constexpr,
     TILE_M: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -51,6 +54,9 @@ def _quant_rows_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HI_LO:
+        # A bf16 [hi | lo] row (the Hopper kernel's SwiGLU intermediate): the value is hi + lo.
+        x += tl.load(x_ptr + row * stride_x + lo_offset + offs, mask=mask, other=0.0).to(tl.float32)
     if DYNAMIC:
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), AMAX_FLOOR)
         scale = tl.math.div_rn(amax, FP8_MAX)
@@ -58,17 +64,31 @@ def _quant_rows_kernel(
     else:
         scale = static_scale
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-    tl.store(q_ptr + row * stride_q + offs, round_to_fp8(q, INTERPRETED), mask=mask)
+    q = round_to_fp8(q, INTERPRETED)
+    if q_ptr.dtype.element_ty != tl.float8e4nv:
+        q = q.to(tl.float32).to(q_ptr.dtype.element_ty)  # exact: e4m3 fits bf16 and fp16
+    tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
+    if HI_LO:
+        tl.store(q_ptr + row * stride_q + lo_offset + offs, tl.zeros_like(q), mask=mask)
 
 
-def quantize_rows(x, static_scale: float | None, slot: str, tiles=None):
+def quantize_rows(
+    x, static_scale: float | None, slot: str, tiles=None, *, values_as=None, into=None, lo_offset=0
+):
     """x [rows, n] -> (q [rows, n] float8_e4m3fn, scale): a float for a static scale, else
     [rows] float32 (one per row). Both tensors are the MoE call's scratch (workspace.py)
     under `slot`: valid until the next MoE call on the stream. tiles: (tile table, tile count
     on the device, rows per tile) when x is a grouped GEMM's output, whose rows past their
-    tile's end hold nothing: those rows are skipped, their q and scale left unwritten."""
+    tile's end hold nothing: those rows are skipped, their q and scale left unwritten.
+    values_as: store the e4m3 values as this dtype (bfloat16 / float16 hold them exactly)
+    instead of float8_e4m3fn. into: write q there (x itself: a row is read whole before it is
+    written), a [rows, >= n] view. lo_offset > 0: x's rows are bf16 [hi | lo] pairs, lo
+    lo_offset columns after hi; the value is hi + lo, and q goes to hi with lo zeroed."""
     rows, n = x.shape
-    q = scratch(f"{slot}_q", (rows, n), torch.float8_e4m3fn, x.device)
+    if into is not None:
+        q = into
+    else:
+        q = scratch(f"{slot}_q", (rows, n), values_as or torch.float8_e4m3fn, x.device)
     scale = static_scale
     if static_scale is None:
         scale = scratch(f"{slot}_scale", (rows,), torch.float32, x.device)
@@ -84,7 +104,9 @@ def quantize_rows(x, static_scale: float | None, slot: str, tiles=None):
             x.stride(0),
             q.stride(0),
             *(tiles[:2] if tiles else (x, x)),
+            lo_offset,
             DYNAMIC=static_scale is None,
+            HI_LO=lo_offset > 0,
             TILED=tiles is not None,
             TILE_M=tiles[2] if tiles else 1,
             BLOCK=block,

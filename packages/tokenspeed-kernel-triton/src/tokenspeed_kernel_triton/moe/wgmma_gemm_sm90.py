@@ -65,6 +65,7 @@ def _fragment_gemm_kernel(
     table_ptr,
     ready_ptr,
     x_exp_ptr,
+    in_scale_ptr,
     N,
     K,
     K_VALID,
@@ -83,6 +84,7 @@ def _fragment_gemm_kernel(
     ready_target,
     alpha,
     limit,
+    in_scale,
     TOPK: gl.constexpr,
     SWIGLU: gl.constexpr,
     SPLIT_A: gl.constexpr,
@@ -98,6 +100,7 @@ def _fragment_gemm_kernel(
     MMA_IN_FLIGHT: gl.constexpr,
     POST_SCALE: gl.constexpr,
     SCALE_BIAS: gl.constexpr,
+    IN_SCALE: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
@@ -231,12 +234,15 @@ def _fragment_gemm_kernel(
     # Small tiles load what the epilogue reads now: its latency hides behind the main loop
     # instead of following it (a few registers; 64-token tiles would hold 32 per thread).
     PRELOAD: gl.constexpr = BLOCK_T <= 8
-    epilogue_ptrs = (sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be)
+    epilogue_ptrs = (
+        sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale
+    )  # fmt: skip
     epilogue = (epilogue_ptrs, expert, tile, pid_w, row_end, N_VALID)
     if PRELOAD:
         operands = epilogue_operands(
-            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, BLOCK_W, BLOCK_T, out_layout
-        )
+            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, BLOCK_W, BLOCK_T,
+            out_layout,
+        )  # fmt: skip
 
     # Iteration `it` copies step `it` into the ring and computes step it - (STAGES - 1). A
     # step's chunks past num_k are zeros (which decode to zeros) rather than branches around
@@ -268,13 +274,13 @@ def _fragment_gemm_kernel(
     acc = token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T)
     if not PRELOAD:
         operands = epilogue_operands(
-            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, BLOCK_W, BLOCK_T, out_layout
-        )
+            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, BLOCK_W, BLOCK_T,
+            out_layout,
+        )  # fmt: skip
     # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
-    rows, cols, col_ok, col_pair, bias, col_factor = operands
-    if SWIGLU:
-        if POST_SCALE:
-            acc *= col_factor[None, :]
+    rows, cols, col_ok, col_pair, bias, pre_factor, post_factor = operands
+    if (SWIGLU and POST_SCALE) or IN_SCALE != 0:
+        acc *= pre_factor[None, :]
     if HAS_BIAS:
         if split == 0:  # one split adds the bias
             acc += bias[:, None]
@@ -287,7 +293,7 @@ def _fragment_gemm_kernel(
             gl.thread_barrier()
             gl.atomic_add(ready_ptr + tile, 1, sem="release", scope="gpu")
     else:
-        acc *= col_factor[None, :]  # the routing weight
+        acc *= post_factor[None, :]  # the routing weight
         # Row pair * SPLIT_K + split: the combine sums a token's top_k * SPLIT_K rows.
         out_row = col_pair.to(gl.int64) * SPLIT_K + split
         ptrs = out_ptr + out_row[None, :] * stride_om + rows[:, None]
@@ -325,6 +331,7 @@ def fragment_gemm(
     ready: torch.Tensor | None = None,
     ready_target: int = 0,
     x_exp: torch.Tensor | None = None,
+    in_scale: torch.Tensor | float | None = None,
     alpha: float = 0.0,
     limit: float = 0.0,
 ) -> None:
@@ -342,6 +349,10 @@ def fragment_gemm(
     pair * split_k + split of `out` [pairs * split_k, H], for the combine to sum. Only row
     blocks below n_valid are computed (GEMM1 skips its zero-padded rows past 2I; GEMM2 then
     takes k_valid = I, its copies zero-filling the columns GEMM1 did not write).
+
+    in_scale, with fp8 activations: the scale of a's rows (their e4m3 values stored as a's
+    half type), a float for all or float32 per row (GEMM1: [tokens]; GEMM2: [sorted rows]),
+    applied to the accumulator before the bias.
 
     With config.tile_ready, ready [tile-count bound] int32, zero before GEMM1 (the router
     clears it): GEMM1's CTAs count themselves in per tile when their rows are stored, and
@@ -367,6 +378,7 @@ def fragment_gemm(
         _lookup_tables(a.device),
         ready if ready is not None else num_tiles,
         x_exp if x_exp is not None else num_tiles,
+        in_scale if isinstance(in_scale, torch.Tensor) else num_tiles,
         N,
         K,
         k_valid,
@@ -379,6 +391,7 @@ def fragment_gemm(
         ready_target,
         alpha,
         limit,
+        in_scale if isinstance(in_scale, float) else 1.0,
         TOPK=top_k,
         SWIGLU=gemm1,
         SPLIT_A=not gemm1 and a.dtype == torch.bfloat16,
@@ -386,6 +399,7 @@ def fragment_gemm(
         SPLIT_K=split_k,
         SHIFT_DECODE=decode != "prmt",
         SCALE_BIAS=POST_SCALE_BIAS[operand],
+        IN_SCALE=0 if in_scale is None else 1 if isinstance(in_scale, float) else 2,
         **_config_constexprs(config),
     )
 
