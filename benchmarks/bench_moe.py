@@ -458,7 +458,7 @@ def time_sizes(label, args, bw: float, dense: float) -> tuple[list[list], list[s
     kernel, act, static, word_order, options = VARIANTS[label]
     prepared, scales = gpt_oss_tensors(static, word_order, **options)
     one, cold = [prepared], weight_copies(prepared, args.layers)
-    sizes = (1, 4, 16, 64, 4096, 8192) if act == "bf16" else (1, 4096)
+    sizes = (1, 4, 16, 64, 1024, 4096, 8192) if act == "bf16" else (1, 64, 1024, 4096, 8192)
     if args.sizes:
         sizes = tuple(int(m) for m in args.sizes.split(","))
     rows = []
