@@ -80,10 +80,12 @@ def swiglu_store(
     limit,
     BLOCK_W: gl.constexpr,
     BLOCK_T: gl.constexpr,
-    F16: gl.constexpr,
 ):
-    """GEMM1's clamped SwiGLU of acc into its rows of out. out_rows: (out_ptr, N, stride_om,
-    the weight rows, the token columns, which columns are valid)."""
+    """GEMM1's clamped SwiGLU of acc into its rows of out, in out's form: fp16, bf16 [hi | lo]
+    halves, or float32 (for fp8 activations, quantized from it by a pass of their own: the
+    reference rounds the exact value to e4m3, and a half-precision step first would round
+    some ties the other way). out_rows: (out_ptr, N, stride_om, the weight rows, the token
+    columns, which columns are valid)."""
     out_ptr, N, stride_om, rows, cols, col_ok = out_rows
     g, u = _gate_up(acc, BLOCK_W, BLOCK_T)
     # Index tensors go through the same reshape so that they share g's layout.
@@ -95,7 +97,10 @@ def swiglu_store(
     u = gl.minimum(gl.maximum(u, -limit), limit)
     act = g / (1.0 + gl.exp(-alpha * g)) * (u + 1.0)
     ptrs = out_ptr + row.to(gl.int64) * stride_om + channel
-    if F16:
+    OUT_TYPE: gl.constexpr = out_ptr.dtype.element_ty
+    if OUT_TYPE == gl.float32:
+        gl.store(ptrs, act, mask=ok != 0)
+    elif OUT_TYPE == gl.float16:
         # One fp16 row (the host checked that alpha and limit bound |act| below fp16's max).
         gl.store(ptrs, act.to(gl.float16), mask=ok != 0)
     else:

@@ -94,12 +94,14 @@ def moe_forward_sm90(
         act = scratch("act", (rows, Ip), torch.float16, x.device)
     else:
         act = scratch("act", (rows, 2 * Ip), torch.bfloat16, x.device)
+    # With fp8 activations GEMM1 writes float32 rows, quantized into act below.
+    act32 = scratch("act32", (rows, Ip), torch.float32, x.device) if fp8 else act
     common = dict(config=config, ready=ready)
     w13 = (prepared["w13"], prepared["w13_scale"], prepared["w13_bias"])
     fragment_gemm(
         x_in,
         *w13,
-        act,
+        act32,
         routing,
         gemm1=True,
         decode=prepared["w13_decode"],
@@ -113,12 +115,11 @@ def moe_forward_sm90(
     )
     act_scale = None
     if fp8:
-        # The intermediate's rows in place: e4m3 values in its half type (bf16 [hi | lo]: hi).
+        # e4m3 values in the intermediate's half type (bf16 [hi | lo]: hi, lo zeroed).
         tiles = (routing[2], routing[3], config.block_t)
-        valid = act[:, :I]
         lo_offset = 0 if f16_intermediate else Ip
         _, act_scale = quantize_rows(
-            valid, w2_input_scale, "act", tiles, into=valid, lo_offset=lo_offset
+            act32[:, :I], w2_input_scale, "act", tiles, into=act, lo_offset=lo_offset
         )
     splits = gemm2_splits(config.gemm2_split_k, Ip)
     y = scratch("y", (M * top_k * splits, H), torch.float32, x.device)

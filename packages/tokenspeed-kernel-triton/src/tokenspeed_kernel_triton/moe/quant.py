@@ -54,9 +54,6 @@ def _quant_rows_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if HI_LO:
-        # A bf16 [hi | lo] row (the Hopper kernel's SwiGLU intermediate): the value is hi + lo.
-        x += tl.load(x_ptr + row * stride_x + lo_offset + offs, mask=mask, other=0.0).to(tl.float32)
     if DYNAMIC:
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), AMAX_FLOOR)
         scale = tl.math.div_rn(amax, FP8_MAX)
@@ -69,6 +66,7 @@ def _quant_rows_kernel(
         q = q.to(tl.float32).to(q_ptr.dtype.element_ty)  # exact: e4m3 fits bf16 and fp16
     tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
     if HI_LO:
+        # q's rows are bf16 [hi | lo] pairs (the Hopper kernel's intermediate): the value in hi.
         tl.store(q_ptr + row * stride_q + lo_offset + offs, tl.zeros_like(q), mask=mask)
 
 
@@ -81,9 +79,9 @@ def quantize_rows(
     on the device, rows per tile) when x is a grouped GEMM's output, whose rows past their
     tile's end hold nothing: those rows are skipped, their q and scale left unwritten.
     values_as: store the e4m3 values as this dtype (bfloat16 / float16 hold them exactly)
-    instead of float8_e4m3fn. into: write q there (x itself: a row is read whole before it is
-    written), a [rows, >= n] view. lo_offset > 0: x's rows are bf16 [hi | lo] pairs, lo
-    lo_offset columns after hi; the value is hi + lo, and q goes to hi with lo zeroed."""
+    instead of float8_e4m3fn. into: write q there instead, a [rows, >= n] tensor of such a
+    dtype. lo_offset > 0: into's rows are bf16 [hi | lo] pairs, lo lo_offset columns after
+    hi: q goes to hi, lo is zeroed."""
     rows, n = x.shape
     if into is not None:
         q = into

@@ -285,9 +285,8 @@ def _fragment_gemm_kernel(
         if split == 0:  # one split adds the bias
             acc += bias[:, None]
     if SWIGLU:
-        F16_OUT: gl.constexpr = out_ptr.dtype.element_ty == gl.float16
         out_rows = (out_ptr, N, stride_om, rows, cols, col_ok)
-        swiglu_store(out_rows, acc, alpha, limit, BLOCK_W, BLOCK_T, F16_OUT)
+        swiglu_store(out_rows, acc, alpha, limit, BLOCK_W, BLOCK_T)
         if TILE_READY:
             # Every thread's rows are stored (the barrier), then one release increment.
             gl.thread_barrier()
@@ -338,8 +337,8 @@ def fragment_gemm(
     """One grouped GEMM over the tiles of `routing` (routing.route with block_m = block_t).
 
     a [rows, K]: x (bf16) for GEMM1, gathered by token; for GEMM2 the sorted SwiGLU rows,
-    either bf16 [hi | lo] halves or fp16. GEMM1's `out` dtype (bf16 [rows, 2 Ip] or fp16
-    [rows, Ip]) picks the form it writes. w [E, N / 64, 64, K / 128, 16] int32 words in
+    either bf16 [hi | lo] halves or fp16. GEMM1's `out` dtype (bf16 [rows, 2 Ip], fp16 or
+    float32 [rows, Ip]) picks the form it writes. w [E, N / 64, 64, K / 128, 16] int32 words in
     fragment order (fragment_layout_sm90.py; prepare_weights stores them panel-major, any strides
     do; row-major [E, N, K / 8] is taken too), encoded as `decode` says (prepared["w13_decode"]
     / ["w2_decode"]: shift_words' "bf16" or "fp16" layout, or "prmt"); w_scale [E, N / 64, 64,
