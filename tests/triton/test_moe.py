@@ -495,3 +495,24 @@ def test_dynamic_fp8_quantizes_only_the_rows_the_gemm_wrote():
     skipped = torch.tensor([3, *range(8, 16)])
     assert (scale[skipped] == -1.0).all()
     assert (q[skipped].view(torch.uint8) == 0x7F).all()
+
+
+def test_quantized_rows_stored_as_half_values_are_the_e4m3_values():
+    """The Hopper kernel's fp8 operands: e4m3 values stored exactly as bf16 (x) or written
+    into a bf16 [hi | lo] buffer's hi with lo zeroed (the SwiGLU intermediate), the same
+    values and scales as the fp8 quantization, dynamic and static."""
+    from tokenspeed_kernel_triton.moe.quant import quantize_rows
+
+    gen = generator("quant-half-values")
+    x = torch.randn(5, 40, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 600.0, 1e5])[:, None]
+    for static in (None, 0.5):
+        q8, scale8 = quantize_rows(x, static, "test_fp8")
+        want = q8.float()
+        q16, scale16 = quantize_rows(x, static, "test_bf16", values_as=torch.bfloat16)
+        assert q16.dtype == torch.bfloat16 and torch.equal(q16.float(), want)
+        assert torch.equal(torch.as_tensor(scale16), torch.as_tensor(scale8))
+        pairs = torch.full((5, 2 * 48), -7.0, dtype=torch.bfloat16)  # [hi | lo], 48 wide
+        quantize_rows(x, static, "test_hilo", into=pairs, lo_offset=48)
+        assert torch.equal(pairs[:, :40].float(), want)
+        assert (pairs[:, 48:88] == 0).all()
+        assert (pairs[:, 40:48] == -7).all() and (pairs[:, 88:] == -7).all()
