@@ -490,3 +490,126 @@ def test_post_scaled_gemms_refuse_weights_they_cannot_scale():
     hilo = torch.zeros(2, 256, dtype=torch.bfloat16)  # GEMM2's bf16 [hi | lo] rows
     with pytest.raises(ValueError, match="post_scale needs shift-decoded"):
         fragment_gemm(hilo, w, scale, None, x, routing, gemm1=False, decode="bf16", **common)
+
+
+# ----------------------------------------------------------------------------- e4m3 fragments
+
+
+def _fragment_k_e4m3(j: int, i: int) -> int:
+    """The K element in slot i of word j for an e4m3 (k_width 4) m64k32 A fragment: slot bits
+    0-1 the register's four bytes, word bits 2-3 the lane's 4-element group (4 * (lane % 4)),
+    slot bit 2 the +16 half, word bits 0-1 the 32-element steps."""
+    jhi, jlo = j >> 2, j & 3
+    b0, b1, b2 = i & 1, (i >> 1) & 1, i >> 2
+    return 32 * jlo + 16 * b2 + 4 * jhi + 2 * b1 + b0
+
+
+def test_e4m3_fragment_order_puts_each_fragment_element_in_its_word():
+    ks = [[_fragment_k_e4m3(j, i) for i in range(8)] for j in range(16)]
+    assert sorted(k for word in ks for k in word) == list(range(128))
+    assert all({k // 32 for k in word} == {j & 3} for j, word in enumerate(ks))
+    gen = torch.Generator().manual_seed(2)
+    packed = torch.randint(0, 256, (3, 5, 128), generator=gen, dtype=torch.uint8)  # K = 256
+    original = _codes(packed)
+    ordered = _codes(fragment_order(packed, k_width=4)).reshape(3, 5, 2, 16, 8)
+    for chunk in range(2):
+        for j in range(16):
+            for i in range(8):
+                k = 128 * chunk + _fragment_k_e4m3(j, i)
+                assert torch.equal(ordered[:, :, chunk, j, i], original[:, :, k]), (chunk, j, i)
+    with pytest.raises(ValueError, match="k_width 3"):
+        fragment_order(packed, k_width=3)
+
+
+def _e4m3_values(prepared: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepared e4m3 fragments -> (the values the kernel's MMA takes [E, N, K] float32, the row
+    factors [E, N])."""
+    from tokenspeed_kernel.formats import e2m1_to_float
+
+    words = _row_major(prepared[name])
+    codes = _codes(shift_words.decode_reference(words, "fp16"))
+    lead, K = codes.shape[:-1], codes.shape[-1]
+    natural = torch.empty_like(codes)
+    chunks, out = codes.reshape(*lead, K // 128, 16, 8), natural.reshape(*lead, K // 128, 128)
+    for j in range(16):
+        for i in range(8):
+            out[..., _fragment_k_e4m3(j, i)] = chunks[..., j, i]
+    scale = _row_major(prepared[f"{name}_scale"]).to(torch.float64)
+    factor = torch.exp2(scale - 127).repeat_interleave(32, dim=-1)
+    values = e2m1_to_float(natural.to(torch.uint8)).to(torch.float64) * factor
+    return values, prepared[f"{name}_row_scale"].to(torch.float64)
+
+
+def test_e4m3_fragments_decode_to_the_checkpoint_values_times_row_factors():
+    """Each prepared value is an e4m3 (the MMA takes it exactly), and times its row's factor it
+    is the checkpoint's value; padding stays zero with factor 1. One w2 row holds an all-zero
+    block with scale byte 0, which does not count towards the row's span."""
+    from tokenspeed_kernel.formats import e2m1_to_float
+
+    H, I = 96, 64  # noqa: E741
+    ckpt = _checkpoint(H=H, I=I)
+    for name in ("w13_scale", "w2_scale"):
+        ckpt[name].clamp_(min=119)  # bytes 119..128: 9 binades, the most a row may span
+    ckpt["w2"][1, 7, :16] = 0  # K elements 0..31 of row 7: an all-zero block
+    ckpt["w2_scale"][1, 7, 0] = 0
+    prepared = prepare_weights("mxfp4", H, I, word_order="fragment", e4m3_fragments=True, **ckpt)
+    assert prepared["e4m3_fragments"] == "yes"
+    assert (prepared["w13_decode"], prepared["w2_decode"]) == ("e4m3", "e4m3")
+    # Prepared w13 row r holds checkpoint row group_gate_up(...)[r]: back by the inverse.
+    checkpoint_order = group_gate_up(torch.arange(256)[None])[0].argsort()
+    for name, rows, cols in (("w13", 2 * I, H), ("w2", H, I)):
+        values, factor = _e4m3_values(prepared, name)
+        assert torch.equal(values, values.to(torch.float8_e4m3fn).to(torch.float64)), name
+        dequantized = values * factor[..., None]
+        codes = _codes(ckpt[name])
+        want = e2m1_to_float(codes).to(torch.float64) * torch.exp2(
+            ckpt[f"{name}_scale"].to(torch.float64) - 127
+        ).repeat_interleave(32, dim=-1)
+        if name == "w13":
+            dequantized, factor = dequantized[:, checkpoint_order], factor[:, checkpoint_order]
+        assert torch.equal(dequantized[:, :rows, :cols], want), name
+        assert not dequantized[:, rows:].any() and not dequantized[:, :, cols:].any(), name
+        assert (factor[:, rows:] == 1).all(), name
+
+
+def test_e4m3_fragments_decline_rows_whose_scales_span_too_far():
+    """A w13 row with nonzero blocks at scale bytes 110 and 120 (10 binades apart): both
+    weights keep the half-precision forms and the prepared weights say why."""
+    ckpt = _checkpoint()
+    for name in ("w13_scale", "w2_scale"):
+        ckpt[name].clamp_(min=120)
+    ckpt["w13"][0, 3, :32] = 0x11  # two nonzero blocks of codes 1 (0.5)
+    ckpt["w13_scale"][0, 3, :2] = torch.tensor([110, 120], dtype=torch.uint8)
+    ckpt["w13_scale"][0, 3, 2] = 120
+    prepared = prepare_weights("mxfp4", 96, 80, word_order="fragment", e4m3_fragments=True, **ckpt)
+    assert (prepared["w13_decode"], prepared["w2_decode"]) == ("bf16", "fp16")
+    assert "w13_row_scale" not in prepared
+    assert "span 10 binades" in prepared["e4m3_fragments"]
+    ckpt["w13_scale"][0, 3, 0] = 111  # 9 binades: e4m3's smallest subnormal still holds 0.5
+    prepared = prepare_weights("mxfp4", 96, 80, word_order="fragment", e4m3_fragments=True, **ckpt)
+    assert prepared["e4m3_fragments"] == "yes"
+
+
+def test_e4m3_fragments_need_fp8_activations_and_their_own_operands():
+    """Checked before any launch, so it runs on the CPU."""
+    ckpt = _checkpoint()
+    for name in ("w13_scale", "w2_scale"):
+        ckpt[name].clamp_(min=119)
+    prepared = prepare_weights("mxfp4", 96, 80, word_order="fragment", e4m3_fragments=True, **ckpt)
+    assert prepared["e4m3_fragments"] == "yes"
+    x = torch.zeros(2, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="e4m3 fragments for FP8 activations"):
+        moe_forward_sm90(
+            x, prepared, top_k=1, out=torch.empty_like(x), router_logits=torch.zeros(2, 2)
+        )
+    config = FragmentConfig(64, 8, 4, 4)
+    common = dict(routing=None, k_valid=96, n_valid=256, config=config)
+    w13 = (prepared["w13"], prepared["w13_scale"], prepared["w13_bias"])
+    act = torch.zeros(8, 128, dtype=torch.float32)
+    with pytest.raises(ValueError, match="e4m3 weights for a bf16 operand"):
+        fragment_gemm(
+            x, *w13, act, gemm1=True, decode="e4m3", row_scale=prepared["w13_row_scale"], **common
+        )
+    x8 = torch.zeros(8, 96, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="row_scale comes with e4m3 weights"):
+        fragment_gemm(x8, *w13, act, gemm1=True, decode="e4m3", **common)
