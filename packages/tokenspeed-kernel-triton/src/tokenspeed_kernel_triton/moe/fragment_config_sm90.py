@@ -152,17 +152,6 @@ def grid_wait(config: FragmentConfig) -> FragmentConfig:
     return dataclasses.replace(config, tile_ready=False)
 
 
-@functools.cache
-def e4m3_tiles(config: FragmentConfig) -> FragmentConfig:
-    """The config for e4m3 fragments (FP8 MMAs): their chunks' products are summed outside the
-    accumulator (fragment_steps_sm90.promoted_step), which keeps a second accumulator's
-    registers live. Tiles of more than 64 accumulator registers per thread take 64 weight
-    rows (two CTAs per SM still fit), with the ring step that the halved activations free."""
-    if config.block_w * config.mma_n <= 64 * 32 * config.num_warps:
-        return config
-    return dataclasses.replace(config, block_w=64, stages=config.stages + 1)
-
-
 def gemm2_splits(requested: int, K: int) -> int:
     """The GEMM2 split count for `requested` ways over K (padded) columns: as many as there
     are non-empty splits of whole 128-column chunks."""

@@ -26,25 +26,22 @@ def epilogue_operands(
     POST_SCALE: gl.constexpr,
     SCALE_BIAS: gl.constexpr,
     IN_SCALE: gl.constexpr,
-    ROW_SCALE: gl.constexpr,
     BLOCK_W: gl.constexpr,
     BLOCK_T: gl.constexpr,
     out_layout: gl.constexpr,
 ):
     """What the epilogue reads besides the accumulator, in its layout: the weight rows, the
     token columns, which of them are valid, their pairs, the bias of the rows (zeros without
-    one), a factor per row (ROW_SCALE: e4m3 weights' 2^(the row's top scale byte - 128), from
-    row_scale_ptr; else ones), one per column before the bias and one after it. Before: GEMM1
-    post-scaled 2^(E_t - SCALE_BIAS), since x's row of token t was multiplied by 2^(126 - E_t)
+    one), a factor per column before the bias and one after it. Before: GEMM1 post-scaled
+    2^(E_t - SCALE_BIAS), since x's row of token t was multiplied by 2^(126 - E_t)
     (x_exp_ptr: E_t), which the raw bf16 weights' 2^-126 and the factors' bias leave as
     2^(SCALE_BIAS - E_t); times, with fp8 activations, the scale of the operand's row
     (IN_SCALE 1: one for all, in_scale; 2: per row, in_scale_ptr, GEMM1 by token, GEMM2 by
     sorted row); else ones. After: GEMM2 the routing weight; GEMM1 ones (unused). source:
-    ((sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale,
-    row_scale_ptr, stride_re), expert, tile, pid_w, row_end, n_valid: the rows the bias has)."""
+    ((sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale),
+    expert, tile, pid_w, row_end, n_valid: the rows the bias has)."""
     pointers, expert, tile, pid_w, row_end, n_valid = source
-    (sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale,
-     row_scale_ptr, stride_re) = pointers  # fmt: skip
+    sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale = pointers
     rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, out_layout))
     cols = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_layout))
     col_ok = cols < row_end
@@ -52,11 +49,6 @@ def epilogue_operands(
     bias = gl.zeros([BLOCK_W], gl.float32, gl.SliceLayout(1, out_layout))
     if HAS_BIAS:
         bias = gl.load(bias_ptr + expert * stride_be + rows, mask=rows < n_valid, other=0.0)
-    row_factor = gl.full([BLOCK_W], 1.0, gl.float32, gl.SliceLayout(1, out_layout))
-    if ROW_SCALE:
-        row_factor = gl.load(
-            row_scale_ptr + expert * stride_re + rows, mask=rows < n_valid, other=1.0
-        )
     pre = gl.full([BLOCK_T], 1.0, gl.float32, gl.SliceLayout(0, out_layout))
     post = gl.full([BLOCK_T], 1.0, gl.float32, gl.SliceLayout(0, out_layout))
     if SWIGLU:
@@ -70,7 +62,7 @@ def epilogue_operands(
     if IN_SCALE == 2:
         operand_row = pair // TOPK if SWIGLU else cols
         pre = pre * gl.load(in_scale_ptr + operand_row, mask=col_ok, other=0.0)
-    return rows, cols, col_ok, pair, bias, row_factor, pre, post
+    return rows, cols, col_ok, pair, bias, pre, post
 
 
 @gluon.jit

@@ -12,14 +12,6 @@ so the lane's K pair index jhi picks 4 consecutive words (one 16-byte load), slo
 the bf16x2 register pairs, and every word stays inside one 32-element scale block (jlo). Each
 word then takes shift_words' or mxfp4_words' bit encoding of its 8 slots (layout.py).
 
-With e4m3 weights (FP8 MMAs, k_width 4) thread l holds, per row and 32-element K step, the
-elements 4 * (l % 4) + {0, 1, 2, 3} (+16): word j holds
-
-    k = 32 * jlo + 16 * b2 + 4 * jhi + 2 * b1 + b0   in slot  i = 4 * b2 + 2 * b1 + b0,
-
-the same words per lane and scale block, the two fp16 pairs of slots (b1 = 0, 1) converting
-to one register of four e4m3 bytes.
-
 GEMM1's rows are regrouped too: each 16-row group holds the gate rows of 8 intermediate channels
 then their up rows, because the accumulator gives rows r and r + 8 to the same thread.
 
@@ -59,26 +51,18 @@ def panel_major(t: torch.Tensor) -> torch.Tensor:
     return panel_view(t).transpose(2, 3).contiguous().transpose(2, 3)
 
 
-def fragment_order(packed: torch.Tensor, k_width: int = 2) -> torch.Tensor:
+def fragment_order(packed: torch.Tensor) -> torch.Tensor:
     """[..., K/2] uint8 checkpoint MXFP4 (K a multiple of 128) -> the same codes, repacked
-    (low nibble first) in fragment order for a bf16 / fp16 (k_width 2) or e4m3 (k_width 4)
-    A operand, ready for mxfp4_words.encode_words or shift_words_sm90.encode."""
+    (low nibble first) in fragment order, ready for mxfp4_words.encode_words."""
     K = packed.shape[-1] * 2
     if K % CHUNK_K:
         raise ValueError(f"fragment_order: K = {K} is not a multiple of {CHUNK_K}")
-    if k_width not in (2, 4):
-        raise ValueError(f"fragment_order: k_width {k_width}, expected 2 (16-bit) or 4 (e4m3)")
     lead = packed.shape[:-1]
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1)
-    n = codes.dim() + 4
-    if k_width == 2:
-        # k = 32 jlo + 16 b2 + 8 b1 + 2 jhi + b0  ->  order (jhi, jlo, b2, b1, b0).
-        codes = codes.reshape(*lead, K // CHUNK_K, 4, 2, 2, 4, 2)
-        codes = codes.permute(*range(n - 5), n - 2, n - 5, n - 4, n - 3, n - 1)
-    else:
-        # k = 32 jlo + 16 b2 + 4 jhi + 2 b1 + b0  ->  order (jhi, jlo, b2, b1, b0).
-        codes = codes.reshape(*lead, K // CHUNK_K, 4, 2, 4, 2, 2)
-        codes = codes.permute(*range(n - 5), n - 3, n - 5, n - 4, n - 2, n - 1)
+    # k = 32 jlo + 16 b2 + 8 b1 + 2 jhi + b0  ->  order (jhi, jlo, b2, b1, b0).
+    codes = codes.reshape(*lead, K // CHUNK_K, 4, 2, 2, 4, 2)
+    n = codes.dim()
+    codes = codes.permute(*range(n - 5), n - 2, n - 5, n - 4, n - 3, n - 1)
     codes = codes.reshape(*lead, K // 2, 2)
     return codes[..., 0] | (codes[..., 1] << 4)
 
@@ -93,12 +77,9 @@ def group_gate_up(t: torch.Tensor) -> torch.Tensor:
     return grouped.reshape(t.shape)
 
 
-def kernel_layouts(
-    block_w: int, block_t: int, num_warps: int, chunks: int = 1, e4m3: bool = False
-) -> dict:
+def kernel_layouts(block_w: int, block_t: int, num_warps: int, chunks: int = 1) -> dict:
     """The Gluon layouts the fragment GEMM is compiled with (constexpr arguments); the copy
-    layouts cover a ring step of `chunks` K chunks. e4m3: FP8 MMAs (e4m3 weight fragments and
-    activations)."""
+    layouts cover a ring step of `chunks` K chunks."""
     from triton.experimental.gluon import language as gl
 
     rows_per_pass = 16 * num_warps
@@ -108,7 +89,7 @@ def kernel_layouts(
             f"block_t {block_t} a multiple of 8 in [8, 256]"
         )
     mma = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_t, 32 if e4m3 else 16]
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_t, 16]
     )
     repeats = [[rows_per_pass << i, 0] for i in range((block_w // rows_per_pass).bit_length() - 1)]
     words = gl.DistributedLinearLayout(
@@ -122,15 +103,11 @@ def kernel_layouts(
     scale_warps_c = num_warps // scale_warps_w
     return dict(
         mma=mma,
-        dot_a=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4 if e4m3 else 2),
+        dot_a=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
         words_layout=words,
         # [block_t, chunks * 128] activations: 16-byte cp.async per thread.
-        copy_layout=gl.BlockedLayout(
-            [1, 16 if e4m3 else 8], [4 if e4m3 else 2, 8 if e4m3 else 16], [num_warps, 1], [1, 0]
-        ),
-        smem_layout=gl.NVMMASharedLayout.get_default_for(
-            [block_t, chunks * CHUNK_K], gl.float8e4nv if e4m3 else gl.bfloat16
-        ),
+        copy_layout=gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0]),
+        smem_layout=gl.NVMMASharedLayout.get_default_for([block_t, chunks * CHUNK_K], gl.bfloat16),
         # The weight ring: 16-byte cp.async per thread; a warp's 16-byte reads in the words
         # layout cover 8 whole 64-byte rows, so the plain row-major tile has no bank conflicts.
         words_copy=gl.BlockedLayout([1, 1, 4], [1, 8, 4], [1, num_warps, 1], [2, 1, 0]),

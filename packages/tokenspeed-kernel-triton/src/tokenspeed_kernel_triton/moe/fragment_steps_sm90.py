@@ -24,18 +24,15 @@ def decode_fragment(
     SHIFT: gl.constexpr,
     F16: gl.constexpr,
     RAW: gl.constexpr,
-    E4M3: gl.constexpr = False,
 ):
     """words [BLOCK_W, 16] int32 in the words layout and scale_words [BLOCK_W] int32 (a row's
     four e8m0 bytes of this K chunk, in the words layout's row slice) -> [BLOCK_W, 128] bf16
-    (fp16 with F16, e4m3 with E4M3) in wgmma's A-operand layout. Word j = 4 * jhi + jlo holds K
-    elements 32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0 in slot 4 * b2 + 2 * b1 + b0
-    (fragment_layout_sm90; e4m3: 32 * jlo + 16 * b2 + 4 * jhi + 2 * b1 + b0), so it is scaled by
-    byte jlo. SHIFT: words in shift_words' layout for the output type; else mxfp4_words'
-    byte-permute layout (bf16 only), whose lo_table / hi_table scalars (LOOKUP_TABLE_WORDS) are
-    loaded at run time so that they stay in registers. RAW: shift words without their factors
-    (shift_words_sm90.RAW_EXPONENT; scale_words unused). E4M3: fp16 shift words whose scale
-    bytes make every value an e4m3 (layout.py's row-relative bytes), converted exactly."""
+    (fp16 with F16) in wgmma's A-operand layout. Word j = 4 * jhi + jlo holds K elements
+    32 * jlo + 16 * b2 + 8 * b1 + 2 * jhi + b0 in slot 4 * b2 + 2 * b1 + b0 (fragment_layout_sm90),
+    so it is scaled by byte jlo. SHIFT: words in shift_words' layout for the output type; else
+    mxfp4_words' byte-permute layout (bf16 only), whose lo_table / hi_table scalars
+    (LOOKUP_TABLE_WORDS) are loaded at run time so that they stay in registers. RAW: shift
+    words without their factors (shift_words_sm90.RAW_EXPONENT; scale_words unused)."""
     jlo = gl.arange(0, 16, layout=gl.SliceLayout(0, words.type.layout)) % 4
     zero = gl.zeros_like(words)
     selector = (jlo * 0x0101 + 0x4040)[None, :] + zero
@@ -59,11 +56,7 @@ def decode_fragment(
     high = gl.join(gl.join(e4, e5), gl.join(e6, e7))
     slots = gl.join(low, high)  # [W, 16, b0, b1, b2]
     slots = gl.reshape(slots, [BLOCK_W, 4, 4, 2, 2, 2])  # [W, jhi, jlo, b0, b1, b2]
-    if E4M3:
-        frag = gl.permute(slots, (0, 2, 5, 1, 4, 3))  # [W, jlo, b2, jhi, b1, b0]: K order
-        frag = frag.to(gl.float8e4nv)
-    else:
-        frag = gl.permute(slots, (0, 2, 5, 4, 1, 3))  # [W, jlo, b2, b1, jhi, b0]: K order
+    frag = gl.permute(slots, (0, 2, 5, 4, 1, 3))  # [W, jlo, b2, b1, jhi, b0]: K order
     frag = gl.reshape(frag, [BLOCK_W, 128])
     return gl.convert_layout(frag, dot_a, assert_trivial=True)
 
@@ -238,9 +231,8 @@ def mma_step(
             dot_a,
             BLOCK_W,
             SHIFT_DECODE,
-            act.dtype != gl.bfloat16,
+            act.dtype == gl.float16,
             False,
-            act.dtype == gl.float8e4nv,
         )
         # Asynchronous, so that the next chunk decodes while this one multiplies; its
         # A registers stay untouched until the wait below (a fresh value per chunk).
@@ -255,30 +247,3 @@ def mma_step(
             # registers of older fragments are free again (long steps, few registers).
             acc = warpgroup_mma_wait(MMA_IN_FLIGHT * (2 if SPLIT_A else 1), deps=[acc])
     return warpgroup_mma_wait(0, deps=[acc])
-
-
-@gluon.jit
-def promoted_step(
-    acc, ring, ring_step, words_layout: gl.constexpr, dot_a: gl.constexpr, CHUNKS: gl.constexpr
-):
-    """One ring step of e4m3 fragments (FP8 MMAs), each chunk's product summed into `acc` in
-    fp32 on the CUDA cores: the tensor cores add FP8 products with fewer mantissa bits than
-    fp32, and over a whole K row of 2880 that moves GEMM1's sums enough to round some e4m3
-    intermediates the other way (outputs past the fp8 tolerance); over 128 products it does
-    not. One chunk multiplies while the next decodes; its partial is added before the next
-    is issued, so that one partial's registers are live besides `acc`."""
-    ring_words, ring_scales, act, _, _, _ = ring
-    BLOCK_W: gl.constexpr = ring_words.shape[1]
-    part = acc
-    for c in gl.static_range(CHUNKS):
-        slot = ring_step * CHUNKS + c
-        words = ring_words.index(slot).load(words_layout)
-        scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))
-        frag = decode_fragment(words, scale_words, 0, 0, dot_a, BLOCK_W, True, True, False, True)
-        if c > 0:
-            part = warpgroup_mma_wait(0, deps=[part])
-            acc += part
-        b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
-        part = warpgroup_mma(frag, b, acc, use_acc=False, is_async=True)
-    part = warpgroup_mma_wait(0, deps=[part])
-    return acc + part

@@ -27,10 +27,6 @@ from .mxfp4_words import encode_words
 # e8m0 bytes above this would overflow the kernel's 2^(scale - 113) float32 factor (elements of
 # 2^114 and beyond, far outside any trained weight); 255 is NaN in the format.
 MAX_SCALE_BYTE = 240
-# e4m3 fragments: a row's blocks decode to value * 2^(s - s_top + 1), where s_top is the row's
-# largest scale byte among its nonzero blocks. Every e2m1 value times 2^d is an e4m3 for
-# d >= -8 (0.5 * 2^-8 is e4m3's smallest subnormal), so the blocks may span 9 binades.
-E4M3_SPAN = 9
 # The MoEWeights fields prepare_weights takes, under the same names.
 CHECKPOINT_TENSORS = ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")
 
@@ -104,7 +100,6 @@ class PaddedMoEKernel:
             **checkpoint,
             word_order=self.word_order,
             f16_intermediate=swiglu_fits_f16(config.activation.alpha, config.activation.limit),
-            e4m3_fragments=config.activation_format == "fp8",
         )
         for name in ("w13_input_scale", "w2_input_scale"):
             value = getattr(weights, name)
@@ -126,7 +121,6 @@ def prepare_weights(
     word_order: str = "natural",
     f16_intermediate: bool = True,
     shift_decode: bool = True,
-    e4m3_fragments: bool = False,
 ) -> dict:
     """Checkpoint tensors (see the MoE contract) -> dict of padded tensors for `moe_forward`
     (word_order "natural") or `moe_forward_sm90` ("fragment").
@@ -138,14 +132,7 @@ def prepare_weights(
     w2 when f16_intermediate (the caller's SwiGLU clamp bounds the intermediate,
     _common.swiglu_fits_f16) and every w2 scale byte allows it, else its bf16 layout, else
     mxfp4_words' byte-permute words ("prmt"; always, with shift_decode=False). Raises
-    ValueError for MXFP4 scale bytes above 240 (the kernel's exact range).
-
-    e4m3_fragments (fragment order; FP8 activations): both weights as e4m3 fragments for FP8
-    MMAs where each row's nonzero blocks span at most E4M3_SPAN binades of scale: fp16 shift
-    words in the e4m3 fragment order, scale bytes relative to the row's largest (128 for it),
-    and "{w}_row_scale" [E, N] float32 with each row's factor 2^(s_top - 128); "w13_decode" and
-    "w2_decode" are then "e4m3", and "e4m3_fragments" is "yes" or why not (the weights then
-    take the half-precision forms above)."""
+    ValueError for MXFP4 scale bytes above 240 (the kernel's exact range)."""
     if word_order not in ("natural", "fragment"):
         raise ValueError(
             f"prepare_weights: word_order is {word_order!r}, expected natural or fragment"
@@ -161,8 +148,7 @@ def prepare_weights(
     w2_kinds = w2_kinds if shift_decode else ()
     if weight_format == "mxfp4":
         scales = (w13_scale, w2_scale)
-        e4m3 = e4m3_fragments and word_order == "fragment"
-        tensors = _prepare_mxfp4(w13, w2, scales, (E, Hp, Ip), word_order, w2_kinds, e4m3)
+        tensors = _prepare_mxfp4(w13, w2, scales, (E, Hp, Ip), word_order, w2_kinds)
     elif weight_format == "fp8":
         tensors = dict(
             w13=_pad_fp8(w13, (E, 2 * Ip, Hp)),
@@ -185,12 +171,9 @@ def prepare_weights(
     return tensors
 
 
-def _prepare_mxfp4(
-    w13, w2, scales, sizes, word_order: str, w2_kinds: tuple, e4m3: bool = False
-) -> dict:
+def _prepare_mxfp4(w13, w2, scales, sizes, word_order: str, w2_kinds: tuple) -> dict:
     """prepare_weights for MXFP4: padded words and scales; w2_kinds: the shift_words_sm90
-    layouts w2 may take in fragment order (w13 takes bf16), cheapest first (none: prmt);
-    e4m3: e4m3 fragments where the scales allow them (see prepare_weights)."""
+    layouts w2 may take in fragment order (w13 takes bf16), cheapest first (none: prmt)."""
     E, Hp, Ip = sizes
     for name, s in zip(("w13_scale", "w2_scale"), scales, strict=True):
         top = int(s.max()) if s.numel() else 0
@@ -208,12 +191,8 @@ def _prepare_mxfp4(
     if word_order == "fragment":
         tensors["w13"] = group_gate_up(tensors["w13"])
         tensors["w13_scale"] = group_gate_up(tensors["w13_scale"])
-        if e4m3:
-            tensors["e4m3_fragments"] = _to_e4m3_fragments(tensors) or "yes"
         w13_kinds = ("bf16",) if w2_kinds else ()
         for name, kinds in (("w13", w13_kinds), ("w2", w2_kinds)):
-            if tensors.get(f"{name}_decode") == "e4m3":
-                continue
             kind = shift_words_sm90.pick(tensors[f"{name}_scale"], kinds)
             tensors[f"{name}_decode"] = kind or "prmt"
             ordered = fragment_order(tensors[name])
@@ -225,41 +204,3 @@ def _prepare_mxfp4(
             for key in (name, f"{name}_scale"):
                 tensors[key] = panel_major(tensors[key])
     return tensors
-
-
-def _to_e4m3_fragments(tensors: dict) -> str | None:
-    """w13 and w2 (padded, w13's rows grouped) as e4m3 fragments in `tensors` (see
-    prepare_weights), or why not (then `tensors` is left as it was)."""
-    relative = {
-        name: row_relative_scales(tensors[name], tensors[f"{name}_scale"]) for name in ("w13", "w2")
-    }
-    declined = [f"{name}: {why}" for name, why in relative.items() if isinstance(why, str)]
-    if declined:
-        return "; ".join(declined)
-    for name, (scale, factor) in relative.items():
-        tensors[f"{name}_scale"], tensors[f"{name}_row_scale"] = scale, factor
-        tensors[f"{name}_decode"] = "e4m3"
-        tensors[name] = shift_words_sm90.encode(fragment_order(tensors[name], k_width=4), "fp16")
-    return None
-
-
-def row_relative_scales(packed: torch.Tensor, scale: torch.Tensor):
-    """[E, N, K / 2] MXFP4 codes and [E, N, K / 32] e8m0 bytes -> (bytes relative to each row's
-    largest nonzero block, 128 for it and for all-zero blocks; [E, N] float32 factors
-    2^(s_top - 128), 1 for all-zero rows), or why the blocks are not e4m3 fragments (a row's
-    nonzero blocks span more than E4M3_SPAN binades)."""
-    E, N, blocks = scale.shape
-    nonzero = (packed.reshape(E, N, blocks, 16) & 0x77).ne(0).any(-1)
-    s = scale.to(torch.int32)
-    top = torch.where(nonzero, s, -1).amax(-1, keepdim=True) if blocks else s[..., :1]
-    top = torch.where(top < 0, 128, top)
-    relative = torch.where(nonzero, s - top + 128, 128)
-    low = int(relative.min()) if relative.numel() else 128
-    if low < 128 - E4M3_SPAN:
-        return (
-            f"a row's MXFP4 scales span {128 - low} binades, more than e4m3 fragments "
-            f"hold ({E4M3_SPAN})"
-        )
-    ones = torch.ones(top.shape[:2], dtype=torch.float64, device=top.device)
-    factor = torch.ldexp(ones, (top[..., 0] - 128).to(torch.float64)).to(torch.float32)
-    return relative.to(torch.uint8), factor

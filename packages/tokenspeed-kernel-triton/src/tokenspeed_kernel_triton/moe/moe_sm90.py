@@ -18,7 +18,6 @@ from .combine import combine
 from .fragment_config_sm90 import (
     CONFIGS,
     FragmentConfig,
-    e4m3_tiles,
     gemm2_splits,
     grid_wait,
     scaled_fragments,
@@ -71,14 +70,6 @@ def moe_forward_sm90(
     M = x.shape[0]
     if M == 0:
         return out
-    # e4m3 weights (prepared for FP8 activations where their scales allow it): FP8 MMAs on
-    # e4m3 x and intermediate rows, each weight row's factor applied to the accumulator.
-    e4m3 = prepared["w13_decode"] == "e4m3"
-    if e4m3 and activation_format != "fp8":
-        raise ValueError(
-            f"moe_forward_sm90: the weights were prepared as e4m3 fragments for FP8 "
-            f"activations, got {activation_format} activations"
-        )
     f16_intermediate = prepared["w2_decode"] == "fp16"
     if f16_intermediate and not swiglu_fits_f16(alpha, limit):
         raise ValueError(
@@ -93,16 +84,13 @@ def moe_forward_sm90(
     fp8 = activation_format == "fp8"
     x_scale = None
     if fp8:
-        config = grid_wait(e4m3_tiles(config) if e4m3 else config)
-        values_as = None if e4m3 else torch.bfloat16
-        x, x_scale = quantize_rows(x, w13_input_scale, "x", values_as=values_as)
+        config = grid_wait(config)
+        x, x_scale = quantize_rows(x, w13_input_scale, "x", values_as=torch.bfloat16)
     routing, ids_to_check, ready, x_exp, x_in = _route(x, prepared, top_k, config, routing_inputs)
     H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
     Ip = prepared["padded_intermediate_size"]
     rows = routing[4] * config.block_t  # the tile-count bound
-    if e4m3:
-        act = scratch("act_e4m3", (rows, Ip), torch.float8_e4m3fn, x.device)
-    elif f16_intermediate:
+    if f16_intermediate:
         act = scratch("act", (rows, Ip), torch.float16, x.device)
     else:
         act = scratch("act", (rows, 2 * Ip), torch.bfloat16, x.device)
@@ -121,22 +109,18 @@ def moe_forward_sm90(
         n_valid=2 * I,
         x_exp=x_exp,
         in_scale=x_scale,
-        row_scale=prepared.get("w13_row_scale"),
         alpha=alpha,
         limit=limit,
         **common,
     )
     act_scale = None
     if fp8:
-        # e4m3 values in the intermediate's type (bf16 [hi | lo]: hi, lo zeroed); as e4m3 with
-        # the padding columns zeroed (GEMM2 copies whole 16-byte vectors, I may not be whole
-        # ones).
+        # e4m3 values in the intermediate's half type (bf16 [hi | lo]: hi, lo zeroed).
         tiles = (routing[2], routing[3], config.block_t)
-        lo_offset = 0 if f16_intermediate or e4m3 else Ip
+        lo_offset = 0 if f16_intermediate else Ip
         _, act_scale = quantize_rows(
-            act32[:, :I], w2_input_scale, "act", tiles, into=act, lo_offset=lo_offset,
-            width=Ip if e4m3 else I,
-        )  # fmt: skip
+            act32[:, :I], w2_input_scale, "act", tiles, into=act, lo_offset=lo_offset
+        )
     splits = gemm2_splits(config.gemm2_split_k, Ip)
     y = scratch("y", (M * top_k * splits, H), torch.float32, x.device)
     w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
@@ -149,11 +133,10 @@ def moe_forward_sm90(
         routing,
         gemm1=False,
         decode=prepared["w2_decode"],
-        k_valid=Ip if e4m3 else I,
+        k_valid=I,
         n_valid=H,
         split_k=splits,
         in_scale=act_scale,
-        row_scale=prepared.get("w2_row_scale"),
         ready_target=-(-2 * I // config.block_w),
         **common,
     )

@@ -30,7 +30,6 @@ def _quant_rows_kernel(
     scale_ptr,
     static_scale,
     n_cols,
-    q_cols,
     stride_x,
     stride_q,
     tiles_ptr,
@@ -53,9 +52,8 @@ def _quant_rows_kernel(
         if row >= tl.load(tiles_ptr + 2 * tile + 1):
             return
     offs = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
-    # Columns from n_cols to q_cols are written as zeros (padding the next GEMM reads).
-    mask = offs < q_cols
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if DYNAMIC:
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), AMAX_FLOOR)
         scale = tl.math.div_rn(amax, FP8_MAX)
@@ -73,15 +71,7 @@ def _quant_rows_kernel(
 
 
 def quantize_rows(
-    x,
-    static_scale: float | None,
-    slot: str,
-    tiles=None,
-    *,
-    values_as=None,
-    into=None,
-    lo_offset=0,
-    width=None,
+    x, static_scale: float | None, slot: str, tiles=None, *, values_as=None, into=None, lo_offset=0
 ):
     """x [rows, n] -> (q [rows, n] float8_e4m3fn, scale): a float for a static scale, else
     [rows] float32 (one per row). Both tensors are the MoE call's scratch (workspace.py)
@@ -91,28 +81,24 @@ def quantize_rows(
     values_as: store the e4m3 values as this dtype (bfloat16 / float16 hold them exactly)
     instead of float8_e4m3fn. into: write q there instead, a [rows, >= n] tensor of such a
     dtype. lo_offset > 0: into's rows are bf16 [hi | lo] pairs, lo lo_offset columns after
-    hi: q goes to hi, lo is zeroed. width > n: q's rows are width wide, zeros past column n."""
+    hi: q goes to hi, lo is zeroed."""
     rows, n = x.shape
-    width = n if width is None else width
-    if width < n:
-        raise ValueError(f"quantize_rows: width {width} < the rows' {n} columns")
     if into is not None:
         q = into
     else:
-        q = scratch(f"{slot}_q", (rows, width), values_as or torch.float8_e4m3fn, x.device)
+        q = scratch(f"{slot}_q", (rows, n), values_as or torch.float8_e4m3fn, x.device)
     scale = static_scale
     if static_scale is None:
         scale = scratch(f"{slot}_scale", (rows,), torch.float32, x.device)
     if rows:
         # One program holds a whole row: the dynamic scale needs the row's amax before any store.
-        block = triton.next_power_of_2(width)
+        block = triton.next_power_of_2(n)
         _quant_rows_kernel[(rows,)](
             x,
             q,
             scale if static_scale is None else x,
             1.0 if static_scale is None else static_scale,
             n,
-            width,
             x.stride(0),
             q.stride(0),
             *(tiles[:2] if tiles else (x, x)),

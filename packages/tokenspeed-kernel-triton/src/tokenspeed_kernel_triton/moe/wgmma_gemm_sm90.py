@@ -41,13 +41,7 @@ from .._launch import bind_launches
 from .fragment_config_sm90 import gemm2_splits
 from .fragment_epilogue_sm90 import epilogue_operands, swiglu_store, token_columns
 from .fragment_layout_sm90 import PANEL_ROWS, kernel_layouts, panel_view
-from .fragment_steps_sm90 import (
-    issue_activations,
-    issue_weights,
-    mma_step,
-    post_scaled_step,
-    promoted_step,
-)
+from .fragment_steps_sm90 import issue_activations, issue_weights, mma_step, post_scaled_step
 from .mxfp4_words import LOOKUP_TABLE_WORDS
 from .replay import recordable
 from .shift_words_sm90 import POST_SCALE_BIAS
@@ -72,7 +66,6 @@ def _fragment_gemm_kernel(
     ready_ptr,
     x_exp_ptr,
     in_scale_ptr,
-    row_scale_ptr,
     N,
     K,
     K_VALID,
@@ -87,7 +80,6 @@ def _fragment_gemm_kernel(
     stride_sn,
     stride_sc,
     stride_be,
-    stride_re,
     stride_om,
     ready_target,
     alpha,
@@ -109,7 +101,6 @@ def _fragment_gemm_kernel(
     POST_SCALE: gl.constexpr,
     SCALE_BIAS: gl.constexpr,
     IN_SCALE: gl.constexpr,
-    ROW_SCALE: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
@@ -244,14 +235,13 @@ def _fragment_gemm_kernel(
     # instead of following it (a few registers; 64-token tiles would hold 32 per thread).
     PRELOAD: gl.constexpr = BLOCK_T <= 8
     epilogue_ptrs = (
-        sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale,
-        row_scale_ptr, stride_re,
+        sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale
     )  # fmt: skip
     epilogue = (epilogue_ptrs, expert, tile, pid_w, row_end, N_VALID)
     if PRELOAD:
         operands = epilogue_operands(
-            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, ROW_SCALE,
-            BLOCK_W, BLOCK_T, out_layout,
+            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, BLOCK_W, BLOCK_T,
+            out_layout,
         )  # fmt: skip
 
     # Iteration `it` copies step `it` into the ring and computes step it - (STAGES - 1). A
@@ -275,8 +265,6 @@ def _fragment_gemm_kernel(
             acc = post_scaled_step(
                 acc, ring, slot, words_layout, dot_a, BLOCK_T, CHUNKS, MMA_IN_FLIGHT
             )
-        elif a_dtype == gl.float8e4nv:
-            acc = promoted_step(acc, ring, slot, words_layout, dot_a, CHUNKS)
         else:
             acc = mma_step(
                 acc, ring, slot, words_layout, dot_a, CHUNKS, SHIFT_DECODE, SPLIT_A, MMA_IN_FLIGHT
@@ -286,15 +274,13 @@ def _fragment_gemm_kernel(
     acc = token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T)
     if not PRELOAD:
         operands = epilogue_operands(
-            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, ROW_SCALE,
-            BLOCK_W, BLOCK_T, out_layout,
+            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, BLOCK_W, BLOCK_T,
+            out_layout,
         )  # fmt: skip
     # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
-    rows, cols, col_ok, col_pair, bias, row_factor, pre_factor, post_factor = operands
+    rows, cols, col_ok, col_pair, bias, pre_factor, post_factor = operands
     if (SWIGLU and POST_SCALE) or IN_SCALE != 0:
         acc *= pre_factor[None, :]
-    if ROW_SCALE:
-        acc *= row_factor[:, None]
     if HAS_BIAS:
         if split == 0:  # one split adds the bias
             acc += bias[:, None]
@@ -317,8 +303,8 @@ def _fragment_gemm_kernel(
 
 
 @functools.cache
-def _layouts(block_w: int, block_t: int, num_warps: int, chunks: int, e4m3: bool) -> dict:
-    return kernel_layouts(block_w, block_t, num_warps, chunks, e4m3)
+def _layouts(block_w: int, block_t: int, num_warps: int, chunks: int) -> dict:
+    return kernel_layouts(block_w, block_t, num_warps, chunks)
 
 
 @functools.cache
@@ -345,7 +331,6 @@ def fragment_gemm(
     ready_target: int = 0,
     x_exp: torch.Tensor | None = None,
     in_scale: torch.Tensor | float | None = None,
-    row_scale: torch.Tensor | None = None,
     alpha: float = 0.0,
     limit: float = 0.0,
 ) -> None:
@@ -365,18 +350,14 @@ def fragment_gemm(
     takes k_valid = I, its copies zero-filling the columns GEMM1 did not write).
 
     in_scale, with fp8 activations: the scale of a's rows (their e4m3 values stored as a's
-    half type, or as float8_e4m3fn against "e4m3" weights), a float for all or float32 per row
-    (GEMM1: [tokens]; GEMM2: [sorted rows]), applied to the accumulator before the bias.
-    "e4m3" weights (FP8 MMAs: fp16 shift words in the e4m3 fragment order, with row-relative
-    scale bytes, layout.py) come with row_scale [E, N] float32, each row's factor.
+    half type), a float for all or float32 per row (GEMM1: [tokens]; GEMM2: [sorted rows]),
+    applied to the accumulator before the bias.
 
     With config.tile_ready, ready [tile-count bound] int32, zero before GEMM1 (the router
     clears it): GEMM1's CTAs count themselves in per tile when their rows are stored, and
     GEMM2's CTAs start a tile once its count reaches ready_target (GEMM1's CTAs per tile)."""
     if w.dim() == 3:
         w, w_scale = panel_view(w), panel_view(w_scale)
-    if (decode == "e4m3") != (row_scale is not None):
-        raise ValueError("fragment_gemm: row_scale comes with e4m3 weights, and only with them")
     operand = _check_operands(a, w, w_scale, gemm1, decode, split_k, config, routing, ready, x_exp)
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
@@ -397,7 +378,6 @@ def fragment_gemm(
         ready if ready is not None else num_tiles,
         x_exp if x_exp is not None else num_tiles,
         in_scale if isinstance(in_scale, torch.Tensor) else num_tiles,
-        row_scale if row_scale is not None else num_tiles,
         N,
         K,
         k_valid,
@@ -406,7 +386,6 @@ def fragment_gemm(
         *w.stride()[:4],
         *scale_words.stride(),
         bias.stride(0) if bias is not None else 0,
-        row_scale.stride(0) if row_scale is not None else 0,
         out.stride(0),
         ready_target,
         alpha,
@@ -414,20 +393,19 @@ def fragment_gemm(
         in_scale if isinstance(in_scale, float) else 1.0,
         TOPK=top_k,
         SWIGLU=gemm1,
-        SPLIT_A=not gemm1 and a.dtype == torch.bfloat16 and decode != "e4m3",
+        SPLIT_A=not gemm1 and a.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None,
         SPLIT_K=split_k,
         SHIFT_DECODE=decode != "prmt",
-        SCALE_BIAS=POST_SCALE_BIAS.get(operand, 0),
+        SCALE_BIAS=POST_SCALE_BIAS[operand],
         IN_SCALE=0 if in_scale is None else 1 if isinstance(in_scale, float) else 2,
-        ROW_SCALE=row_scale is not None,
-        **_config_constexprs(config, e4m3=decode == "e4m3"),
+        **_config_constexprs(config),
     )
 
 
-def _config_constexprs(config, e4m3: bool = False) -> dict:
+def _config_constexprs(config) -> dict:
     """The kernel's compile-time arguments and launch options that come from its
-    FragmentConfig and MMA type alone."""
+    FragmentConfig alone."""
     return dict(
         BLOCK_W=config.block_w,
         BLOCK_T=config.block_t,
@@ -439,7 +417,7 @@ def _config_constexprs(config, e4m3: bool = False) -> dict:
         POST_SCALE=config.post_scale,
         num_warps=config.num_warps,
         launch_pdl=config.pdl,
-        **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks, e4m3),
+        **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
     )
 
 
@@ -450,20 +428,16 @@ def _check_operands(a, w, w_scale, gemm1, decode, split_k, config, routing, read
     K = w.shape[3] * 128
     if split_k != 1 and (gemm1 or split_k != gemm2_splits(split_k, K)):
         raise ValueError(f"fragment_gemm: split_k {split_k} for GEMM{1 if gemm1 else 2}")
-    # The weights decode to the A operand's type: x's bf16 (or e4m3) for GEMM1, a's type for
-    # GEMM2.
-    if a.dtype == torch.float8_e4m3fn:
-        operand = "e4m3"
-    else:
-        operand = "bf16" if gemm1 or a.dtype == torch.bfloat16 else "fp16"
-    if decode not in (operand, "prmt") or (decode == "prmt" and operand != "bf16"):
+    # The weights decode to the A operand's type: x's bf16 for GEMM1, a's type for GEMM2.
+    operand = "bf16" if gemm1 or a.dtype == torch.bfloat16 else "fp16"
+    if decode not in (operand, "prmt") or (decode == "prmt" and operand == "fp16"):
         raise ValueError(f"fragment_gemm: {decode} weights for a {operand} operand")
     if not gemm1:
-        width = {torch.float16: K, torch.bfloat16: 2 * K, torch.float8_e4m3fn: K}.get(a.dtype)
+        width = {torch.float16: K, torch.bfloat16: 2 * K}.get(a.dtype)
         if a.shape[1] != width:
             raise ValueError(
-                f"fragment_gemm: GEMM2 rows are {a.dtype} x {a.shape[1]}, expected fp16 or "
-                f"e4m3 x {K}, or bf16 x {2 * K} ([hi | lo])"
+                f"fragment_gemm: GEMM2 rows are {a.dtype} x {a.shape[1]}, expected fp16 x {K} "
+                f"or bf16 x {2 * K} ([hi | lo])"
             )
     tile_bound = routing[4]
     if config.tile_ready and (
@@ -472,7 +446,7 @@ def _check_operands(a, w, w_scale, gemm1, decode, split_k, config, routing, read
         raise ValueError("fragment_gemm: tile_ready needs `ready`, one zeroed int32 per tile")
     # Post-scaling needs raw halves that multiply exactly: shift-decoded fp16 weights, or
     # bf16 weights against x rows scaled up by 2^(126 - x_exp) (routing's _prescale_row).
-    if config.post_scale and (decode in ("prmt", "e4m3") or not (gemm1 or operand == "fp16")):
+    if config.post_scale and (decode == "prmt" or not (gemm1 or operand == "fp16")):
         raise ValueError(
             f"fragment_gemm: post_scale needs shift-decoded weights for GEMM1 or an "
             f"fp16 GEMM2, got {decode} weights for a {operand} operand"
