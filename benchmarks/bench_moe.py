@@ -41,7 +41,7 @@ from tokenspeed_kernel.tools import peers
 from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_triton.moe import moe, moe_sm90
 from tokenspeed_kernel_triton.moe.fragment_config_sm90 import FragmentConfig
-from tokenspeed_kernel_triton.moe.layout import intermediate_bound, prepare_weights
+from tokenspeed_kernel_triton.moe.layout import prepare_weights
 from tokenspeed_kernel_triton.moe.moe import MoETileConfig
 
 E, TOP_K, H, I = 128, 4, 2880, 2880  # noqa: E741
@@ -99,11 +99,6 @@ def checkpoint_weights() -> MoEWeights:
 
 def gpt_oss_tensors(static: bool, word_order: str = "natural", **fragment_options):
     w = checkpoint_weights()
-    if word_order == "fragment":
-        # GEMM2's pair rows as moe_prepare_weights would type them for GPT-OSS's clamp.
-        activation = CONFIG.activation
-        bound = intermediate_bound(activation.alpha, activation.limit)
-        fragment_options.setdefault("intermediate_bound", bound)
     prepared = prepare_weights(
         "mxfp4",
         H,

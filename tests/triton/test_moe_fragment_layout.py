@@ -25,11 +25,7 @@ from tokenspeed_kernel_triton.moe.fragment_layout_sm90 import (
     panel_major,
     panel_view,
 )
-from tokenspeed_kernel_triton.moe.layout import (
-    intermediate_bound,
-    prepare_weights,
-    row_magnitude_sums,
-)
+from tokenspeed_kernel_triton.moe.layout import prepare_weights
 from tokenspeed_kernel_triton.moe.moe_sm90 import KERNEL_NAME, moe_forward_sm90
 from tokenspeed_kernel_triton.moe.moe_sm90 import pick_config as pick_fragment_config
 from tokenspeed_kernel_triton.moe.mxfp4_words import decode_words_reference
@@ -494,63 +490,3 @@ def test_post_scaled_gemms_refuse_weights_they_cannot_scale():
     hilo = torch.zeros(2, 256, dtype=torch.bfloat16)  # GEMM2's bf16 [hi | lo] rows
     with pytest.raises(ValueError, match="post_scale needs shift-decoded"):
         fragment_gemm(hilo, w, scale, None, x, routing, gemm1=False, decode="bf16", **common)
-
-
-# ----------------------------------------------------------------------------- pair rows
-
-
-def test_row_magnitude_sums_are_the_dequantized_rows_sums():
-    from tokenspeed_kernel.formats import dequantize_mxfp4
-
-    ckpt = _checkpoint(H=96, I=64)
-    sums = row_magnitude_sums(ckpt["w2"], ckpt["w2_scale"])
-    dense = dequantize_mxfp4(ckpt["w2"], ckpt["w2_scale"], dtype=torch.float64)
-    assert torch.equal(sums, dense.abs().sum(-1))
-
-
-@pytest.mark.parametrize(
-    "scale_byte,bias,bound,rows",
-    [
-        (127, 0.5, 7.0 * 8.0 * 1.0625, "fp16"),  # GPT-OSS's clamp: |a| <= 59.5
-        (127, 0.5, math.inf, "fp32"),  # no clamp, no bound
-        (137, 0.5, 59.5, "fp32"),  # w2 of 2^10: 64 * 6 * 2^10 * 59.5 > 65504
-        (127, 7e4, 59.5, "fp32"),  # a bias past fp16's max
-    ],
-)
-def test_pair_rows_are_fp16_only_where_the_bound_fits(scale_byte, bias, bound, rows):
-    """The bound is the worst row's sum of |w| times the intermediate's bound, plus the
-    largest bias: row of 64 codes 0x7 (6.0) at scale 2^0 gives 64 * 6 * 59.5 = 22848."""
-    ckpt = _checkpoint(H=96, I=64)
-    ckpt["w2"].fill_(0x77)
-    ckpt["w2_scale"].fill_(scale_byte)
-    ckpt["w2_bias"].fill_(bias)
-    prepared = prepare_weights(
-        "mxfp4", 96, 64, word_order="fragment", intermediate_bound=bound, **ckpt
-    )
-    assert prepared["pair_rows"] == rows
-    assert "pair_rows" not in prepare_weights("mxfp4", 96, 64, **_checkpoint(H=96, I=64))
-
-
-def test_prepared_kernel_bounds_pair_rows_by_the_clamp():
-    """moe_prepare_weights' bound comes from the layer's SwiGLU clamp (none: fp32 rows)."""
-    assert intermediate_bound(1.702, 7.0) == pytest.approx(7.0 * 8.0 * 1.0625)
-    assert intermediate_bound(1.702, math.inf) == math.inf
-
-
-def test_combine_weights_fp16_rows_and_skips_pairs_of_other_experts():
-    """fp16 pair rows times their routing weights, summed in float32 in order: the same as
-    fp32 rows multiplied beforehand, up to the fp16 rounding of the rows themselves."""
-    from tokenspeed_kernel_triton.moe.combine import combine
-
-    gen = torch.Generator().manual_seed(5)
-    M, top_k, splits, H = 3, 2, 2, 40
-    y32 = torch.randn(M * top_k * splits, H, generator=gen)
-    y16 = y32.to(torch.float16)
-    weights = torch.rand(M * top_k, generator=gen)
-    ids = torch.tensor([[0, 5], [1, 2], [7, 3]], dtype=torch.int32)  # 5, 7: not held
-    held = ((ids >= 0) & (ids < 4)).flatten()
-    rows = y16.float().reshape(M * top_k, splits, H) * (weights * held)[:, None, None]
-    want = rows.reshape(M, top_k * splits, H).sum(1)
-    out = torch.empty(M, H, dtype=torch.bfloat16)
-    combine(y16, out, top_k=top_k, splits=splits, topk_ids=ids, weights=weights, num_experts=4)
-    assert torch.equal(out, want.to(torch.bfloat16))

@@ -73,23 +73,13 @@ def has_ptx_decode(platform: Platform) -> bool:
     return platform.vendor == "nvidia" and platform.sm >= 90
 
 
-# Bounds below this fit fp16 (max 65504) with room for the float32 rounding of the sums.
-F16_BOUND = 60000.0
-
-
-def swiglu_bound(alpha: float, limit: float) -> float:
-    """An upper bound of |min(g, limit) * sigmoid(alpha * g) * (clamp(u, -limit, limit) + 1)|
-    over every g, u (inf where the clamp does not bound it): the gate factor is at most
-    max(limit, 0.2785 / alpha) in size (g * sigmoid(alpha * g) >= -0.2785 / alpha), the up
-    factor at most limit + 1."""
-    if not (alpha > 0 and 0 <= limit < math.inf):
-        return math.inf
-    return max(limit, 0.2785 / alpha) * (limit + 1)
-
-
 def swiglu_fits_f16(alpha: float, limit: float) -> bool:
-    """Whether the clamped SwiGLU's values all fit fp16 (swiglu_bound)."""
-    return swiglu_bound(alpha, limit) < F16_BOUND
+    """Whether |min(g, limit) * sigmoid(alpha * g) * (clamp(u, -limit, limit) + 1)| stays
+    below fp16's max for every g, u: the gate factor is at most max(limit, 0.2785 / alpha)
+    in size (g * sigmoid(alpha * g) >= -0.2785 / alpha), the up factor at most limit + 1."""
+    if not (alpha > 0 and 0 <= limit < math.inf):
+        return False
+    return max(limit, 0.2785 / alpha) * (limit + 1) < 60000
 
 
 def route_for_gemms(

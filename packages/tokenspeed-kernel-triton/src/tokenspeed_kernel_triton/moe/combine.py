@@ -1,9 +1,7 @@
-"""Weighted combine: out[t] = sum_j w[p] * y[p], p = t * top_k + j, over a token's top-k pairs.
+"""Weighted combine: out[t] = sum_j y[t * top_k + j] over a token's top-k pairs.
 
-GEMM2 already added the second bias (first, as the contract says) and either multiplied by the
-routing weight (fp32 rows) or left that to the combine (fp16 rows: a bound on the rows that
-the weights, given by the caller, would not keep); this sums the k rows in float32 in a fixed
-order (deterministic) and rounds once.
+GEMM2 already added the second bias and multiplied by the routing weight (bias first, as the
+contract says); this sums the k fp32 rows in a fixed order (deterministic) and rounds once.
 Where routing may have left pairs out (precomputed ids outside [0, E); with expert
 parallelism, ids of other ranks' experts) their rows were never written: they are skipped, a
 compare on k ids per program.
@@ -29,7 +27,6 @@ def _combine_kernel(
     y_ptr,
     out_ptr,
     ids_ptr,
-    weights_ptr,
     E_OFF,
     E,
     H,
@@ -38,7 +35,6 @@ def _combine_kernel(
     TOPK: tl.constexpr,
     SPLITS: tl.constexpr,
     CHECK_IDS: tl.constexpr,
-    WEIGHTED: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INTERPRETED: tl.constexpr,
     WAIT_PRIOR: tl.constexpr,
@@ -56,10 +52,7 @@ def _combine_kernel(
             expert = tl.load(ids_ptr + token * TOPK + j // SPLITS) - E_OFF
             row_ok = mask & (expert >= 0) & (expert < E)
         row = token * (TOPK * SPLITS) + j
-        value = tl.load(y_ptr + row * stride_y + offs, mask=row_ok, other=0.0).to(tl.float32)
-        if WEIGHTED:
-            value *= tl.load(weights_ptr + token * TOPK + j // SPLITS)
-        acc += value
+        acc += tl.load(y_ptr + row * stride_y + offs, mask=row_ok, other=0.0)
     tl.store(out_ptr + token * stride_o + offs, round_to_bf16(acc, INTERPRETED), mask=mask)
 
 
@@ -70,16 +63,14 @@ def combine(
     top_k: int,
     splits: int = 1,
     topk_ids=None,
-    weights=None,
     num_experts: int = 0,
     expert_offset: int = 0,
     pdl=False,
 ) -> None:
-    """y [M * top_k * splits, H] float32 or float16 (`splits` consecutive partial rows per pair)
-    -> out [M, H] bfloat16; weights [M * top_k] float32: multiply each pair's rows by its
-    weight first (else GEMM2 did). topk_ids [M, top_k] (global ids): skip the pairs whose id
-    is outside [expert_offset, expert_offset + num_experts), the experts routing grouped. pdl:
-    launch with programmatic dependent launch (CUDA sm_90+), behind a kernel that triggers it
+    """y [M * top_k * splits, H] float32 (`splits` consecutive partial rows per pair) -> out
+    [M, H] bfloat16. topk_ids [M, top_k] (global ids): skip the pairs whose id is outside
+    [expert_offset, expert_offset + num_experts), the experts routing grouped. pdl: launch with
+    programmatic dependent launch (CUDA sm_90+), behind a kernel that triggers it
     (wgmma_gemm_sm90's PDL)."""
     M, H = out.shape
     if M == 0:
@@ -91,7 +82,6 @@ def combine(
         y,
         out,
         topk_ids if topk_ids is not None else y,
-        weights if weights is not None else y,
         expert_offset,
         num_experts,
         H,
@@ -100,7 +90,6 @@ def combine(
         TOPK=top_k,
         SPLITS=splits,
         CHECK_IDS=topk_ids is not None,
-        WEIGHTED=weights is not None,
         BLOCK_H=block_h,
         INTERPRETED=interpreting(),
         WAIT_PRIOR=pdl,

@@ -12,7 +12,6 @@ never written and never aliased.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -21,15 +20,13 @@ from tokenspeed_kernel.ops.moe.types import PreparedMoEWeights
 from tokenspeed_kernel.tuning import pinned_config
 
 from . import replay, shift_words_sm90
-from ._common import F16_BOUND, padded_sizes, swiglu_bound, swiglu_fits_f16
+from ._common import padded_sizes, swiglu_fits_f16
 from .fragment_layout_sm90 import fragment_order, group_gate_up, panel_major
 from .mxfp4_words import encode_words
 
 # e8m0 bytes above this would overflow the kernel's 2^(scale - 113) float32 factor (elements of
 # 2^114 and beyond, far outside any trained weight); 255 is NaN in the format.
 MAX_SCALE_BYTE = 240
-# e2m1 magnitudes by code & 7.
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # The MoEWeights fields prepare_weights takes, under the same names.
 CHECKPOINT_TENSORS = ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")
 
@@ -103,7 +100,6 @@ class PaddedMoEKernel:
             **checkpoint,
             word_order=self.word_order,
             f16_intermediate=swiglu_fits_f16(config.activation.alpha, config.activation.limit),
-            intermediate_bound=intermediate_bound(config.activation.alpha, config.activation.limit),
         )
         for name in ("w13_input_scale", "w2_input_scale"):
             value = getattr(weights, name)
@@ -125,7 +121,6 @@ def prepare_weights(
     word_order: str = "natural",
     f16_intermediate: bool = True,
     shift_decode: bool = True,
-    intermediate_bound: float = math.inf,
 ) -> dict:
     """Checkpoint tensors (see the MoE contract) -> dict of padded tensors for `moe_forward`
     (word_order "natural") or `moe_forward_sm90` ("fragment").
@@ -137,9 +132,7 @@ def prepare_weights(
     w2 when f16_intermediate (the caller's SwiGLU clamp bounds the intermediate,
     _common.swiglu_fits_f16) and every w2 scale byte allows it, else its bf16 layout, else
     mxfp4_words' byte-permute words ("prmt"; always, with shift_decode=False). Raises
-    ValueError for MXFP4 scale bytes above 240 (the kernel's exact range). "pair_rows" (fragment
-    order): the type of GEMM2's pair rows, "fp16" where every row a @ w2[e]^T + bias[e] fits it
-    for intermediates |a_k| <= intermediate_bound (pair_rows_dtype), else "fp32"."""
+    ValueError for MXFP4 scale bytes above 240 (the kernel's exact range)."""
     if word_order not in ("natural", "fragment"):
         raise ValueError(
             f"prepare_weights: word_order is {word_order!r}, expected natural or fragment"
@@ -175,15 +168,7 @@ def prepare_weights(
         hidden_size=H, intermediate_size=I, padded_hidden_size=Hp, padded_intermediate_size=Ip
     )
     tensors.update(sizes, weight_format=weight_format, num_experts=E, word_order=word_order)
-    if word_order == "fragment":
-        tensors["pair_rows"] = pair_rows_dtype(w2, w2_scale, w2_bias, intermediate_bound)
     return tensors
-
-
-def intermediate_bound(alpha: float, limit: float) -> float:
-    """A bound of the SwiGLU intermediate as GEMM2 takes it: clamped (_common.swiglu_bound),
-    then at most rounded up by half an e4m3 step (1/16, FP8 activations) or less (fp16)."""
-    return swiglu_bound(alpha, limit) * 1.0625
 
 
 def _prepare_mxfp4(w13, w2, scales, sizes, word_order: str, w2_kinds: tuple) -> dict:
@@ -219,32 +204,3 @@ def _prepare_mxfp4(w13, w2, scales, sizes, word_order: str, w2_kinds: tuple) -> 
             for key in (name, f"{name}_scale"):
                 tensors[key] = panel_major(tensors[key])
     return tensors
-
-
-def pair_rows_dtype(w2, w2_scale, w2_bias, intermediate_bound: float) -> str:
-    """GEMM2's pair-row type: fp16 where every row a @ w2[e]^T + bias[e] (checkpoint MXFP4 w2)
-    fits it for intermediate rows with |a_k| <= intermediate_bound, else fp32. fp16 rows halve
-    the bytes GEMM2 writes and the combine reads, with 11 significant bits (the output rounds
-    to bf16's 8); the bound is what makes them safe: fp16 overflows past 65504."""
-    if not math.isfinite(intermediate_bound):
-        return "fp32"
-    bound = intermediate_bound * row_magnitude_sums(w2, w2_scale).max()
-    if w2_bias is not None:
-        bound = bound + w2_bias.abs().max()
-    return "fp16" if float(bound) < F16_BOUND else "fp32"
-
-
-def row_magnitude_sums(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """MXFP4 [E, N, K / 2] codes and [E, N, K / 32] e8m0 bytes -> [E, N] float64, each row's
-    sum of |w|. One expert at a time (a float copy of all of them would be as large as bf16
-    weights)."""
-    E, N, blocks = scale.shape
-    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=packed.device)
-    sums = torch.zeros(E, N, dtype=torch.float64, device=packed.device)
-    for e in range(E):
-        codes = torch.stack((packed[e] & 7, (packed[e] >> 4) & 7), dim=-1).reshape(N, -1)
-        codes = torch.nn.functional.pad(codes, (0, max(0, blocks * 32 - codes.shape[1])))
-        per_block = magnitudes[codes[:, : blocks * 32].long()].reshape(N, blocks, 32).sum(-1)
-        factors = torch.exp2(scale[e].to(torch.float64) - 127)
-        sums[e] = (per_block.to(torch.float64) * factors).sum(-1)
-    return sums

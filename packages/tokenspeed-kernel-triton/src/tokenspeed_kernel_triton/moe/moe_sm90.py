@@ -122,11 +122,7 @@ def moe_forward_sm90(
             act32[:, :I], w2_input_scale, "act", tiles, into=act, lo_offset=lo_offset
         )
     splits = gemm2_splits(config.gemm2_split_k, Ip)
-    # Pair rows in fp16 where prepare_weights bounded them below its max (the combine then
-    # applies the routing weights), else fp32.
-    f16_rows = prepared.get("pair_rows") == "fp16"
-    y_dtype = torch.float16 if f16_rows else torch.float32
-    y = scratch("y", (M * top_k * splits, H), y_dtype, x.device)
+    y = scratch("y", (M * top_k * splits, H), torch.float32, x.device)
     w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
     # GEMM1 wrote channels up to I only (k_valid); the rest are zero-filled. ready_target:
     # GEMM1's CTAs per tile.
@@ -147,7 +143,6 @@ def moe_forward_sm90(
     # A token's rows: its top_k pairs, each in `splits` consecutive partial rows.
     combine(
         y, out, top_k=top_k, splits=splits, topk_ids=ids_to_check,
-        weights=routing[0] if f16_rows else None,
         num_experts=prepared["num_experts"], expert_offset=expert_offset, pdl=config.pdl,
     )  # fmt: skip
     return out

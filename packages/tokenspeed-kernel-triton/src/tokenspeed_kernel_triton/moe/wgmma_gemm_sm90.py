@@ -112,7 +112,6 @@ def _fragment_gemm_kernel(
     scales_smem_layout: gl.constexpr,
     words_step_layout: gl.constexpr,
     scales_step_layout: gl.constexpr,
-    pair_rows_layout: gl.constexpr,
 ):
     pid = gl.program_id(0)
     # Row blocks of the real rows only: GEMM1's rows past 2I are zero padding (their SwiGLU
@@ -293,25 +292,11 @@ def _fragment_gemm_kernel(
             gl.thread_barrier()
             gl.atomic_add(ready_ptr + tile, 1, sem="release", scope="gpu")
     else:
+        acc *= post_factor[None, :]  # the routing weight
         # Row pair * SPLIT_K + split: the combine sums a token's top_k * SPLIT_K rows.
-        if out_ptr.dtype.element_ty == gl.float16:
-            # fp16 rows (bounded at prepare time, before the routing weight, which the
-            # combine applies): stored from a layout of 8 consecutive columns per thread,
-            # whole 16-byte stores and 32-byte sectors; in the accumulator's layout they would
-            # be 2-byte pieces, 8 columns apart. The conversion costs less than it saves here,
-            # but not for fp32 rows, whose accumulator pieces fill sectors already.
-            tile_rows = gl.convert_layout(acc.to(gl.float16), pair_rows_layout)
-            rows_at: gl.constexpr = gl.SliceLayout(1, pair_rows_layout)
-            cols_at: gl.constexpr = gl.SliceLayout(0, pair_rows_layout)
-            rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=rows_at)
-            out_row = gl.convert_layout(col_pair, cols_at).to(gl.int64) * SPLIT_K + split
-            ok = gl.convert_layout(col_ok, cols_at)[None, :] & (rows < N_VALID)[:, None]
-            gl.store(out_ptr + out_row[None, :] * stride_om + rows[:, None], tile_rows, mask=ok)
-        else:
-            acc *= post_factor[None, :]  # the routing weight
-            out_row = col_pair.to(gl.int64) * SPLIT_K + split
-            ptrs = out_ptr + out_row[None, :] * stride_om + rows[:, None]
-            gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < N_VALID)[:, None])
+        out_row = col_pair.to(gl.int64) * SPLIT_K + split
+        ptrs = out_ptr + out_row[None, :] * stride_om + rows[:, None]
+        gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < N_VALID)[:, None])
 
 
 # ----------------------------------------------------------------------------- host side
