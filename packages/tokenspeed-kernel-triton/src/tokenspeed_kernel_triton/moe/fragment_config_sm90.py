@@ -24,8 +24,7 @@ class FragmentConfig:
     post_scale: raw weight halves into the MMA against block-diagonal activations (wgmma's N is
     4 * block_t), the e8m0 factors applied to fp32 partials (fragment_steps_sm90.post_scaled_step;
     shift-decoded weights with an fp16 intermediate only, else moe_forward_sm90 falls back to
-    scaled fragments); small_t: tiles of at most this many tokens (an expert's last) multiply
-    only their first small_t columns (wgmma's N = small_t; 0: off)."""
+    scaled fragments)."""
 
     block_w: int
     block_t: int
@@ -37,7 +36,6 @@ class FragmentConfig:
     tile_ready: bool = False
     mma_in_flight: int | None = None
     post_scale: bool = False
-    small_t: int = 0
 
     def __post_init__(self) -> None:
         # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
@@ -49,13 +47,6 @@ class FragmentConfig:
             raise ValueError("FragmentConfig: post_scale keeps one or two chunks' wgmmas in flight")
         if self.tile_ready and not self.pdl:
             raise ValueError("FragmentConfig: tile_ready needs pdl")
-        if self.small_t and (
-            self.post_scale or self.small_t % 8 or not 8 <= self.small_t < self.block_t
-        ):
-            raise ValueError(
-                f"FragmentConfig: small_t {self.small_t} is not a multiple of 8 below block_t "
-                f"{self.block_t} (scaled fragments only)"
-            )
         if not 1 <= self.in_flight <= self.chunks:
             raise ValueError(
                 f"FragmentConfig: mma_in_flight {self.mma_in_flight} not in [1, chunks]"
@@ -133,7 +124,7 @@ CONFIGS = (
     # per step need ~2x the registers here and lost (M=4096: 3491 us against 2545). H100,
     # M=1024: 1039 us (128x32: 1049, 64x32: 1157). H200, M=2048: 1451 us against 1554 for
     # the 128-token tile below.
-    (8192, FragmentConfig(128, 64, 4, 4, pdl=True, small_t=32)),
+    (8192, FragmentConfig(128, 64, 4, 4, pdl=True)),
     # From ~128 rows per expert: 128 tokens per tile halve the weight decode per MMA, and a
     # two-step ring keeps shared memory for two independent 4-warp CTAs per SM (255
     # registers), which interleave one's decode with the other's wgmmas. One 8-warp CTA of two
@@ -142,7 +133,7 @@ CONFIGS = (
     # / 480 against 2503 / 489 for 128x64 (vLLM 2429 / 428), M=8192 3958 / 814 against 4470 /
     # 867 (vLLM 3998 / 698); 256x128 on 8 warps 2659 / 545 and 4415 / 917, 64x128 2948 / 581
     # and 5022 / 996, 128x128 with a three-step ring (one CTA per SM) 3493 / 680 at M=4096.
-    (None, FragmentConfig(128, 128, 4, 2, pdl=True, small_t=32)),
+    (None, FragmentConfig(128, 128, 4, 2, pdl=True)),
 )
 
 

@@ -216,12 +216,9 @@ def mma_step(
     MMA_IN_FLIGHT: gl.constexpr,
 ):
     """One ring step with scaled fragments (the e8m0 factor multiplied into the halves). ring:
-    as post_scaled_step, with the byte-permute lookup tables (lo, hi) last. The activation
-    tile's first acc.shape[1] rows are the MMA's columns (a short tile's, fewer than the
-    ring holds)."""
+    as post_scaled_step, with the byte-permute lookup tables (lo, hi) last."""
     ring_words, ring_scales, act, act_lo, lo_table, hi_table = ring
     BLOCK_W: gl.constexpr = ring_words.shape[1]
-    COLS: gl.constexpr = acc.shape[1]
     for c in gl.static_range(CHUNKS):
         slot = ring_step * CHUNKS + c
         words = ring_words.index(slot).load(words_layout)
@@ -239,10 +236,10 @@ def mma_step(
         )
         # Asynchronous, so that the next chunk decodes while this one multiplies; its
         # A registers stay untouched until the wait below (a fresh value per chunk).
-        b = act.index(ring_step).slice(0, COLS, dim=0).slice(c * 128, 128, dim=1)
-        acc = warpgroup_mma(frag, b.permute((1, 0)), acc, is_async=True)
+        b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
+        acc = warpgroup_mma(frag, b, acc, is_async=True)
         if SPLIT_A:
-            b_lo = act_lo.index(ring_step).slice(0, COLS, dim=0).slice(c * 128, 128, dim=1)
+            b_lo = act_lo.index(ring_step).slice(c * 128, 128, dim=1)
             b_lo = b_lo.permute((1, 0))
             acc = warpgroup_mma(frag, b_lo, acc, is_async=True)
         if c >= MMA_IN_FLIGHT:

@@ -101,11 +101,8 @@ def _fragment_gemm_kernel(
     POST_SCALE: gl.constexpr,
     SCALE_BIAS: gl.constexpr,
     IN_SCALE: gl.constexpr,
-    SMALL_T: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
-    mma_small: gl.constexpr,
-    dot_a_small: gl.constexpr,
     words_layout: gl.constexpr,
     copy_layout: gl.constexpr,
     smem_layout: gl.constexpr,
@@ -231,86 +228,19 @@ def _fragment_gemm_kernel(
             issue_activations(act, act_lo, acts_src, p, copy_layout, CHUNKS, SPLIT_A, POST_SCALE)
         async_copy.commit_group()
 
-    # Tiles of at most SMALL_T tokens (an expert's last, or a serving batch's few) multiply
-    # only their first SMALL_T columns: the same weights decoded, a fraction of the MMAs.
+    acc = gl.zeros([BLOCK_W, MMA_N], gl.float32, layout=mma)
+    # The epilogue's layout: the accumulator's, or with POST_SCALE its sum over the groups.
+    out_layout: gl.constexpr = token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T).type.layout
+    # Small tiles load what the epilogue reads now: its latency hides behind the main loop
+    # instead of following it (a few registers; 64-token tiles would hold 32 per thread).
+    PRELOAD: gl.constexpr = BLOCK_T <= 8
     epilogue_ptrs = (
         sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale
     )  # fmt: skip
-    epilogue = (epilogue_ptrs, expert, tile * BLOCK_T, pid_w, row_end, N_VALID)
-    store = (out_ptr, N, stride_om, alpha, limit, split, ready_ptr, tile)
-    copies = (weights_src, acts_src, num_steps)
-    if SMALL_T > 0:
-        if row_end - tile * BLOCK_T <= SMALL_T:
-            _multiply_and_store(
-                ring, copies, epilogue, store, SMALL_T, mma_small, dot_a_small, words_layout,
-                copy_layout, words_step_layout, scales_step_layout, STAGES, CHUNKS, SPLIT_A,
-                POST_SCALE, MMA_IN_FLIGHT, SHIFT_DECODE, TOPK, SWIGLU, HAS_BIAS, SCALE_BIAS,
-                IN_SCALE, BLOCK_W, BLOCK_T, SPLIT_K, TILE_READY,
-            )  # fmt: skip
-        else:
-            _multiply_and_store(
-                ring, copies, epilogue, store, MMA_N, mma, dot_a, words_layout, copy_layout,
-                words_step_layout, scales_step_layout, STAGES, CHUNKS, SPLIT_A, POST_SCALE,
-                MMA_IN_FLIGHT, SHIFT_DECODE, TOPK, SWIGLU, HAS_BIAS, SCALE_BIAS, IN_SCALE,
-                BLOCK_W, BLOCK_T, SPLIT_K, TILE_READY,
-            )  # fmt: skip
-    else:
-        _multiply_and_store(
-            ring, copies, epilogue, store, MMA_N, mma, dot_a, words_layout, copy_layout,
-            words_step_layout, scales_step_layout, STAGES, CHUNKS, SPLIT_A, POST_SCALE,
-            MMA_IN_FLIGHT, SHIFT_DECODE, TOPK, SWIGLU, HAS_BIAS, SCALE_BIAS, IN_SCALE, BLOCK_W,
-            BLOCK_T, SPLIT_K, TILE_READY,
-        )  # fmt: skip
-
-
-@gluon.jit
-def _multiply_and_store(
-    ring,
-    copies,
-    epilogue,
-    store,
-    COLS: gl.constexpr,
-    mma: gl.constexpr,
-    dot_a: gl.constexpr,
-    words_layout: gl.constexpr,
-    copy_layout: gl.constexpr,
-    words_step_layout: gl.constexpr,
-    scales_step_layout: gl.constexpr,
-    STAGES: gl.constexpr,
-    CHUNKS: gl.constexpr,
-    SPLIT_A: gl.constexpr,
-    POST_SCALE: gl.constexpr,
-    MMA_IN_FLIGHT: gl.constexpr,
-    SHIFT_DECODE: gl.constexpr,
-    TOPK: gl.constexpr,
-    SWIGLU: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    SCALE_BIAS: gl.constexpr,
-    IN_SCALE: gl.constexpr,
-    BLOCK_W: gl.constexpr,
-    BLOCK_T: gl.constexpr,
-    SPLIT_K: gl.constexpr,
-    TILE_READY: gl.constexpr,
-):
-    """The kernel's main loop over the ring (its prologue issued) and its epilogue, on the
-    tile's first COLS MMA columns (all of them: MMA_N; a short tile's: SMALL_T, with the
-    layouts of wgmma's N = COLS). ring: as mma_step takes it; copies: (the weights' and
-    activations' copy sources, the step count); epilogue: as epilogue_operands takes it;
-    store: (out_ptr, N, stride_om, alpha, limit, split, ready_ptr, tile)."""
-    _, _, act, act_lo, _, _ = ring
-    weights_src, acts_src, num_steps = copies
-    out_ptr, N, stride_om, alpha, limit, split, ready_ptr, tile = store
-    N_VALID = epilogue[5]
-    acc = gl.zeros([BLOCK_W, COLS], gl.float32, layout=mma)
-    # The epilogue's layout: the accumulator's, or with POST_SCALE its sum over the groups.
-    out_layout: gl.constexpr = token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T).type.layout
-    OUT_COLS: gl.constexpr = BLOCK_T if POST_SCALE else COLS
-    # Small tiles load what the epilogue reads now: its latency hides behind the main loop
-    # instead of following it (a few registers; 64-token tiles would hold 32 per thread).
-    PRELOAD: gl.constexpr = OUT_COLS <= 8
+    epilogue = (epilogue_ptrs, expert, tile, pid_w, row_end, N_VALID)
     if PRELOAD:
         operands = epilogue_operands(
-            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, BLOCK_W, OUT_COLS,
+            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, BLOCK_W, BLOCK_T,
             out_layout,
         )  # fmt: skip
 
@@ -344,7 +274,7 @@ def _multiply_and_store(
     acc = token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T)
     if not PRELOAD:
         operands = epilogue_operands(
-            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, BLOCK_W, OUT_COLS,
+            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, BLOCK_W, BLOCK_T,
             out_layout,
         )  # fmt: skip
     # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
@@ -356,7 +286,7 @@ def _multiply_and_store(
             acc += bias[:, None]
     if SWIGLU:
         out_rows = (out_ptr, N, stride_om, rows, cols, col_ok)
-        swiglu_store(out_rows, acc, alpha, limit, BLOCK_W, OUT_COLS)
+        swiglu_store(out_rows, acc, alpha, limit, BLOCK_W, BLOCK_T)
         if TILE_READY:
             # Every thread's rows are stored (the barrier), then one release increment.
             gl.thread_barrier()
@@ -476,11 +406,7 @@ def fragment_gemm(
 def _config_constexprs(config) -> dict:
     """The kernel's compile-time arguments and launch options that come from its
     FragmentConfig alone."""
-    small = _layouts(config.block_w, config.small_t or config.mma_n, config.num_warps, 1)
     return dict(
-        SMALL_T=config.small_t,
-        mma_small=small["mma"],
-        dot_a_small=small["dot_a"],
         BLOCK_W=config.block_w,
         BLOCK_T=config.block_t,
         STAGES=config.stages,
