@@ -278,6 +278,7 @@ def gpt_oss_weights(activation_format="bf16", static=False, seed=0, device="cuda
         (HOPPER, "fp8-dynamic"),
         (HOPPER, "fp8-static"),
         (HOPPER, "fp8-dynamic-hilo"),
+        (HOPPER, "fp8-static-hilo"),
     ],
 )
 def test_gpt_oss_120b_shapes(kernel, act):
@@ -285,10 +286,12 @@ def test_gpt_oss_120b_shapes(kernel, act):
     intermediate. bf16-hilo plants a w2 scale byte fp16 cannot hold (bf16 hi + lo, w2 still
     shift-decoded to bf16); bf16-prmt plants one bf16's shift decode cannot hold in each weight
     (byte-permute decode for both). fp8-dynamic-hilo: fp8 activations with the bf16 hi + lo
-    intermediate (its quantization reads hi + lo, writes hi)."""
+    intermediate (its quantization reads hi + lo, writes hi). With static scales GEMM1
+    quantizes its own SwiGLU rows (fp8-static: into fp16; fp8-static-hilo: into hi, lo
+    zero)."""
     activation_format = "fp8" if act.startswith("fp8") else "bf16"
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format=activation_format)
-    weights = gpt_oss_weights(activation_format, static=act == "fp8-static")
+    weights = gpt_oss_weights(activation_format, static=act.startswith("fp8-static"))
     if act.endswith("-hilo"):
         weights.w2_scale[5, 100, 7] = 103  # 2^-24: below fp16's reach for 0.5 * scale
     if act == "bf16-prmt":

@@ -377,6 +377,13 @@ def test_fragment_gemm_refuses_weights_encoded_for_another_operand():
         fragment_gemm(act16[:, :64], *w2, torch.zeros(8, 96), gemm1=False, decode="fp16", **common)
     with pytest.raises(ValueError, match="split_k"):
         fragment_gemm(x, *w13, act16, gemm1=True, decode="bf16", split_k=2, **common)
+    # A static fp8 scale quantizes GEMM1's SwiGLU rows into a half form, nothing else.
+    act32 = torch.zeros(8, 128, dtype=torch.float32)
+    with pytest.raises(ValueError, match="out_scale"):
+        fragment_gemm(x, *w13, act32, gemm1=True, decode="bf16", out_scale=0.5, **common)
+    with pytest.raises(ValueError, match="out_scale"):
+        y = torch.zeros(8, 96)
+        fragment_gemm(act16, *w2, y, gemm1=False, decode="fp16", out_scale=0.5, **common)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])

@@ -147,8 +147,8 @@ def scaled_fragments(config: FragmentConfig) -> FragmentConfig:
 @functools.cache
 def grid_wait(config: FragmentConfig) -> FragmentConfig:
     """The config with GEMM2 waiting for the whole kernel before it (no tile counters): with
-    fp8 activations a quantization pass runs between the GEMMs, and GEMM1's counters would
-    not say that it is done."""
+    fp8 activations quantized per row a pass runs between the GEMMs, and GEMM1's counters
+    would not say that it is done."""
     return dataclasses.replace(config, tile_ready=False)
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from .quant import e4m3_of
+
 
 @gluon.jit
 def token_columns(acc, POST_SCALE: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr):
@@ -78,14 +80,18 @@ def swiglu_store(
     acc,
     alpha,
     limit,
+    out_scale,
     BLOCK_W: gl.constexpr,
     BLOCK_T: gl.constexpr,
+    OUT_QUANT: gl.constexpr,
 ):
     """GEMM1's clamped SwiGLU of acc into its rows of out, in out's form: fp16, bf16 [hi | lo]
-    halves, or float32 (for fp8 activations, quantized from it by a pass of their own: the
-    reference rounds the exact value to e4m3, and a half-precision step first would round
-    some ties the other way). out_rows: (out_ptr, N, stride_om, the weight rows, the token
-    columns, which columns are valid)."""
+    halves, or float32 (for fp8 activations with per-row scales, quantized from it by a pass
+    of their own: the reference rounds the exact value to e4m3, and a half-precision step
+    first would round some ties the other way). OUT_QUANT (fp8 activations, a static scale):
+    the e4m3 values of act / out_scale, exact in either half form (lo is then zero).
+    out_rows: (out_ptr, N, stride_om, the weight rows, the token columns, which columns are
+    valid)."""
     out_ptr, N, stride_om, rows, cols, col_ok = out_rows
     g, u = _gate_up(acc, BLOCK_W, BLOCK_T)
     # Index tensors go through the same reshape so that they share g's layout.
@@ -96,6 +102,8 @@ def swiglu_store(
     g = gl.minimum(g, limit)
     u = gl.minimum(gl.maximum(u, -limit), limit)
     act = g / (1.0 + gl.exp(-alpha * g)) * (u + 1.0)
+    if OUT_QUANT:
+        act = e4m3_of(act, out_scale, False).to(gl.float32)
     ptrs = out_ptr + row.to(gl.int64) * stride_om + channel
     OUT_TYPE: gl.constexpr = out_ptr.dtype.element_ty
     if OUT_TYPE == gl.float32:

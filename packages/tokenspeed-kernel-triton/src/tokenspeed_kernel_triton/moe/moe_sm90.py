@@ -82,9 +82,13 @@ def moe_forward_sm90(
     config = pick_config(M * top_k, post_scalable)
     routing_inputs = dict(routing_inputs, expert_offset=expert_offset)
     fp8 = activation_format == "fp8"
+    # With a static intermediate scale GEMM1 quantizes its own SwiGLU rows; per-row scales
+    # need whole rows, which a pass quantizes between the GEMMs (GEMM2 then waits for it,
+    # not for GEMM1's tiles).
+    act_pass = fp8 and w2_input_scale is None
     x_scale = None
     if fp8:
-        config = grid_wait(config)
+        config = grid_wait(config) if act_pass else config
         x, x_scale = quantize_rows(x, w13_input_scale, "x", values_as=torch.bfloat16)
     routing, ids_to_check, ready, x_exp, x_in = _route(x, prepared, top_k, config, routing_inputs)
     H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
@@ -94,8 +98,8 @@ def moe_forward_sm90(
         act = scratch("act", (rows, Ip), torch.float16, x.device)
     else:
         act = scratch("act", (rows, 2 * Ip), torch.bfloat16, x.device)
-    # With fp8 activations GEMM1 writes float32 rows, quantized into act below.
-    act32 = scratch("act32", (rows, Ip), torch.float32, x.device) if fp8 else act
+    # For the pass GEMM1 writes float32 rows, quantized into act below.
+    act32 = scratch("act32", (rows, Ip), torch.float32, x.device) if act_pass else act
     common = dict(config=config, ready=ready)
     w13 = (prepared["w13"], prepared["w13_scale"], prepared["w13_bias"])
     fragment_gemm(
@@ -109,12 +113,13 @@ def moe_forward_sm90(
         n_valid=2 * I,
         x_exp=x_exp,
         in_scale=x_scale,
+        out_scale=w2_input_scale if fp8 and not act_pass else None,
         alpha=alpha,
         limit=limit,
         **common,
     )
-    act_scale = None
-    if fp8:
+    act_scale = w2_input_scale if fp8 else None
+    if act_pass:
         # e4m3 values in the intermediate's half type (bf16 [hi | lo]: hi, lo zeroed).
         tiles = (routing[2], routing[3], config.block_t)
         lo_offset = 0 if f16_intermediate else Ip
@@ -214,8 +219,9 @@ def supports(request, platform) -> Support:
 # - log2(gain) for w2), which picks each weight's decode: gain 1 shift-decodes w13 to bf16 and
 # w2 to fp16 (fp16 intermediate, post-scaled decode tiles); 2^17 puts w13's bytes above bf16's
 # shift range (prmt) and w2's below fp16's (bf16 hi + lo intermediate); 2^-10 puts w2's above
-# bf16's (prmt). FP8 activations at a decode tile (post-scaled) and the prefill tile, with the
-# fp16 and the bf16 [hi | lo] intermediates.
+# bf16's (prmt). FP8 activations at a decode tile (post-scaled) and the prefill tile, per-row
+# and static scales (GEMM1 quantizes its own rows), with the fp16 and the bf16 [hi | lo]
+# intermediates.
 _GPT_OSS = dict(num_experts=8, top_k=4, hidden_size=2880, intermediate_size=2880)
 AOT_CASES = (
     dict(_GPT_OSS, num_tokens=1),
@@ -227,7 +233,9 @@ AOT_CASES = (
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**17),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**-10),
     dict(_GPT_OSS, num_tokens=1, activation_format="fp8"),
+    dict(_GPT_OSS, num_tokens=1, activation_format="fp8", static_scales=True),
     dict(_GPT_OSS, num_tokens=4096, activation_format="fp8"),
+    dict(_GPT_OSS, num_tokens=4096, activation_format="fp8", static_scales=True),
     dict(_GPT_OSS, num_tokens=4096, activation_format="fp8", gain=2.0**17),
 )
 

@@ -21,6 +21,14 @@ from .workspace import scratch
 AMAX_FLOOR = tl.constexpr(1e-12)
 
 
+@triton.jit
+def e4m3_of(x, scale, INTERPRETED: tl.constexpr):
+    """float32 x / scale (IEEE division) clamped to +-448 and rounded to the nearest e4m3, as
+    core's quantize_fp8 does (also called from the Hopper GEMM's epilogue)."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    return round_to_fp8(q, INTERPRETED)
+
+
 @recordable
 @bind_launches
 @triton.jit
@@ -60,8 +68,7 @@ def _quant_rows_kernel(
         tl.store(scale_ptr + row, scale)
     else:
         scale = static_scale
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-    q = round_to_fp8(q, INTERPRETED)
+    q = e4m3_of(x, scale, INTERPRETED)
     if q_ptr.dtype.element_ty != tl.float8e4nv:
         q = q.to(tl.float32).to(q_ptr.dtype.element_ty)  # exact: e4m3 fits bf16 and fp16
     tl.store(q_ptr + row * stride_q + offs, q, mask=mask)

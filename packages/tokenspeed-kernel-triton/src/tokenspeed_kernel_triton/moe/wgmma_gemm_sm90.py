@@ -85,6 +85,7 @@ def _fragment_gemm_kernel(
     alpha,
     limit,
     in_scale,
+    out_scale,
     TOPK: gl.constexpr,
     SWIGLU: gl.constexpr,
     SPLIT_A: gl.constexpr,
@@ -101,6 +102,7 @@ def _fragment_gemm_kernel(
     POST_SCALE: gl.constexpr,
     SCALE_BIAS: gl.constexpr,
     IN_SCALE: gl.constexpr,
+    OUT_QUANT: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
@@ -286,7 +288,7 @@ def _fragment_gemm_kernel(
             acc += bias[:, None]
     if SWIGLU:
         out_rows = (out_ptr, N, stride_om, rows, cols, col_ok)
-        swiglu_store(out_rows, acc, alpha, limit, BLOCK_W, BLOCK_T)
+        swiglu_store(out_rows, acc, alpha, limit, out_scale, BLOCK_W, BLOCK_T, OUT_QUANT)
         if TILE_READY:
             # Every thread's rows are stored (the barrier), then one release increment.
             gl.thread_barrier()
@@ -331,6 +333,7 @@ def fragment_gemm(
     ready_target: int = 0,
     x_exp: torch.Tensor | None = None,
     in_scale: torch.Tensor | float | None = None,
+    out_scale: float | None = None,
     alpha: float = 0.0,
     limit: float = 0.0,
 ) -> None:
@@ -351,13 +354,19 @@ def fragment_gemm(
 
     in_scale, with fp8 activations: the scale of a's rows (their e4m3 values stored as a's
     half type), a float for all or float32 per row (GEMM1: [tokens]; GEMM2: [sorted rows]),
-    applied to the accumulator before the bias.
+    applied to the accumulator before the bias. out_scale (GEMM1, fp8 activations with a
+    static intermediate scale): write the e4m3 values of the SwiGLU rows / out_scale into out
+    (fp16 or bf16 [hi | lo]), as quant.quantize_rows would from float32 rows.
 
     With config.tile_ready, ready [tile-count bound] int32, zero before GEMM1 (the router
     clears it): GEMM1's CTAs count themselves in per tile when their rows are stored, and
     GEMM2's CTAs start a tile once its count reaches ready_target (GEMM1's CTAs per tile)."""
     if w.dim() == 3:
         w, w_scale = panel_view(w), panel_view(w_scale)
+    if out_scale is not None and (not gemm1 or out.dtype == torch.float32):
+        raise ValueError(
+            "fragment_gemm: out_scale quantizes GEMM1's SwiGLU rows into fp16 or bf16 [hi | lo]"
+        )
     operand = _check_operands(a, w, w_scale, gemm1, decode, split_k, config, routing, ready, x_exp)
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
@@ -391,6 +400,7 @@ def fragment_gemm(
         alpha,
         limit,
         in_scale if isinstance(in_scale, float) else 1.0,
+        out_scale if out_scale is not None else 1.0,
         TOPK=top_k,
         SWIGLU=gemm1,
         SPLIT_A=not gemm1 and a.dtype == torch.bfloat16,
@@ -399,6 +409,7 @@ def fragment_gemm(
         SHIFT_DECODE=decode != "prmt",
         SCALE_BIAS=POST_SCALE_BIAS[operand],
         IN_SCALE=0 if in_scale is None else 1 if isinstance(in_scale, float) else 2,
+        OUT_QUANT=out_scale is not None,
         **_config_constexprs(config),
     )
 
