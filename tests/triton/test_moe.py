@@ -109,6 +109,39 @@ def test_router_prescales_rows_exactly():
     assert torch.equal(scaled.double(), x.double() * factor[:, None])
 
 
+@pytest.mark.parametrize("static", [None, 0.02])
+def test_router_quantizes_rows_as_the_pass_does_before_prescaling(static):
+    """FP8 activations on post-scaled tiles: the router prescales x's e4m3 values, the same as
+    quantize_rows gives (and, per row, the same scales), so no launch of its own is needed."""
+    from tokenspeed_kernel_triton.moe.quant import quantize_rows
+
+    g = generator("moe-prescale-fp8", 5)
+    magnitudes = torch.tensor([1.0, 300.0, 2.0**-20, 0.0, 3.0])
+    x = (torch.randn(5, 80, generator=g) * magnitudes[:, None]).to(torch.bfloat16).to(DEVICE)
+    logits = torch.randn(5, 16, generator=g).to(DEVICE)
+    scaled = torch.empty_like(x)
+    exponents = torch.empty(5, dtype=torch.int32, device=DEVICE)
+    scales = None if static else torch.full((5,), -1.0, device=DEVICE)
+    quant = (static, scales)
+    route(
+        logits,
+        None,
+        None,
+        top_k=4,
+        num_experts=16,
+        block_m=2,
+        prescale=(x, scaled, exponents, quant),
+    )
+    q, want_scale = quantize_rows(x, static, "test_router_fp8", values_as=torch.bfloat16)
+    if static is None:
+        assert torch.equal(scales, want_scale)
+    want_exp = torch.floor(torch.log2(q.float().abs().amax(dim=1))).clamp(0, 126)
+    want_exp = want_exp.nan_to_num(0).to(torch.int32)
+    assert exponents.tolist() == want_exp.tolist()
+    factor = torch.exp2(126.0 - want_exp.double())
+    assert torch.equal(scaled.double(), q.double() * factor[:, None])
+
+
 def test_router_refuses_prescaling_beyond_one_program():
     tokens = FUSED_MAX_PAIRS // 4 + 1
     logits = torch.randn(tokens, 16, generator=generator("moe-prescale", tokens)).to(DEVICE)

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from tokenspeed_kernel.platform import Platform
 
+from .e4m3 import FP8_MAX, round_to_fp8  # noqa: F401 - the kernels' shared names
 from .routing import route
 
 # H and I are padded to a multiple of this (GPT-OSS 2880 -> 2944, +2.2% bytes and FLOPs) so that
@@ -26,8 +27,6 @@ PAD_MULTIPLE = 128
 WEIGHT_FORMAT_CODES = {"bf16": 0, "fp8": 1, "mxfp4": 2}
 W_FP8 = tl.constexpr(1)
 W_MXFP4 = tl.constexpr(2)
-# The largest float8_e4m3fn magnitude.
-FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -40,21 +39,6 @@ def round_to_bf16(x, INTERPRETED: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(tl.bfloat16)
-
-
-@triton.jit
-def round_to_fp8(x, INTERPRETED: tl.constexpr):
-    """x float32 within +-448 -> float8_e4m3fn, rounded to nearest even. The Triton 3.6
-    interpreter rounds values just below a power of two down a whole binade (124.7 -> 64), so
-    there x is first rounded to e4m3 precision in float32: 3 mantissa bits on the bits for
-    normals, multiples of 2^-9 (the subnormal step, via an exact magic-number add) below 2^-6."""
-    if INTERPRETED:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-        normal = bits.to(tl.float32, bitcast=True)
-        sub = (x + 12288.0) - 12288.0
-        x = tl.where(tl.abs(x) < 0.015625, sub, normal)
-    return x.to(tl.float8e4nv)
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .quant import e4m3_of
+from .e4m3 import e4m3_of
 
 
 @gluon.jit

@@ -89,8 +89,18 @@ def moe_forward_sm90(
     x_scale = None
     if fp8:
         config = grid_wait(config) if act_pass else config
-        x, x_scale = quantize_rows(x, w13_input_scale, "x", values_as=torch.bfloat16)
-    routing, ids_to_check, ready, x_exp, x_in = _route(x, prepared, top_k, config, routing_inputs)
+        if config.post_scale:
+            # The one-program router quantizes x's rows as it scales them (no launch of
+            # their own before it).
+            x_scale = w13_input_scale
+            if x_scale is None:
+                x_scale = scratch("x_scale", (M,), torch.float32, x.device)
+        else:
+            x, x_scale = quantize_rows(x, w13_input_scale, "x", values_as=torch.bfloat16)
+    quant = (w13_input_scale, None if w13_input_scale is not None else x_scale) if fp8 else None
+    routing, ids_to_check, ready, x_exp, x_in = _route(
+        x, prepared, top_k, config, routing_inputs, quant
+    )
     H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
     Ip = prepared["padded_intermediate_size"]
     rows = routing[4] * config.block_t  # the tile-count bound
@@ -153,18 +163,20 @@ def moe_forward_sm90(
     return out
 
 
-def _route(x, prepared, top_k, config, routing_inputs: dict):
+def _route(x, prepared, top_k, config, routing_inputs: dict, quant=None):
     """Routing for the fragment GEMMs: (routing, ids the combine checks, ready, x exponents,
-    GEMM1's x). With
-    config.post_scale the router also writes x's rows scaled up by powers of two (GEMM1's x)
-    and their exponents; with config.tile_ready it zeroes the per-tile counters `ready` that
-    GEMM2 waits on (programmatic dependent launch: each kernel after the router starts its
-    CTAs while the previous one finishes)."""
+    GEMM1's x). With config.post_scale the router also writes x's rows scaled up by powers
+    of two (GEMM1's x) and their exponents, with quant = (static scale, per-row scales) of
+    their e4m3 values (routing.route's prescale); with config.tile_ready it zeroes the
+    per-tile counters `ready` that GEMM2 waits on (programmatic dependent launch: each kernel
+    after the router starts its CTAs while the previous one finishes)."""
     M = x.shape[0]
     prescale = None
     if config.post_scale:
         scaled = scratch("x_scaled", tuple(x.shape), x.dtype, x.device)
         prescale = (x, scaled, scratch("x_exponents", (M,), torch.int32, x.device))
+        if quant is not None:
+            prescale += (quant,)
     ready = None
     if config.tile_ready:
         bound = max_tiles(M * top_k, prepared["num_experts"], config.block_t)

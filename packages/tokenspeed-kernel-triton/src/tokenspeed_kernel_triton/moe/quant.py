@@ -1,8 +1,6 @@
-"""FP8 e4m3 activation quantization per row (dynamic, per token) or per tensor (static).
-
-Matches core's `quantize_fp8`: dynamic scale = max(amax, 1e-12) / 448 with IEEE division, then
-q = clamp(x / scale, -448, 448) rounded to nearest even. The e4m3 values may be stored as fp8 or,
-exactly, as bf16 / fp16 (for the Hopper kernel's half-precision operands).
+"""FP8 e4m3 activation quantization per row (dynamic, per token) or per tensor (static), rounded
+as core's `quantize_fp8` (e4m3.py). The e4m3 values may be stored as fp8 or, exactly, as bf16 /
+fp16 (for the Hopper kernel's half-precision operands).
 """
 
 from __future__ import annotations
@@ -14,19 +12,9 @@ import triton.language as tl
 from tokenspeed_kernel.platform import interpreting
 
 from .._launch import bind_launches
-from ._common import FP8_MAX, round_to_fp8
+from .e4m3 import dynamic_scale, e4m3_of
 from .replay import recordable
 from .workspace import scratch
-
-AMAX_FLOOR = tl.constexpr(1e-12)
-
-
-@triton.jit
-def e4m3_of(x, scale, INTERPRETED: tl.constexpr):
-    """float32 x / scale (IEEE division) clamped to +-448 and rounded to the nearest e4m3, as
-    core's quantize_fp8 does (also called from the Hopper GEMM's epilogue)."""
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-    return round_to_fp8(q, INTERPRETED)
 
 
 @recordable
@@ -63,8 +51,7 @@ def _quant_rows_kernel(
     mask = offs < n_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if DYNAMIC:
-        amax = tl.maximum(tl.max(tl.abs(x), axis=0), AMAX_FLOOR)
-        scale = tl.math.div_rn(amax, FP8_MAX)
+        scale = dynamic_scale(x)
         tl.store(scale_ptr + row, scale)
     else:
         scale = static_scale

@@ -33,7 +33,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from tokenspeed_kernel.platform import interpreting
+
 from .._launch import bind_launches
+from .e4m3 import dynamic_scale, e4m3_of
 from .replay import recordable
 from .workspace import scratch
 
@@ -213,14 +216,36 @@ def _write_tiles(
 
 
 @triton.jit
-def _prescale_row(x_ptr, scaled_ptr, exp_ptr, row, H, stride_x, stride_s, BLOCK_H: tl.constexpr):
+def _prescale_row(
+    x_ptr,
+    scaled_ptr,
+    exp_ptr,
+    row,
+    H,
+    stride_x,
+    stride_s,
+    quant,
+    BLOCK_H: tl.constexpr,
+    QUANT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """Row `row` of x (bf16, at most BLOCK_H long) times 2^(126 - E), with E = floor(log2
     max|row|) clamped to [0, 126], into scaled_ptr, and E into exp_ptr[row]. Exact: a power
     of two at least 1, and the row's largest element stays below 2^127. Raw bf16 MXFP4 halves
     (value * 2^-126) times the scaled row are normal fp32 products (the post-scaled Hopper
-    GEMM)."""
+    GEMM). QUANT (FP8 activations; quant = (static scale, per-row scales)): the row's e4m3
+    values are scaled instead, with 1 the static scale, 2 the row's own (stored to the
+    per-row scales)."""
     offs = tl.arange(0, BLOCK_H)
     x = tl.load(x_ptr + row * stride_x + offs, mask=offs < H, other=0.0).to(tl.float32)
+    if QUANT != 0:
+        static_scale, scale_ptr = quant
+        if QUANT == 2:
+            scale = dynamic_scale(x)
+            tl.store(scale_ptr + row, scale)
+        else:
+            scale = static_scale
+        x = e4m3_of(x, scale, INTERPRETED).to(tl.float32)
     bits = tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True)
     exponent = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) - 127, 0), 126)
     factor = ((253 - exponent) << 23).to(tl.float32, bitcast=True)
@@ -242,6 +267,8 @@ def _route_small_kernel(
     x_ptr,
     scaled_ptr,
     exp_ptr,
+    x_scale_ptr,
+    x_static_scale,
     M,
     E,
     E_OFF,
@@ -263,6 +290,8 @@ def _route_small_kernel(
     CLEAR_READY: tl.constexpr,
     PRESCALE: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    QUANT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """Everything for M <= BLOCK_T tokens in one program (decode: one launch instead of three);
     with PRESCALE, M more programs scale x's rows for the post-scaled GEMM.
@@ -275,8 +304,9 @@ def _route_small_kernel(
         # Programs 1..M scale x's rows (_prescale_row); program 0 routes.
         if tl.program_id(0) > 0:
             _prescale_row(
-                x_ptr, scaled_ptr, exp_ptr, tl.program_id(0) - 1, H, stride_x, stride_s, BLOCK_H
-            )
+                x_ptr, scaled_ptr, exp_ptr, tl.program_id(0) - 1, H, stride_x, stride_s,
+                (x_static_scale, x_scale_ptr), BLOCK_H, QUANT, INTERPRETED,
+            )  # fmt: skip
             return
     if CLEAR_READY:
         for t0 in range(0, max_tiles, TILE_CHUNK):
@@ -421,7 +451,9 @@ def route(
     with programmatic dependent launch start early (beyond it, such a kernel starts when the
     last of the three launches ends); ready, int32 [>= max_tiles], is zeroed for
     the GEMMs' per-tile counters; prescale = (x [M, H] bf16, scaled [M, H] bf16, exponents [M]
-    int32) also writes `_prescale_row` of each row of x into scaled and exponents.
+    int32) also writes `_prescale_row` of each row of x into scaled and exponents; with a
+    fourth entry, (static scale or None, per-row scales [M] float32 or None), of the e4m3
+    values of x's rows (FP8 activations: static, or dynamic with each row's scale written).
     router_logits [M, E] (or None with precomputed topk_weights [M, k] float32 and topk_ids [M, k]
     int32); num_experts = E (the logits' width), num_local_experts (None: E) of them from
     expert_offset on held here: only their pairs are grouped. Returns (topk_weights, topk_ids,
@@ -449,7 +481,9 @@ def route(
     _check_one_program_options(num_pairs, n_tiles, ready, prescale)
     if num_pairs <= FUSED_MAX_PAIRS:
         block_t = triton.next_power_of_2(M)
-        x, scaled, exponents = prescale if prescale is not None else (logits, logits, num_tiles)
+        x, scaled, exponents = prescale[:3] if prescale is not None else (logits, logits, num_tiles)
+        static_scale, x_scales = prescale[3] if prescale and len(prescale) > 3 else (None, None)
+        quant = 0 if prescale is None or len(prescale) == 3 else 1 if x_scales is None else 2
         hidden = x.shape[1] if prescale is not None else 0
         _route_small_kernel[(1 + (M if prescale is not None else 0),)](
             logits,
@@ -462,6 +496,8 @@ def route(
             x,
             scaled,
             exponents,
+            x_scales if x_scales is not None else num_tiles,
+            1.0 if static_scale is None else static_scale,
             M,
             num_experts,
             expert_offset,
@@ -483,9 +519,12 @@ def route(
             CLEAR_READY=ready is not None,
             PRESCALE=prescale is not None,
             BLOCK_H=triton.next_power_of_2(hidden) if prescale is not None else 1,
+            QUANT=quant,
+            INTERPRETED=interpreting(),
             # One warp for a decode step's handful of pairs: every reduction stays in
-            # shuffles; more pairs make its [pairs, experts] tiles worth more warps.
-            num_warps=1 if num_pairs <= ONE_WARP_MAX_PAIRS else 4,
+            # shuffles; more pairs make its [pairs, experts] tiles worth more warps, and so
+            # does quantizing x's rows (an IEEE division per element).
+            num_warps=1 if num_pairs <= ONE_WARP_MAX_PAIRS and not quant else 4,
         )
         return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
     grouping = (sorted_pairs, tiles, num_tiles, n_tiles)
