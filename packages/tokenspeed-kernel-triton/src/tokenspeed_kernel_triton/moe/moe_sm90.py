@@ -134,8 +134,9 @@ def moe_forward_sm90(
         tiles = (routing[2], routing[3], config.block_t)
         lo_offset = 0 if f16_intermediate else Ip
         _, act_scale = quantize_rows(
-            act32[:, :I], w2_input_scale, "act", tiles, into=act, lo_offset=lo_offset
-        )
+            act32[:, :I], w2_input_scale, "act", tiles, into=act, lo_offset=lo_offset,
+            pdl=config.pdl,
+        )  # fmt: skip
     splits = gemm2_splits(config.gemm2_split_k, Ip)
     y = scratch("y", (M * top_k * splits, H), torch.float32, x.device)
     w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed_kernel.platform import interpreting
 
@@ -37,7 +38,13 @@ def _quant_rows_kernel(
     TILE_M: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        # Between the Hopper GEMMs: the next one may start (and stream its weights) now, and
+        # it waits for this grid; this grid waits for the GEMM that wrote x.
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     if TILED:
         # Rows of the grouped GEMM's output: only those below their tile's end were written
@@ -65,7 +72,15 @@ def _quant_rows_kernel(
 
 
 def quantize_rows(
-    x, static_scale: float | None, slot: str, tiles=None, *, values_as=None, into=None, lo_offset=0
+    x,
+    static_scale: float | None,
+    slot: str,
+    tiles=None,
+    *,
+    values_as=None,
+    into=None,
+    lo_offset=0,
+    pdl=False,
 ):
     """x [rows, n] -> (q [rows, n] float8_e4m3fn, scale): a float for a static scale, else
     [rows] float32 (one per row). Both tensors are the MoE call's scratch (workspace.py)
@@ -75,7 +90,8 @@ def quantize_rows(
     values_as: store the e4m3 values as this dtype (bfloat16 / float16 hold them exactly)
     instead of float8_e4m3fn. into: write q there instead, a [rows, >= n] tensor of such a
     dtype. lo_offset > 0: into's rows are bf16 [hi | lo] pairs, lo lo_offset columns after
-    hi: q goes to hi, lo is zeroed."""
+    hi: q goes to hi, lo is zeroed. pdl: launch with programmatic dependent launch (CUDA
+    sm_90+) behind a kernel that triggers it, and trigger the next one."""
     rows, n = x.shape
     if into is not None:
         q = into
@@ -103,6 +119,9 @@ def quantize_rows(
             TILE_M=tiles[2] if tiles else 1,
             BLOCK=block,
             INTERPRETED=interpreting(),
+            PDL=pdl,
             num_warps=4 if block <= 4096 else 8,
+            # Only CUDA's launcher knows the option (HIP's rejects it).
+            **({"launch_pdl": True} if pdl else {}),
         )
     return q, scale
