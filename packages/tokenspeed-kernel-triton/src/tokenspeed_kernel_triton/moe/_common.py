@@ -1,5 +1,5 @@
-"""Pieces shared by the Triton MoE kernels (portable and Hopper): weight-format codes, exact
-roundings the Triton interpreter gets wrong, the padding rule, the SwiGLU fp16 bound and the
+"""Pieces shared by the Triton MoE kernels (portable and Hopper): weight-format codes, the exact
+bf16 rounding the Triton interpreter gets wrong, the padding rule, the SwiGLU fp16 bound and the
 routing call both forwards make.
 """
 
@@ -14,7 +14,6 @@ import triton.language as tl
 
 from tokenspeed_kernel.platform import Platform
 
-from .e4m3 import FP8_MAX, round_to_fp8  # noqa: F401 - the kernels' shared names
 from .routing import route
 
 # H and I are padded to a multiple of this (GPT-OSS 2880 -> 2944, +2.2% bytes and FLOPs) so that

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from .._launch import bind_launches
-from ._common import FP8_MAX, W_FP8, W_MXFP4, WEIGHT_FORMAT_CODES, round_to_bf16, round_to_fp8
+from ._common import W_FP8, W_MXFP4, WEIGHT_FORMAT_CODES, round_to_bf16
+from .e4m3 import e4m3_of
 from .mxfp4_words import WORD_ELEMENTS, decode_words, decode_words_ptx
 from .replay import recordable
 
@@ -92,8 +93,7 @@ def _swiglu_store(
     u = tl.minimum(tl.maximum(u, -limit), limit)
     act = g * tl.sigmoid(alpha * g) * (u + 1.0)
     if QUANT_OUT:
-        act = tl.minimum(tl.maximum(tl.math.div_rn(act, out_scale), -FP8_MAX), FP8_MAX)
-        act = round_to_fp8(act, INTERPRETED)
+        act = e4m3_of(act, out_scale, INTERPRETED)
     offs_o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_o[None, :]
     if out_ptr.dtype.element_ty == tl.bfloat16:
