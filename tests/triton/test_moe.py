@@ -521,6 +521,7 @@ def test_dynamic_fp8_quantizes_only_the_rows_the_gemm_wrote():
     num_tiles = torch.tensor([2], dtype=torch.int32)
     written = torch.tensor([0, 1, 2, 4, 5, 6, 7])
     act[3], act[8:] = float("nan"), float("inf")
+    act, tiles, num_tiles, written = (t.to(DEVICE) for t in (act, tiles, num_tiles, written))
     want_q, want_scale = (t.clone() for t in quantize_rows(act[written], None, "test_plain"))
     q, scale = quantize_rows(act, None, "test_tiled", (tiles, num_tiles, tile_m))
     scale.fill_(-1.0)
@@ -528,7 +529,7 @@ def test_dynamic_fp8_quantizes_only_the_rows_the_gemm_wrote():
     q, scale = quantize_rows(act, None, "test_tiled", (tiles, num_tiles, tile_m))
     assert torch.equal(q[written].view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(scale[written], want_scale)
-    skipped = torch.tensor([3, *range(8, 16)])
+    skipped = torch.tensor([3, *range(8, 16)], device=DEVICE)
     assert (scale[skipped] == -1.0).all()
     assert (q[skipped].view(torch.uint8) == 0x7F).all()
 
@@ -541,13 +542,14 @@ def test_quantized_rows_stored_as_half_values_are_the_e4m3_values():
 
     gen = generator("quant-half-values")
     x = torch.randn(5, 40, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 600.0, 1e5])[:, None]
+    x = x.to(DEVICE)
     for static in (None, 0.5):
         q8, scale8 = quantize_rows(x, static, "test_fp8")
         want = q8.float()
         q16, scale16 = quantize_rows(x, static, "test_bf16", values_as=torch.bfloat16)
         assert q16.dtype == torch.bfloat16 and torch.equal(q16.float(), want)
         assert torch.equal(torch.as_tensor(scale16), torch.as_tensor(scale8))
-        pairs = torch.full((5, 2 * 48), -7.0, dtype=torch.bfloat16)  # [hi | lo], 48 wide
+        pairs = torch.full((5, 2 * 48), -7.0, dtype=torch.bfloat16, device=DEVICE)  # [hi | lo]
         quantize_rows(x, static, "test_hilo", into=pairs, lo_offset=48)
         assert torch.equal(pairs[:, :40].float(), want)
         assert (pairs[:, 48:88] == 0).all()
