@@ -78,22 +78,17 @@ def plan_tiles(kernel_name, q, num_kv_heads, cu_seqlens_q, max_seqlen_q, window_
     heads_per_tile = config.packing(group)
     num_m_blocks = triton.cdiv(max_seqlen_q, config.block_m // heads_per_tile)
     grid = (num_m_blocks, num_q_heads // heads_per_tile, num_seqs)
-    meta = launch_meta(config, group, head_dim, has_window, sinks is not None, lse is not None)
-    return grid, num_m_blocks, meta
-
-
-def launch_meta(config, group, head_dim, has_window, has_sinks, has_lse):
-    """The constexprs and launch options of a prefill/extend launch with `config`."""
-    return dict(
+    meta = dict(
         GROUP=group,
-        HEADS_PER_TILE=config.packing(group),
+        HEADS_PER_TILE=heads_per_tile,
         HEAD_DIM=head_dim,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         HAS_WINDOW=has_window,
-        HAS_SINKS=has_sinks,
-        HAS_LSE=has_lse,
+        HAS_SINKS=sinks is not None,
+        HAS_LSE=lse is not None,
         SPLIT_MASK=config.split_mask,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    return grid, num_m_blocks, meta

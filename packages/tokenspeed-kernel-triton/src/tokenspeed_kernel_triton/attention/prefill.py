@@ -165,30 +165,17 @@ def mha_prefill(
     flags = tile_flags(q.device, num_flags) if fixup else q
     if fixup and out.data_ptr() == q.data_ptr():
         q = q.clone()  # the fix-up reads q after the fast launch wrote out
-    args = launch_args(
-        q, k, v, out, lse, sinks, cu_seqlens, flags, softmax_scale, window_left, grid
-    )
+    args = (
+        q, k, v, out, out if lse is None else lse, q if sinks is None else sinks, cu_seqlens,
+        flags, softmax_scale * LOG2E.value, window_left, num_m_blocks, grid[1], num_flags,
+        q.shape[0], *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
+        0 if lse is None else lse.stride(0),
+    )  # fmt: skip
     _prefill_kernel[grid](*args, IS_CAUSAL=causal, FIXUP=False, FLAG_CHUNK=FLAG_CHUNK, **meta)
     if fixup:
-        fix_flagged_tiles(args, meta, causal, q.device, num_flags)
-
-
-def launch_args(q, k, v, out, lse, sinks, cu_seqlens, flags, softmax_scale, window_left, grid):
-    """The runtime arguments of `_prefill_kernel` on grid (m blocks, head tiles, sequences)."""
-    return (
-        q, k, v, out, out if lse is None else lse, q if sinks is None else sinks, cu_seqlens,
-        flags, softmax_scale * LOG2E.value, window_left, grid[0], grid[1],
-        grid[0] * grid[1] * grid[2], q.shape[0], *q.stride()[:2], *k.stride()[:2],
-        *v.stride()[:2], *out.stride()[:2], 0 if lse is None else lse.stride(0),
-    )  # fmt: skip
-
-
-def fix_flagged_tiles(args, meta, causal, device, num_flags):
-    """The fix-up launch (`_fixup.py`): recomputes exactly the tiles whose flag a fast launch
-    of the same tile geometry (BLOCK_M, heads per tile, grid) set, and clears the flags."""
-    _prefill_kernel[(fixup_programs(device, num_flags),)](
-        *args, IS_CAUSAL=causal, FIXUP=True, FLAG_CHUNK=FLAG_CHUNK, **meta
-    )
+        _prefill_kernel[(fixup_programs(q.device, num_flags),)](
+            *args, IS_CAUSAL=causal, FIXUP=True, FLAG_CHUNK=FLAG_CHUNK, **meta
+        )
 
 
 def register() -> None:
