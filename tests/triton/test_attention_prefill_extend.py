@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenspeed_kernel.ops.attention.reference import reference_extend, reference_prefill
-from tokenspeed_kernel.platform import KNOWN_PLATFORMS, Platform
+from tokenspeed_kernel.platform import KNOWN_PLATFORMS, Platform, platform_of
 from tokenspeed_kernel.testing import (
     assert_close,
     assert_conformance,
@@ -51,6 +51,12 @@ def test_conformance_gpt_oss_120b(kernel, case):
 @pytest.mark.parametrize("kernel,case", _params(dtypes=(torch.bfloat16,)))
 def test_conformance_bf16_gpu(kernel, case):
     assert_conformance(kernel, case)
+
+
+def _to_device(kwargs: dict) -> dict:
+    """The tensors of a kernel's keyword arguments moved to the test device (the interpreter
+    runs on CPU tensors only, a GPU launch on device tensors only)."""
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
 
 def _paged(kv: torch.Tensor, page_size: int, gen: torch.Generator):
@@ -97,10 +103,13 @@ def test_extend_never_reads_keys_outside_the_window(page_size):
         cache = cache_args[name]
         for pos in range(first_needed):
             cache[page_row[pos // page_size], pos % page_size] = float("nan")
+    q, kwargs = q.to(DEVICE), _to_device(kwargs)
     got = torch.full_like(q, float("nan"))
     with pin_config(extend.KERNEL_NAME, AttentionConfig(16, 16, 1, 1)):
-        extend.mha_extend_with_kvcache(q, cache_args["k"], cache_args["v"], out=got, **kwargs)
-    assert_close(got, want, dtype=torch.float16, name="out")
+        extend.mha_extend_with_kvcache(
+            q, cache_args["k"].to(DEVICE), cache_args["v"].to(DEVICE), out=got, **kwargs
+        )
+    assert_close(got, want.to(DEVICE), dtype=torch.float16, name="out")
 
 
 @pytest.mark.parametrize(
@@ -134,10 +143,50 @@ def test_prefill_pinned_configs(config, causal, window):
     )
     want, want_lse = torch.empty_like(q), torch.empty(total, heads_q)
     reference_prefill(q, k, v, out=want, lse=want_lse, **kwargs)
-    got, got_lse = torch.full_like(q, float("nan")), torch.full((total, heads_q), float("nan"))
+    q, k, v, kwargs = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), _to_device(kwargs)
+    got = torch.full_like(q, float("nan"))
+    got_lse = torch.full((total, heads_q), float("nan"), device=DEVICE)
     with pin_config(prefill.KERNEL_NAME, config):
         prefill.mha_prefill(q, k, v, out=got, lse=got_lse, **kwargs)
-    assert_close(got, want, dtype=torch.float16, name="out")
+    assert_close(got, want.to(DEVICE), dtype=torch.float16, name="out")
+    assert_close(got_lse, want_lse.to(DEVICE), dtype=torch.float32, name="lse")
+
+
+def _growing_score_keys(length, dim, block_n, scale, dtype, gen):
+    """Keys whose log2-domain scores against a near-constant query grow by ~12 per key block
+    over the first third of the sequence (every block moves the running max past the lazy
+    rescale's slack), by ~3 per block over the second (the max is carried stale, p above 1),
+    then fall."""
+    pos = torch.arange(length, dtype=torch.float64)
+    third = length // 3
+    step = torch.where(pos < third, 12.0, torch.where(pos < 2 * third, 3.0, -6.0)) / block_n
+    log2_score = step.cumsum(0) + torch.randn(length, generator=gen, dtype=torch.float64)
+    magnitude = log2_score / (scale * dim * math.log2(math.e))
+    return magnitude[:, None, None].expand(length, 1, dim).to(dtype)
+
+
+def test_prefill_running_max_growth():
+    """Scores that keep growing along the sequence: the unmasked blocks' lazy rescale both
+    fires (max outgrows its slack) and skips (stale max, probabilities up to 2^8) against the
+    reference's exact softmax, with sinks and lse."""
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    length, heads_q, dim, scale = (1024 if ON_GPU else 192), 8, 64, 0.125
+    config = choose_config(platform_of(torch.device(DEVICE)), dim, False)
+    k = _growing_score_keys(length, dim, config.block_n, scale, dtype, gen).to(DEVICE)
+    v = torch.randn(length, 1, dim, generator=gen).to(dtype).to(DEVICE)
+    q = (1 + 0.05 * torch.randn(length, heads_q, dim, generator=gen)).to(dtype).to(DEVICE)
+    kwargs = dict(
+        cu_seqlens=torch.tensor([0, length], dtype=torch.int32, device=DEVICE),
+        max_seqlen=length, causal=True, window_left=-1,
+        sinks=torch.randn(heads_q, generator=gen).to(DEVICE), softmax_scale=scale,
+    )  # fmt: skip
+    want = torch.empty_like(q)
+    want_lse = torch.empty(length, heads_q, device=DEVICE)
+    reference_prefill(q, k, v, out=want, lse=want_lse, **kwargs)
+    got, got_lse = torch.full_like(q, float("nan")), torch.full_like(want_lse, float("nan"))
+    prefill.mha_prefill(q, k, v, out=got, lse=got_lse, **kwargs)
+    assert_close(got, want, dtype=dtype, name="out")
     assert_close(got_lse, want_lse, dtype=torch.float32, name="lse")
 
 
