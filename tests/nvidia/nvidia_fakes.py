@@ -22,10 +22,14 @@ documented contract we map to; where the documentation is silent, the assumption
   test): fc1 rows [up; gate], e8m0 scales [E, K/128, N*4] (element (n, 4j+t) of [N, K/32] at
   (j, 4n+t)), bf16 biases, SwiGLU min(g, limit) * sigmoid(alpha g) * (clamp(u) + beta). The
   kernel's intermediate precision is not modelled (float64 here): the GPU test measures it.
+  Its weights pass through `interleave_moe_weights_for_sm90_mixed_gemm(w, "fp4")`, whose byte
+  order is the library's own (a CUDA kernel, not documented): modelled as a stand-in
+  involution that the stand-in kernel undoes, so weights that skipped it decode wrong.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 
@@ -126,8 +130,10 @@ class FakeFlashInfer:
     def __init__(self):
         self.calls: list[tuple[str, dict]] = []
         self.decode = types.SimpleNamespace(trtllm_batch_decode_with_kv_cache=self.trtllm_decode)
+        self.tuning = False
         self.fused_moe = types.SimpleNamespace(
             cutlass_fused_moe=self.cutlass_fused_moe,
+            interleave_moe_weights_for_sm90_mixed_gemm=self.interleave_sm90_weights,
             trtllm_fp4_block_scale_routed_moe=self.trtllm_fp4_routed_moe,
         )
         fake = self
@@ -157,18 +163,34 @@ class FakeFlashInfer:
             out[b] = o[0].to(out.dtype)
         return out
 
+    @contextlib.contextmanager
+    def autotune(self, tune_mode=True):
+        """`flashinfer.autotune`: the calls inside it record `tuning`."""
+        self.calls.append(("autotune", {"tune_mode": tune_mode}))
+        self.tuning = tune_mode
+        try:
+            yield
+        finally:
+            self.tuning = False
+
+    def interleave_sm90_weights(self, weight, quant_type):
+        self.calls.append(("interleave_moe_weights_for_sm90_mixed_gemm", dict(locals())))
+        assert weight.dtype == torch.uint8 and weight.dim() == 3 and quant_type == "fp4"
+        return sm90_weight_interleave(weight)
+
     def cutlass_fused_moe(
         self, *, input, token_selected_experts, token_final_scales, fc1_expert_weights,
         fc2_expert_weights, output_dtype, quant_scales, fc1_expert_biases, fc2_expert_biases,
         swiglu_alpha, swiglu_beta, swiglu_limit, output, use_w4_group_scaling,
         tune_max_num_tokens,
     ):  # fmt: skip
-        self.calls.append(("cutlass_fused_moe", dict(locals())))
+        self.calls.append(("cutlass_fused_moe", dict(locals(), tuning=self.tuning)))
         assert use_w4_group_scaling and input.dtype == torch.bfloat16
         assert token_selected_experts.dtype == torch.int32
         assert token_final_scales.dtype == torch.float32
-        w1 = _dequant_interleaved(fc1_expert_weights, quant_scales[0])  # [E, 2I, H]
-        w2 = _dequant_interleaved(fc2_expert_weights, quant_scales[1])  # [E, H, I]
+        fc1, fc2 = (sm90_weight_interleave(w) for w in (fc1_expert_weights, fc2_expert_weights))
+        w1 = _dequant_interleaved(fc1, quant_scales[0])  # [E, 2I, H]
+        w2 = _dequant_interleaved(fc2, quant_scales[1])  # [E, H, I]
         inter = w1.shape[1] // 2
         x = input.to(F64)
         acc = torch.zeros(x.shape, dtype=F64)
@@ -212,6 +234,13 @@ class FakeFlashInfer:
     def shuffle_matrix_sf_a(self, x, epilogue_tile_m):
         self.calls.append(("shuffle_matrix_sf_a", dict(shape=tuple(x.shape), tile=epilogue_tile_m)))
         return x
+
+
+def sm90_weight_interleave(weight: torch.Tensor) -> torch.Tensor:
+    """The stand-in byte order of the sm90 mixed-input weights: each run of 8 bytes along K
+    reversed (its own inverse; K/2 is a multiple of 64 after the 128 padding)."""
+    E, N, half_k = weight.shape
+    return weight.reshape(E, N, half_k // 8, 8).flip(-1).reshape(E, N, half_k).contiguous()
 
 
 def _dequant_interleaved(weights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from nvidia_fakes import FakeFA3, FakeFlashInfer
+from nvidia_fakes import FakeFA3, FakeFlashInfer, sm90_weight_interleave
 
 from tokenspeed_kernel import selector
 from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEWeights
@@ -338,10 +338,15 @@ def test_cutlass_moe_layout_and_call(fi):
     assert t["fc1"].shape == (4, 256, 128) and t["fc2"].shape == (4, 256, 64)
     assert t["fc1_scale"].shape == (4, 2, 256 * 4) and t["fc2_scale"].shape == (4, 1, 256 * 4)
     assert t["fc1_bias"].dtype == torch.bfloat16
+    interleaved = [
+        c for name, c in fi.calls if name == "interleave_moe_weights_for_sm90_mixed_gemm"
+    ]
+    assert [c["weight"].shape for c in interleaved[-2:]] == [(4, 256, 128), (4, 256, 64)]
     # Rows: up (odd rows of w13) first, then gate (even rows), each padded from 96 to 128.
-    assert torch.equal(t["fc1"][:, :96, :80], weights.w13[:, 1::2])
-    assert torch.equal(t["fc1"][:, 128:224, :80], weights.w13[:, 0::2])
-    assert not t["fc1"][:, 96:128].any() and not t["fc1"][:, :, 80:].any()
+    fc1 = sm90_weight_interleave(t["fc1"])
+    assert torch.equal(fc1[:, :96, :80], weights.w13[:, 1::2])
+    assert torch.equal(fc1[:, 128:224, :80], weights.w13[:, 0::2])
+    assert not fc1[:, 96:128].any() and not fc1[:, :, 80:].any()
     x = torch.randn(3, 160).to(torch.bfloat16)
     ids = torch.tensor([[0, -1], [3, 99], [2, 1]], dtype=torch.int32)
     out = torch.empty_like(x)
@@ -352,6 +357,24 @@ def test_cutlass_moe_layout_and_call(fi):
     assert call["token_selected_experts"].tolist() == [[0, 0], [3, 0], [2, 1]]
     assert call["token_final_scales"].tolist() == [[0.5, 0.0], [0.5, 0.0], [0.5, 0.5]]
     assert call["swiglu_limit"].tolist() == [7.0] * 4 and call["swiglu_beta"].tolist() == [1.0] * 4
+
+
+def test_cutlass_moe_tunes_on_the_first_call_of_each_layer_shape(fi):
+    """FlashInfer's autotuner runs around the first call of a plan's shape only (it keeps its
+    choice per token bucket for the process)."""
+    spec = get_kernel("moe_apply", "flashinfer.moe_apply.cutlass")
+    config = MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=128)
+    weights = _moe(config, seed=2)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    routing = dict(router_logits=torch.randn(3, 4), topk_ids=None, topk_weights=None)
+    tuned = []
+    for max_tokens in (16, 16, 32):
+        plan = moe_plan_for(spec, config, max_tokens, "cpu")
+        prepared = spec.fn.prepare_weights(plan, weights)
+        spec.fn.apply(plan, x, prepared, out=torch.empty_like(x), **routing)
+        _, call = fi.calls[-1]
+        tuned.append((call["tuning"], call["tune_max_num_tokens"]))
+    assert tuned == [(True, 16), (False, 16), (True, 32)]
 
 
 # --- FlashInfer trtllm-gen FP4 MoE ---------------------------------------------------------------
