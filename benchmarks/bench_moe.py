@@ -394,6 +394,11 @@ FRAGMENT_SWEEP[1024] = [
     FragmentConfig(128, 64, 4, 4),
     FragmentConfig(128, 32, 4, 4, pdl=True),
     FragmentConfig(64, 32, 4, 4, pdl=True),
+    FragmentConfig(64, 64, 4, 4, pdl=True),
+    FragmentConfig(64, 64, 4, 3, pdl=True),
+    FragmentConfig(128, 64, 4, 3, pdl=True),
+    FragmentConfig(128, 64, 4, 4, gemm2_split_k=2, pdl=True),
+    FragmentConfig(128, 32, 4, 3, pdl=True),
 ]
 FRAGMENT_SWEEP[4096] = FRAGMENT_SWEEP[8192] = [
     FragmentConfig(128, 128, 4, 2, pdl=True),

@@ -122,8 +122,9 @@ CONFIGS = (
     # Prefill batches up to M=2048: 64-token tiles waste less padding than 128 at up to ~64
     # rows per expert. 8 warps on this tile measured within run-to-run noise of 4. Two chunks
     # per step need ~2x the registers here and lost (M=4096: 3491 us against 2545). H100,
-    # M=1024: 1039 us (128x32: 1049, 64x32: 1157). H200, M=2048: 1451 us against 1554 for
-    # the 128-token tile below.
+    # M=1024, one run: 1033.5 us (no PDL 1042.0, 3 stages 1070.6, GEMM2 in 2 splits 1078.0,
+    # 128x32 1052.5 / 3 stages 1070.3, 64x64 1267.5 / 3 stages 1197.4, 64x32 1152.5). H200,
+    # M=2048: 1451 us against 1554 for the 128-token tile below.
     (8192, FragmentConfig(128, 64, 4, 4, pdl=True)),
     # From ~128 rows per expert: 128 tokens per tile halve the weight decode per MMA, and a
     # two-step ring keeps shared memory for two independent 4-warp CTAs per SM (255
