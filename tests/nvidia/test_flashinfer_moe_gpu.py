@@ -8,8 +8,8 @@ TensorRT-LLM's CUTLASS MoE (`flashinfer.moe_apply.cutlass`) rounds inside the li
 coarsely than the contract allows: on an H100 and an H200 (FlashInfer 0.6.14) up to 3.3% of
 the outputs of a case fall outside the bf16 tolerance of the float32 reference, the largest
 error 0.0625. Its cases assert a bound twice that (0.125, at most 5% of outputs outside the
-tolerance), which a wrong weight layout or argument misses by orders of magnitude (before the
-weights went through FlashInfer's sm90 interleave: errors up to 20, 99% of outputs). Its
+tolerance), which a wrong weight layout or argument misses by orders of magnitude (weights
+without FlashInfer's sm90 interleave: errors up to 20 on 99% of outputs). Its
 module is built ahead of time (`python -m tokenspeed_kernel_nvidia.flashinfer.prebuild`):
 FlashInfer's JIT takes over 19 minutes."""
 
