@@ -355,9 +355,9 @@ SWEEP = {
 # (M = 64: ~2.4 tokens per selected expert; 256: ~8) narrower token tiles than the prefill
 # tile's 64, which pads each expert's few tokens to 64 MMA columns, with and without
 # programmatic dependent launch and GEMM2's split; from M = 1024 the prefill tiles with and
-# without PDL, narrower and wider in tokens or rows. Post-scaled and
-# tile-by-tile configs need the one-program router (routing.FUSED_MAX_PAIRS), so only up to
-# M = 16.
+# without PDL, narrower and wider in tokens or rows, with and without a narrow launch for
+# short tiles (narrow_t). Post-scaled and tile-by-tile configs need the one-program router
+# (routing.FUSED_MAX_PAIRS), so only up to M = 16.
 _POST = dict(block_w=64, block_t=2, num_warps=4, chunks=4, pdl=True, post_scale=True)
 FRAGMENT_SWEEP = {
     m: [
@@ -390,21 +390,26 @@ FRAGMENT_SWEEP[256] = [
     FragmentConfig(128, 64, 4, 4, pdl=True),
 ]
 FRAGMENT_SWEEP[1024] = [
+    FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32),
     FragmentConfig(128, 64, 4, 4, pdl=True),
-    FragmentConfig(128, 64, 4, 4),
+    FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=16),
+    FragmentConfig(128, 64, 4, 3, pdl=True, narrow_t=32),
     FragmentConfig(128, 32, 4, 4, pdl=True),
-    FragmentConfig(64, 32, 4, 4, pdl=True),
     FragmentConfig(64, 64, 4, 4, pdl=True),
-    FragmentConfig(64, 64, 4, 3, pdl=True),
-    FragmentConfig(128, 64, 4, 3, pdl=True),
-    FragmentConfig(128, 64, 4, 4, gemm2_split_k=2, pdl=True),
-    FragmentConfig(128, 32, 4, 3, pdl=True),
+    FragmentConfig(128, 64, 4, 4, gemm2_split_k=2, pdl=True, narrow_t=32),
+]
+FRAGMENT_SWEEP[2048] = [
+    FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32),
+    FragmentConfig(128, 64, 4, 4, pdl=True),
+    FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=16),
+    FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=64),
 ]
 FRAGMENT_SWEEP[4096] = FRAGMENT_SWEEP[8192] = [
+    FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=32),
     FragmentConfig(128, 128, 4, 2, pdl=True),
-    FragmentConfig(128, 64, 4, 4, pdl=True),
+    FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=16),
+    FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=16),
     FragmentConfig(256, 128, 8, 3, pdl=True),
-    FragmentConfig(64, 128, 4, 3, pdl=True),
 ]
 
 

@@ -474,6 +474,42 @@ def test_wgmma_programmatic_dependent_launch_changes_nothing():
 
 
 @pytest.mark.gpu
+def test_wgmma_narrow_tiles_change_nothing():
+    """Tiles of at most narrow_t tokens in a launch of narrower MMAs of their own (each GEMM
+    in two launches; under dependent launch the narrow one starts while the full-tile one
+    runs): bit for bit the output of one launch, with plain and dependent launches, for calls
+    back to back. Skewed routing gives experts with one token, a few, exactly narrow_t,
+    just over it, a whole tile and more than one."""
+    spec, plan, prepared = _wgmma_gpt_oss_layer()
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for m, tile, narrows in ((300, (128, 64, 4, 4), (32, 16)), (1100, (128, 128, 4, 2), (64, 32))):
+        xs = [torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2)]
+        logits = [torch.randn(m, 128, generator=g, device="cuda") for _ in range(2)]
+        # Expert e is the first choice of `count` tokens of its own (of up to three, past M
+        # tokens): sizes around the tile widths.
+        first = 0
+        for e, count in enumerate((1, 5, 16, 17, 32, 33, 64, 65, 128, 129, 200)):
+            tokens = torch.arange(first, first + count, device="cuda") % m
+            for lg in logits:
+                lg[tokens, e] += 30.0
+            first += count
+        for pdl in (False, True):
+            results = []
+            for narrow_t in (0, *narrows):
+                outs = [torch.empty_like(x) for x in xs]
+                config = FragmentConfig(*tile, pdl=pdl, narrow_t=narrow_t)
+                with pin_config(HOPPER, config):
+                    for x, lg, out in zip(xs, logits, outs, strict=True):
+                        spec.fn.apply(plan, x, prepared, router_logits=lg, out=out)
+                results.append(outs)
+            for narrow_t, variant in zip(narrows, results[1:], strict=True):
+                for i, (one, split) in enumerate(zip(results[0], variant, strict=True)):
+                    assert torch.equal(one, split), (
+                        f"M={m}, narrow_t={narrow_t}, pdl={pdl}, call {i}"
+                    )
+
+
+@pytest.mark.gpu
 def test_wgmma_post_scaling_matches_the_reference_across_row_magnitudes():
     """Post-scaled decode tiles (raw weight halves times x rows the router scaled by powers of
     two, the e8m0 factors on the fp32 partials of block-diagonal activations): rows as large

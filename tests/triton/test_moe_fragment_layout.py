@@ -194,6 +194,12 @@ def test_fragment_config_refuses_rings_the_kernel_cannot_run():
         FragmentConfig(64, 8, 4, 1)
     with pytest.raises(ValueError, match="chunks 3"):
         FragmentConfig(64, 8, 4, 2, chunks=3)
+    assert FragmentConfig(128, 64, 4, 4, narrow_t=32).narrow_t == 32
+    for narrow_t in (4, 24, 64, 128):  # below wgmma's N of 8, not a power of two, too wide
+        with pytest.raises(ValueError, match="narrow_t"):
+            FragmentConfig(128, 64, 4, 4, narrow_t=narrow_t)
+    with pytest.raises(ValueError, match="narrow_t"):
+        FragmentConfig(64, 16, 4, 2, chunks=4, mma_in_flight=1, post_scale=True, narrow_t=8)
     assert FragmentConfig(64, 8, 4, 2, chunks=4).in_flight == 4
     assert FragmentConfig(64, 8, 4, 2, chunks=4, mma_in_flight=1).in_flight == 1
     with pytest.raises(ValueError, match="tile_ready needs pdl"):

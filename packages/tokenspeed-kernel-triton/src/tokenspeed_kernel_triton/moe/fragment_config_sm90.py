@@ -24,7 +24,9 @@ class FragmentConfig:
     post_scale: raw weight halves into the MMA against block-diagonal activations (wgmma's N is
     4 * block_t), the e8m0 factors applied to fp32 partials (fragment_steps_sm90.post_scaled_step;
     shift-decoded weights with an fp16 intermediate only, else moe_forward_sm90 falls back to
-    scaled fragments)."""
+    scaled fragments); narrow_t: each GEMM runs its tiles of at most narrow_t tokens (an
+    expert's last, or only, tile) in a second launch of block_w x narrow_t tiles, whose MMAs
+    are that much narrower (the routing tiles stay block_t rows)."""
 
     block_w: int
     block_t: int
@@ -36,6 +38,7 @@ class FragmentConfig:
     tile_ready: bool = False
     mma_in_flight: int | None = None
     post_scale: bool = False
+    narrow_t: int = 0
 
     def __post_init__(self) -> None:
         # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
@@ -47,6 +50,15 @@ class FragmentConfig:
             raise ValueError("FragmentConfig: post_scale keeps one or two chunks' wgmmas in flight")
         if self.tile_ready and not self.pdl:
             raise ValueError("FragmentConfig: tile_ready needs pdl")
+        if self.narrow_t and (
+            self.post_scale
+            or not 8 <= self.narrow_t < self.block_t
+            or self.narrow_t & (self.narrow_t - 1)
+        ):
+            raise ValueError(
+                f"FragmentConfig: narrow_t {self.narrow_t} is not a power of two in [8, "
+                f"block_t {self.block_t}) on a scaled-fragment config"
+            )
         if not 1 <= self.in_flight <= self.chunks:
             raise ValueError(
                 f"FragmentConfig: mma_in_flight {self.mma_in_flight} not in [1, chunks]"
@@ -125,7 +137,12 @@ CONFIGS = (
     # M=1024, one run: 1033.5 us (no PDL 1042.0, 3 stages 1070.6, GEMM2 in 2 splits 1078.0,
     # 128x32 1052.5 / 3 stages 1070.3, 64x64 1267.5 / 3 stages 1197.4, 64x32 1152.5). H200,
     # M=2048: 1451 us against 1554 for the 128-token tile below.
-    (8192, FragmentConfig(128, 64, 4, 4, pdl=True)),
+    # Tiles of at most 32 tokens (at M=1024, ~32 per expert: every expert's tile about half
+    # the time) in a launch of 128x32 tiles of their own: MMAs half as wide, the weights still
+    # decoded once per expert. H100, same run as vLLM's path, whole layer, µs, narrow_t 32 /
+    # none / 16 / vLLM: M=1024 916.1 / 1027.1 / 1033.8 / 1281.0 (3 stages 929.6), M=2048
+    # 1450.3 / 1507.8 / 1423.3 / 1622.5 (8: 1440.0; the 128-token tile with 64: 1412.1).
+    (8192, FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32)),
     # From ~128 rows per expert: 128 tokens per tile halve the weight decode per MMA, and a
     # two-step ring keeps shared memory for two independent 4-warp CTAs per SM (255
     # registers), which interleave one's decode with the other's wgmmas. One 8-warp CTA of two
@@ -134,7 +151,13 @@ CONFIGS = (
     # / 480 against 2503 / 489 for 128x64 (vLLM 2429 / 428), M=8192 3958 / 814 against 4470 /
     # 867 (vLLM 3998 / 698); 256x128 on 8 warps 2659 / 545 and 4415 / 917, 64x128 2948 / 581
     # and 5022 / 996, 128x128 with a three-step ring (one CTA per SM) 3493 / 680 at M=4096.
-    (None, FragmentConfig(128, 128, 4, 2, pdl=True)),
+    # An expert's last tile holds its tokens past a multiple of 128, most often a few: those
+    # of at most 32 run as 128x32 tiles (narrow_t). H100, same run as vLLM's path, µs,
+    # narrow_t 32 / none / 16 / 8 / vLLM: whole layer M=4096 2147.2 / 2400.3 / 2134.9 / - /
+    # 2485.2, M=8192 3805.4 / 4062.9 / 3840.4 / 3915.4 / 4074.4; TP=8 shard M=4096 454.6 /
+    # 494.0 / 449.5 / - / 444.7, M=8192 818.4 / 846.1 / 824.6 / 830.1 / 740.3. The 64-token
+    # tile above with narrow_t 16 / 32: M=4096 2481.3 / 2505.4, TP=8 497.6 / 502.0.
+    (None, FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=32)),
 )
 
 

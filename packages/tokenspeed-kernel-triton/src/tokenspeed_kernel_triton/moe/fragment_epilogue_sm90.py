@@ -41,11 +41,11 @@ def epilogue_operands(
     (IN_SCALE 1: one for all, in_scale; 2: per row, in_scale_ptr, GEMM1 by token, GEMM2 by
     sorted row); else ones. After: GEMM2 the routing weight; GEMM1 ones (unused). source:
     ((sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale),
-    expert, tile, pid_w, row_end, n_valid: the rows the bias has)."""
-    pointers, expert, tile, pid_w, row_end, n_valid = source
+    expert, the tile's first sorted row, pid_w, row_end, n_valid: the rows the bias has)."""
+    pointers, expert, first_row, pid_w, row_end, n_valid = source
     sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale = pointers
     rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, out_layout))
-    cols = tile * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_layout))
+    cols = first_row + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_layout))
     col_ok = cols < row_end
     pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0, cache_modifier=".cg")
     bias = gl.zeros([BLOCK_W], gl.float32, gl.SliceLayout(1, out_layout))

@@ -92,6 +92,8 @@ def _fragment_gemm_kernel(
     HAS_BIAS: gl.constexpr,
     BLOCK_W: gl.constexpr,
     BLOCK_T: gl.constexpr,
+    TILE_ROWS: gl.constexpr,
+    SKIP_AT_MOST: gl.constexpr,
     STAGES: gl.constexpr,
     CHUNKS: gl.constexpr,
     SPLIT_K: gl.constexpr,
@@ -122,15 +124,29 @@ def _fragment_gemm_kernel(
     split = pid % SPLIT_K
     tile = pid // SPLIT_K // num_w
     pid_w = pid // SPLIT_K % num_w
+    # A launch narrower than the routing tiles (BLOCK_T < TILE_ROWS) takes the tiles of at
+    # most BLOCK_T tokens, which the launch before it, of full tiles, left to it (SKIP_AT_MOST):
+    # their MMAs need only BLOCK_T columns (fragment_config_sm90.FragmentConfig.narrow_t).
+    NARROW: gl.constexpr = BLOCK_T < TILE_ROWS
+    WIDE_GEMM2: gl.constexpr = SKIP_AT_MOST != 0 and not SWIGLU and not TILE_READY
     if PDL:
         # Programmatic dependent launch: GEMM1 follows the routing kernel, whose outputs it
         # reads from here on. GEMM2 launches once every GEMM1 CTA got here, so the routing
         # outputs were complete before it started (it reads them from L2, never a stale L1
         # line); it waits for GEMM1's SwiGLU rows before reading them: for the whole grid, or
         # with TILE_READY tile by tile (ready_ptr).
-        if SWIGLU:
+        # A narrow launch follows the full-tile launch of the same GEMM, whose outputs it does
+        # not read: its CTAs start once every full-tile CTA triggered, past that launch's wait
+        # for the kernel before it (GEMM2's full-tile launch triggers after its wait for
+        # GEMM1's grid), so they need no wait of their own. Only the first one waits, so that
+        # the kernel after, waiting for this grid, also waits for the full-tile launch.
+        if NARROW:
+            if pid == 0:
+                gdc_wait()
+        elif SWIGLU:
             gdc_wait()
-        gdc_launch_dependents()
+        if not WIDE_GEMM2:
+            gdc_launch_dependents()
     # The routing outputs this CTA reads, all at once rather than one latency after another:
     # the buffers hold max_tiles tiles, so the reads past num_tiles stay in bounds, and the
     # router writes every entry (routing._write_tiles), so they read initialized memory.
@@ -141,11 +157,18 @@ def _fragment_gemm_kernel(
     # token, or with POST_SCALE four groups of the tile's tokens (post_scaled_step).
     MMA_N: gl.constexpr = 4 * BLOCK_T if POST_SCALE else BLOCK_T
     mma_col = gl.arange(0, MMA_N, layout=gl.SliceLayout(1, copy_layout))
-    offs_t = tile * BLOCK_T + mma_col % BLOCK_T
+    first_row = tile * TILE_ROWS
+    offs_t = first_row + mma_col % BLOCK_T
     if SWIGLU:
         pair = gl.load(sorted_ptr + offs_t, cache_modifier=".cg")
     if tile >= num_tiles:
         return
+    if NARROW:
+        if row_end - first_row > BLOCK_T:
+            return
+    if SKIP_AT_MOST != 0:
+        if row_end - first_row <= SKIP_AT_MOST:
+            return
     t_ok = offs_t < row_end
     if SWIGLU:
         a_rows = (gl.where(t_ok, pair, 0) // TOPK).to(gl.int64)
@@ -223,8 +246,10 @@ def _fragment_gemm_kernel(
                 # in with release semantics after a CTA barrier; this acquires them).
                 while gl.atomic_add(ready_ptr + tile, 0, sem="acquire", scope="gpu") < ready_target:
                     pass
-            else:
+            elif not NARROW:
                 gdc_wait()  # all of GEMM1
+                if WIDE_GEMM2:
+                    gdc_launch_dependents()
     for p in gl.static_range(STAGES - 1):
         if p < num_steps:
             issue_activations(act, act_lo, acts_src, p, copy_layout, CHUNKS, SPLIT_A, POST_SCALE)
@@ -239,7 +264,7 @@ def _fragment_gemm_kernel(
     epilogue_ptrs = (
         sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale
     )  # fmt: skip
-    epilogue = (epilogue_ptrs, expert, tile, pid_w, row_end, N_VALID)
+    epilogue = (epilogue_ptrs, expert, first_row, pid_w, row_end, N_VALID)
     if PRELOAD:
         operands = epilogue_operands(
             epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, BLOCK_W, BLOCK_T,
@@ -373,7 +398,7 @@ def fragment_gemm(
     # A row's four e8m0 bytes of one 128-element K chunk, as one int32: [E, N / 64, 64, K / 128].
     scale_words = w_scale.view(torch.int32)[..., 0]
     grid = (max_tiles * -(-n_valid // config.block_w) * split_k,)
-    _fragment_gemm_kernel[grid](
+    args = (
         a,
         w,
         scale_words,
@@ -401,6 +426,8 @@ def fragment_gemm(
         limit,
         in_scale if isinstance(in_scale, float) else 1.0,
         out_scale if out_scale is not None else 1.0,
+    )
+    constexprs = dict(
         TOPK=top_k,
         SWIGLU=gemm1,
         SPLIT_A=not gemm1 and a.dtype == torch.bfloat16,
@@ -410,16 +437,24 @@ def fragment_gemm(
         SCALE_BIAS=POST_SCALE_BIAS[operand],
         IN_SCALE=0 if in_scale is None else 1 if isinstance(in_scale, float) else 2,
         OUT_QUANT=out_scale is not None,
-        **_config_constexprs(config),
     )
+    # With narrow_t, the tiles of at most narrow_t tokens run in a launch of their own.
+    _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, False))
+    if config.narrow_t:
+        _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, True))
 
 
-def _config_constexprs(config) -> dict:
+def _config_constexprs(config, narrow: bool) -> dict:
     """The kernel's compile-time arguments and launch options that come from its
-    FragmentConfig alone."""
+    FragmentConfig alone, for its full-tile launch or (narrow) the launch of its narrow
+    tiles."""
+    block_t = config.narrow_t if narrow else config.block_t
+    mma_n = 4 * block_t if config.post_scale else block_t
     return dict(
         BLOCK_W=config.block_w,
-        BLOCK_T=config.block_t,
+        BLOCK_T=block_t,
+        TILE_ROWS=config.block_t,
+        SKIP_AT_MOST=0 if narrow else config.narrow_t,
         STAGES=config.stages,
         CHUNKS=config.chunks,
         PDL=config.pdl,
@@ -428,7 +463,7 @@ def _config_constexprs(config) -> dict:
         POST_SCALE=config.post_scale,
         num_warps=config.num_warps,
         launch_pdl=config.pdl,
-        **_layouts(config.block_w, config.mma_n, config.num_warps, config.chunks),
+        **_layouts(config.block_w, mma_n, config.num_warps, config.chunks),
     )
 
 
