@@ -104,11 +104,24 @@ def _topk_softmax(
 
 @triton.jit
 def _block_counts(ids, valid, E_OFF, E_LOCAL, counts_ptr, BLOCK_EL: tl.constexpr):
-    """Store how many of a block's pairs (ids, valid: [N]) go to each local expert into
-    counts_ptr[program_id, 0:BLOCK_EL]; ids outside the local range count nowhere."""
+    """Store how many of a block's pairs (ids, valid: [N], loaded from memory) go to each local
+    expert into counts_ptr[program_id, 0:BLOCK_EL]; ids outside the local range count nowhere."""
     local = ids - E_OFF
     hist = tl.histogram(local, BLOCK_EL, mask=valid & (local >= 0) & (local < E_LOCAL))
     experts = tl.arange(0, BLOCK_EL)
+    tl.store(counts_ptr + tl.program_id(0) * BLOCK_EL + experts, hist)
+
+
+@triton.jit
+def _block_counts_of_topk(ids, valid, E_OFF, E_LOCAL, counts_ptr, BLOCK_EL: tl.constexpr):
+    """_block_counts for the top-k's ids [BLOCK_T, BLOCK_K] as computed. They come out of a
+    reduction, whose layout holds each id in several threads, and tl.histogram on the GPU
+    counts every copy (3000 pairs of top-2 over 16 experts: counts past the pairs, sorted rows
+    never written); a sum over an id-by-expert comparison counts each pair once."""
+    experts = tl.arange(0, BLOCK_EL)
+    local = (ids - E_OFF)[:, :, None]
+    hits = valid[:, :, None] & (local == experts[None, None, :]) & (local < E_LOCAL)
+    hist = tl.sum(tl.sum(hits.to(tl.int32), axis=1), axis=0)
     tl.store(counts_ptr + tl.program_id(0) * BLOCK_EL + experts, hist)
 
 
@@ -140,10 +153,7 @@ def _topk_kernel(
     tl.store(ids_ptr + offs, ids, mask=mask)
     tl.store(weights_ptr + offs, weights, mask=mask)
     if BLOCK_COUNTS:
-        FLAT: tl.constexpr = BLOCK_T * BLOCK_K
-        _block_counts(
-            tl.reshape(ids, [FLAT]), tl.reshape(mask, [FLAT]), E_OFF, E_LOCAL, counts_ptr, BLOCK_EL
-        )
+        _block_counts_of_topk(ids, mask, E_OFF, E_LOCAL, counts_ptr, BLOCK_EL)
 
 
 @recordable
