@@ -479,20 +479,35 @@ def test_wgmma_narrow_tiles_change_nothing():
     in two launches; under dependent launch the narrow one starts while the full-tile one
     runs): bit for bit the output of one launch, with plain and dependent launches, for calls
     back to back. Skewed routing gives experts with one token, a few, exactly narrow_t,
-    just over it, a whole tile and more than one."""
+    just over it, a whole tile and more than one; even routing at M=300 leaves every tile
+    narrow, and at M=2048 (each expert exactly one 64-token tile) none."""
     spec, plan, prepared = _wgmma_gpt_oss_layer()
     g = torch.Generator(device="cuda").manual_seed(6)
-    for m, tile, narrows in ((300, (128, 64, 4, 4), (32, 16)), (1100, (128, 128, 4, 2), (64, 32))):
+    cases = (
+        (300, (128, 64, 4, 4), (32, 16), "skewed"),
+        (1100, (128, 128, 4, 2), (64, 32), "skewed"),
+        (300, (128, 64, 4, 4), (32,), "even"),
+        (2048, (128, 64, 4, 4), (32,), "whole tiles"),
+    )
+    for m, tile, narrows, routing in cases:
         xs = [torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2)]
         logits = [torch.randn(m, 128, generator=g, device="cuda") for _ in range(2)]
-        # Expert e is the first choice of `count` tokens of its own (of up to three, past M
-        # tokens): sizes around the tile widths.
-        first = 0
-        for e, count in enumerate((1, 5, 16, 17, 32, 33, 64, 65, 128, 129, 200)):
-            tokens = torch.arange(first, first + count, device="cuda") % m
+        if routing == "skewed":
+            # Expert e is the first choice of `count` tokens of its own (of up to three, past
+            # M tokens): sizes around the tile widths.
+            first = 0
+            for e, count in enumerate((1, 5, 16, 17, 32, 33, 64, 65, 128, 129, 200)):
+                tokens = torch.arange(first, first + count, device="cuda") % m
+                for lg in logits:
+                    lg[tokens, e] += 30.0
+                first += count
+        if routing == "whole tiles":
+            # Token t picks experts 4t .. 4t + 3 (mod 128): 64 tokens each.
+            picks = (
+                4 * torch.arange(m, device="cuda")[:, None] + torch.arange(4, device="cuda")
+            ) % 128
             for lg in logits:
-                lg[tokens, e] += 30.0
-            first += count
+                lg.scatter_add_(1, picks, torch.full((m, 4), 30.0, device="cuda"))
         for pdl in (False, True):
             results = []
             for narrow_t in (0, *narrows):
@@ -505,7 +520,7 @@ def test_wgmma_narrow_tiles_change_nothing():
             for narrow_t, variant in zip(narrows, results[1:], strict=True):
                 for i, (one, split) in enumerate(zip(results[0], variant, strict=True)):
                     assert torch.equal(one, split), (
-                        f"M={m}, narrow_t={narrow_t}, pdl={pdl}, call {i}"
+                        f"M={m} ({routing}), narrow_t={narrow_t}, pdl={pdl}, call {i}"
                     )
 
 

@@ -136,11 +136,13 @@ def _fragment_gemm_kernel(
         # line); it waits for GEMM1's SwiGLU rows before reading them: for the whole grid, or
         # with TILE_READY tile by tile (ready_ptr).
         # A narrow launch follows the full-tile launch of the same GEMM, whose outputs it does
-        # not read: its CTAs start once every full-tile CTA triggered, past that launch's wait
-        # for the kernel before it (GEMM2's full-tile launch triggers after its wait for
-        # GEMM1's grid), so they need no wait of their own. Only the first one waits, so that
-        # the kernel after, waiting for this grid, also waits for the full-tile launch.
-        if NARROW:
+        # not read: its CTAs start once every full-tile CTA triggered or exited, past that
+        # launch's wait for the kernel before it, so they need no wait of their own. GEMM2's
+        # full-tile CTAs trigger after that wait, and their first one waits before it can
+        # exit (a launch may have no full tiles at all). Only the narrow launch's first CTA
+        # waits, so that the kernel after, waiting for this grid, also waits for the
+        # full-tile launch.
+        if NARROW or WIDE_GEMM2:
             if pid == 0:
                 gdc_wait()
         elif SWIGLU:
