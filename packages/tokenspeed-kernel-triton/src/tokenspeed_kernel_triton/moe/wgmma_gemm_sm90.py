@@ -451,7 +451,7 @@ def _config_constexprs(config, narrow: bool) -> dict:
     FragmentConfig alone, for its full-tile launch or (narrow) the launch of its narrow
     tiles."""
     block_t = config.narrow_t if narrow else config.block_t
-    mma_n = 4 * block_t if config.post_scale else block_t
+    mma_n = config.narrow_t if narrow else config.mma_n  # narrow_t excludes post_scale
     return dict(
         BLOCK_W=config.block_w,
         BLOCK_T=block_t,
