@@ -116,3 +116,105 @@ def swiglu_store(
         lo = (act - hi.to(gl.float32)).to(gl.bfloat16)
         gl.store(ptrs, hi, mask=ok != 0)
         gl.store(ptrs + N // 2, lo, mask=ok != 0)
+
+
+@gluon.jit
+def _discard_l2(ptrs, mask):
+    """Drop the 128-byte L2 lines at ptrs (where mask) without writing them back: pair rows
+    the combine has summed are dead, and their write-back would cost what the combine saves."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $1, 0; @p discard.global.L2 [$2], 128; mov.b32 $0, 0; }",
+        "=r,r,l",
+        [mask.to(gl.int32), ptrs],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def tile_tokens(
+    sorted_ptr,
+    first_row,
+    row_end,
+    TOPK: gl.constexpr,
+    BLOCK_T: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+):
+    """The tokens of a tile's columns for combine_finished_tokens, one per thread (no atomic
+    issued twice; BLOCK_T <= 32 warps), and which columns hold one."""
+    count_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    i = gl.arange(0, 32 * NUM_WARPS, layout=count_layout)
+    row = first_row + i
+    ok = (i < BLOCK_T) & (row < row_end)
+    token = gl.load(sorted_ptr + row, mask=ok, other=0, cache_modifier=".cg") // TOPK
+    return token, ok
+
+
+@gluon.jit
+def combine_finished_tokens(
+    y_ptr,
+    out_ptr,
+    counts_ptr,
+    tokens,
+    pid_w,
+    num_w,
+    n_valid,
+    stride_y,
+    stride_o,
+    TOPK: gl.constexpr,
+    BLOCK_W: gl.constexpr,
+    BLOCK_T: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+    DISCARD: gl.constexpr,
+):
+    """GEMM2's combine, for the tokens whose last pair row of this row block this CTA stored:
+    out[token, block] = bf16(sum over j of y[token * TOPK + j, block]), j in order (the
+    combine kernel's sums, bit for bit). Each (token, row block) counts its stored pair rows
+    in counts_ptr [tokens, num_w] (zero between calls: the CTA that completes a count resets
+    it). tokens: tile_tokens(), loaded before the main loop. The caller stored this CTA's
+    rows and passed a CTA barrier; the count's release by the other CTAs and its acquire here
+    make their rows visible to the loads below, which read L2 (.cg)."""
+    token, ok = tokens
+    COUNTED: gl.constexpr = 32 * NUM_WARPS
+    count_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    counter = counts_ptr + token.to(gl.int64) * num_w + pid_w
+    one = gl.full([COUNTED], 1, gl.int32, count_layout)
+    seen = gl.atomic_add(counter, one, mask=ok, sem="acq_rel", scope="gpu")
+    last = ok & (seen == TOPK - 1)
+    gl.store(counter, one - 1, mask=last)
+    finished = gl.allocate_shared_memory(gl.int32, [COUNTED], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    finished.store(gl.where(last, token, -1))
+    gl.thread_barrier()
+    # A warp sums one token's row block at a time, 16 bytes per lane; a pass's loads wait for
+    # the stores before them (they may alias), so passes are as wide as registers allow.
+    sum_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NUM_WARPS, 1], [1, 0])
+    PASS: gl.constexpr = 32 if BLOCK_T >= 32 else BLOCK_T
+    cols = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, sum_layout))
+    col_ok = cols < n_valid
+    for p in gl.static_range(0, BLOCK_T, PASS):
+        tok = finished.slice(p, PASS).load(gl.SliceLayout(1, sum_layout))
+        live = (tok >= 0)[:, None] & col_ok[None, :]
+        first_pair = tok.to(gl.int64) * TOPK
+        total = gl.zeros([PASS, BLOCK_W], gl.float32, sum_layout)
+        for j in gl.static_range(TOPK):
+            ptrs = y_ptr + (first_pair + j)[:, None] * stride_y + cols[None, :]
+            total += gl.load(ptrs, mask=live, other=0.0, cache_modifier=".cg")
+        out_ptrs = out_ptr + tok.to(gl.int64)[:, None] * stride_o + cols[None, :]
+        gl.store(out_ptrs, total.to(gl.bfloat16), mask=live)
+    if DISCARD:
+        # Every thread's stores, which waited for its loads, then one thread per 128-byte
+        # line (32 columns) of the summed rows.
+        gl.thread_barrier()
+        LINES: gl.constexpr = TOPK * BLOCK_W // 32
+        line_layout: gl.constexpr = gl.BlockedLayout(
+            [1, 1], [32 // LINES, LINES], [NUM_WARPS, 1], [1, 0]
+        )
+        tok = finished.slice(0, BLOCK_T).load(gl.SliceLayout(1, line_layout))
+        q = gl.arange(0, LINES, layout=gl.SliceLayout(0, line_layout))
+        line_col = pid_w * BLOCK_W + q % (BLOCK_W // 32) * 32
+        row = tok.to(gl.int64)[:, None] * TOPK + (q // (BLOCK_W // 32))[None, :]
+        _discard_l2(
+            y_ptr + row * stride_y + line_col[None, :],
+            (tok >= 0)[:, None] & (line_col < n_valid)[None, :],
+        )
