@@ -525,68 +525,6 @@ def test_wgmma_narrow_tiles_change_nothing():
 
 
 @pytest.mark.gpu
-def test_wgmma_combine_in_gemm2_changes_nothing(monkeypatch):
-    """GEMM2 summing each token's pair rows itself (row block by row block, counted per token,
-    the dead rows dropped from L2) gives bit for bit the combine kernel's output: on the whole
-    layer and the TP=8 shard (I = 384), with its narrow launch, plain and dependent launches,
-    for calls back to back (each finds the counters the last one left at zero). Skewed routing
-    gives experts of one token, a few, a whole tile and more, and a token whose four pairs
-    all land in narrow tiles."""
-    import tokenspeed_kernel as tk
-    from tokenspeed_kernel_triton.moe import moe_sm90
-
-    config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
-    spec = get_kernel("moe_apply", HOPPER)
-    if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
-        pytest.skip("no wgmma on this GPU")
-    weights = gpt_oss_weights()
-    g = torch.Generator(device="cuda").manual_seed(8)
-    calls = []
-    unfused_combine = moe_sm90.combine
-    monkeypatch.setattr(
-        moe_sm90, "combine", lambda *a, **k: (calls.append(1), unfused_combine(*a, **k))
-    )
-    shards = (
-        ("whole", config, weights),
-        ("tp8", *tk.tensor_parallel_shard(config, weights, rank=0, world_size=8)),
-    )
-    for label, shard_config, shard in shards:
-        plan = moe_plan_for(spec, shard_config, 4096, "cuda")
-        prepared = spec.fn.prepare_weights(plan, shard)
-        for m, tile in ((300, (128, 64, 4, 4)), (1100, (128, 128, 4, 2))):
-            xs = [
-                torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
-                for _ in range(2)
-            ]
-            logits = [torch.randn(m, 128, generator=g, device="cuda") for _ in range(2)]
-            first = 0
-            for e, count in enumerate((1, 5, 16, 17, 32, 33, 64, 65, 128, 129, 200)):
-                tokens = torch.arange(first, first + count, device="cuda") % m
-                for lg in logits:
-                    lg[tokens, e] += 30.0
-                first += count
-            for lg in logits:  # token 0: experts 0 (one token), 120, 121, 122 (narrow tiles)
-                lg[0, 120:123] += 60.0
-            for pdl in (False, True):
-                results = []
-                for fused in (False, True):
-                    calls.clear()
-                    outs = [torch.empty_like(x) for x in xs]
-                    tile_config = FragmentConfig(
-                        *tile, pdl=pdl, narrow_t=32, combine_in_gemm2=fused
-                    )
-                    with pin_config(HOPPER, tile_config):
-                        for x, lg, out in zip(xs, logits, outs, strict=True):
-                            spec.fn.apply(plan, x, prepared, router_logits=lg, out=out)
-                    torch.cuda.synchronize()
-                    assert len(calls) == (0 if fused else len(xs)), (label, m, fused)
-                    results.append(outs)
-                for i, (kernel, in_gemm2) in enumerate(zip(*results, strict=True)):
-                    assert torch.equal(kernel, in_gemm2), f"{label} M={m}, pdl={pdl}, call {i}"
-        del plan, prepared
-
-
-@pytest.mark.gpu
 def test_wgmma_post_scaling_matches_the_reference_across_row_magnitudes():
     """Post-scaled decode tiles (raw weight halves times x rows the router scaled by powers of
     two, the e8m0 factors on the fp32 partials of block-diagonal activations): rows as large

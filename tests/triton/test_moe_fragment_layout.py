@@ -16,12 +16,7 @@ import torch
 from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_triton.moe import shift_words_sm90 as shift_words
 from tokenspeed_kernel_triton.moe._common import swiglu_fits_f16
-from tokenspeed_kernel_triton.moe.fragment_config_sm90 import (
-    COMBINE_L2_BYTES,
-    FragmentConfig,
-    combine_in_gemm2,
-    gemm2_splits,
-)
+from tokenspeed_kernel_triton.moe.fragment_config_sm90 import FragmentConfig, gemm2_splits
 from tokenspeed_kernel_triton.moe.fragment_layout_sm90 import (
     PANEL_ROWS,
     fragment_order,
@@ -191,30 +186,6 @@ def test_kernel_layouts_refuse_tiles_wgmma_cannot_run():
         kernel_layouts(32, 8, 4)  # one warpgroup covers 64 rows
     with pytest.raises(ValueError, match="block_t"):
         kernel_layouts(64, 12, 4)  # wgmma N is a multiple of 8
-
-
-def test_combine_in_gemm2_only_where_it_is_exact_and_fits_l2():
-    fused = FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=32, combine_in_gemm2=True)
-    for bad in (
-        dict(block_w=64, block_t=8),  # the sum covers 128-row blocks
-        dict(block_w=128, block_t=16, gemm2_split_k=2),  # partial rows
-        dict(block_w=128, block_t=256),  # one token column per thread: 128 threads
-    ):
-        with pytest.raises(ValueError, match="combine_in_gemm2"):
-            FragmentConfig(num_warps=4, stages=2, combine_in_gemm2=True, **bad)
-    # TP=8 shard (fp16 SwiGLU rows of 384 channels): to M=8192 (32768 pairs), not past it.
-    row = 384 * 2
-    assert combine_in_gemm2(fused, 32768, row, 1, False)
-    assert not combine_in_gemm2(fused, 2 * 32768, row, 1, False)
-    assert 32768 * (row + 512) <= COMBINE_L2_BYTES < 2 * 32768 * (row + 512)
-    # The whole layer's rows (2880 channels) only to M=1024.
-    assert combine_in_gemm2(fused, 4096, 2880 * 2, 1, False)
-    assert not combine_in_gemm2(fused, 16384, 2880 * 2, 1, False)
-    # Never with split partial rows, pairs to skip (expert parallelism), or unasked.
-    assert not combine_in_gemm2(fused, 4096, row, 2, False)
-    assert not combine_in_gemm2(fused, 4096, row, 1, True)
-    asked_not = FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=32)
-    assert not combine_in_gemm2(asked_not, 4096, row, 1, False)
 
 
 def test_fragment_config_refuses_rings_the_kernel_cannot_run():
@@ -419,40 +390,6 @@ def test_fragment_gemm_refuses_weights_encoded_for_another_operand():
     with pytest.raises(ValueError, match="out_scale"):
         y = torch.zeros(8, 96)
         fragment_gemm(act16, *w2, y, gemm1=False, decode="fp16", out_scale=0.5, **common)
-
-
-def test_fragment_gemm_refuses_a_combine_it_cannot_do():
-    """The combine in GEMM2 (checked before any launch): float32 rows of GEMM2 with 128-row
-    blocks, a bf16 [tokens, H] output with contiguous rows, a zeroed counter per token and
-    row block."""
-    prepared = prepare_weights("mxfp4", 96, 80, word_order="fragment", **_checkpoint())
-    w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
-    act16 = torch.zeros(8, 128, dtype=torch.float16)
-    out = torch.zeros(4, 96, dtype=torch.bfloat16)
-    counts = torch.zeros(4, dtype=torch.int32)
-    valid = dict(
-        y=torch.zeros(8, 96),
-        config=FragmentConfig(128, 16, 4, 2, combine_in_gemm2=True),
-        combined=out,
-        counts=counts,
-    )
-    cases = (
-        (dict(y=torch.zeros(8, 96, dtype=torch.float16)), "float32 rows"),
-        (dict(config=FragmentConfig(64, 8, 4, 2)), "no combine in GEMM2"),
-        (dict(combined=out.float()), "bf16 \\[4, 96\\]"),
-        (dict(combined=out[:2]), "bf16 \\[4, 96\\]"),
-        (dict(combined=out.t().contiguous().t()), "contiguous"),
-        (dict(counts=None), "zeroed int32"),
-        (dict(counts=counts[:3]), "4 zeroed int32"),
-    )
-    routing = (None, None, None, None, 1, 2)  # 2 pairs per token
-    for change, message in cases:
-        args = valid | change
-        y = args.pop("y")
-        with pytest.raises(ValueError, match=message):
-            fragment_gemm(
-                act16, *w2, y, routing, gemm1=False, decode="fp16", k_valid=80, n_valid=96, **args
-            )
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])

@@ -26,9 +26,7 @@ class FragmentConfig:
     shift-decoded weights with an fp16 intermediate only, else moe_forward_sm90 falls back to
     scaled fragments); narrow_t: each GEMM runs its tiles of at most narrow_t tokens (an
     expert's last, or only, tile) in a second launch of block_w x narrow_t tiles, whose MMAs
-    are that much narrower (the routing tiles stay block_t rows); combine_in_gemm2: GEMM2
-    also sums each token's pair rows, row block by row block, where combine_in_gemm2() says
-    they and the SwiGLU rows fit in L2 (no combine kernel, no pair row read from HBM)."""
+    are that much narrower (the routing tiles stay block_t rows)."""
 
     block_w: int
     block_t: int
@@ -41,7 +39,6 @@ class FragmentConfig:
     mma_in_flight: int | None = None
     post_scale: bool = False
     narrow_t: int = 0
-    combine_in_gemm2: bool = False
 
     def __post_init__(self) -> None:
         # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
@@ -61,16 +58,6 @@ class FragmentConfig:
             raise ValueError(
                 f"FragmentConfig: narrow_t {self.narrow_t} is not a power of two in [8, "
                 f"block_t {self.block_t}) on a scaled-fragment config"
-            )
-        if self.combine_in_gemm2 and (
-            self.block_w != 128
-            or self.gemm2_split_k != 1
-            or self.post_scale
-            or self.block_t > 32 * self.num_warps
-        ):
-            raise ValueError(
-                "FragmentConfig: combine_in_gemm2 takes 128-row blocks, an unsplit GEMM2, "
-                "scaled fragments and at most one token per thread"
             )
         if not 1 <= self.in_flight <= self.chunks:
             raise ValueError(
@@ -155,7 +142,7 @@ CONFIGS = (
     # decoded once per expert. H100, same run as vLLM's path, whole layer, µs, narrow_t 32 /
     # none / 16 / vLLM: M=1024 916.1 / 1027.1 / 1033.8 / 1281.0 (3 stages 929.6), M=2048
     # 1450.3 / 1507.8 / 1423.3 / 1622.5 (8: 1440.0; the 128-token tile with 64: 1412.1).
-    (8192, FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32, combine_in_gemm2=True)),
+    (8192, FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32)),
     # From ~128 rows per expert: 128 tokens per tile halve the weight decode per MMA, and a
     # two-step ring keeps shared memory for two independent 4-warp CTAs per SM (255
     # registers), which interleave one's decode with the other's wgmmas. One 8-warp CTA of two
@@ -170,7 +157,7 @@ CONFIGS = (
     # 2485.2, M=8192 3805.4 / 4062.9 / 3840.4 / 3915.4 / 4074.4; TP=8 shard M=4096 454.6 /
     # 494.0 / 449.5 / - / 444.7, M=8192 818.4 / 846.1 / 824.6 / 830.1 / 740.3. The 64-token
     # tile above with narrow_t 16 / 32: M=4096 2481.3 / 2505.4, TP=8 497.6 / 502.0.
-    (None, FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=32, combine_in_gemm2=True)),
+    (None, FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=32)),
 )
 
 
@@ -195,20 +182,3 @@ def gemm2_splits(requested: int, K: int) -> int:
     chunks = K // 128
     per_split = -(-chunks // max(1, requested))
     return -(-chunks // per_split)
-
-
-# What the combine in GEMM2 keeps in L2 (50 MB on H100 and H200): GEMM2 reads every SwiGLU
-# row once per row block, and a row block's pair rows wait there for their combine.
-COMBINE_L2_BYTES = 44 << 20
-
-
-def combine_in_gemm2(
-    config: FragmentConfig, num_pairs: int, act_row_bytes: int, splits: int, checks_ids: bool
-) -> bool:
-    """Whether GEMM2 does the combine's work (wgmma_gemm_sm90.fragment_gemm's `combined`):
-    where the config asks for it, GEMM2 is unsplit, every pair is this rank's (the combine
-    kernel skips the others' rows and zeroes tokens without any), and the SwiGLU rows
-    (act_row_bytes each) and one row block of the pair rows fit COMBINE_L2_BYTES."""
-    if not config.combine_in_gemm2 or splits != 1 or checks_ids:
-        return False
-    return num_pairs * (act_row_bytes + 4 * config.block_w) <= COMBINE_L2_BYTES

@@ -18,7 +18,6 @@ from .combine import combine
 from .fragment_config_sm90 import (
     CONFIGS,
     FragmentConfig,
-    combine_in_gemm2,
     gemm2_splits,
     grid_wait,
     scaled_fragments,
@@ -27,7 +26,7 @@ from .layout import PaddedMoEKernel
 from .quant import quantize_rows
 from .routing import max_tiles
 from .wgmma_gemm_sm90 import fragment_gemm
-from .workspace import scratch, zeroed_counters
+from .workspace import scratch
 
 KERNEL_NAME = "triton.moe_apply.sm90"
 WEIGHT_LAYOUT = "triton-mx4fragment-padded"
@@ -141,11 +140,6 @@ def moe_forward_sm90(
     splits = gemm2_splits(config.gemm2_split_k, Ip)
     y = scratch("y", (M * top_k * splits, H), torch.float32, x.device)
     w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
-    act_row_bytes = act.shape[1] * act.element_size()
-    fused = combine_in_gemm2(config, M * top_k, act_row_bytes, splits, ids_to_check is not None)
-    if fused:
-        row_blocks = -(-H // config.block_w)
-        common.update(combined=out, counts=zeroed_counters("combine", M * row_blocks, x.device))
     # GEMM1 wrote channels up to I only (k_valid); the rest are zero-filled. ready_target:
     # GEMM1's CTAs per tile.
     fragment_gemm(
@@ -162,8 +156,6 @@ def moe_forward_sm90(
         ready_target=-(-2 * I // config.block_w),
         **common,
     )
-    if fused:
-        return out
     # A token's rows: its top_k pairs, each in `splits` consecutive partial rows.
     combine(
         y, out, top_k=top_k, splits=splits, topk_ids=ids_to_check,
@@ -251,7 +243,6 @@ AOT_CASES = (
     dict(_GPT_OSS, num_tokens=64),
     dict(_GPT_OSS, num_tokens=256),
     dict(_GPT_OSS, num_tokens=4096),
-    dict(_GPT_OSS, num_tokens=4096, intermediate_size=384),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**17),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**-10),
     dict(_GPT_OSS, num_tokens=1, activation_format="fp8"),

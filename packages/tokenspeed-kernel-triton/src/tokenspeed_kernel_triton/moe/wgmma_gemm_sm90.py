@@ -39,13 +39,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .._launch import bind_launches
 from .fragment_config_sm90 import gemm2_splits
-from .fragment_epilogue_sm90 import (
-    combine_finished_tokens,
-    epilogue_operands,
-    swiglu_store,
-    tile_tokens,
-    token_columns,
-)
+from .fragment_epilogue_sm90 import epilogue_operands, swiglu_store, token_columns
 from .fragment_layout_sm90 import PANEL_ROWS, kernel_layouts, panel_view
 from .fragment_steps_sm90 import issue_activations, issue_weights, mma_step, post_scaled_step
 from .mxfp4_words import LOOKUP_TABLE_WORDS
@@ -72,8 +66,6 @@ def _fragment_gemm_kernel(
     ready_ptr,
     x_exp_ptr,
     in_scale_ptr,
-    combined_ptr,
-    counts_ptr,
     N,
     K,
     K_VALID,
@@ -89,7 +81,6 @@ def _fragment_gemm_kernel(
     stride_sc,
     stride_be,
     stride_om,
-    stride_co,
     ready_target,
     alpha,
     limit,
@@ -114,8 +105,6 @@ def _fragment_gemm_kernel(
     SCALE_BIAS: gl.constexpr,
     IN_SCALE: gl.constexpr,
     OUT_QUANT: gl.constexpr,
-    FUSED_COMBINE: gl.constexpr,
-    DISCARD: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
@@ -133,16 +122,8 @@ def _fragment_gemm_kernel(
     # columns are zero-filled by GEMM2's copies, never written).
     num_w = gl.cdiv(N_VALID, BLOCK_W)
     split = pid % SPLIT_K
-    if FUSED_COMBINE:
-        # Row block by row block (SPLIT_K is 1): the pair rows of one row block stay in L2
-        # until the combine, which follows them by about one block's worth of tiles, reads
-        # them (fragment_config_sm90.combine_in_gemm2).
-        tile_bound = gl.num_programs(0) // num_w
-        tile = pid % tile_bound
-        pid_w = pid // tile_bound
-    else:
-        tile = pid // SPLIT_K // num_w
-        pid_w = pid // SPLIT_K % num_w
+    tile = pid // SPLIT_K // num_w
+    pid_w = pid // SPLIT_K % num_w
     # A launch narrower than the routing tiles (BLOCK_T < TILE_ROWS) takes the tiles of at
     # most BLOCK_T tokens, which the launch before it, of full tiles, left to it (SKIP_AT_MOST):
     # their MMAs need only BLOCK_T columns (fragment_config_sm90.FragmentConfig.narrow_t).
@@ -191,8 +172,6 @@ def _fragment_gemm_kernel(
         if row_end - first_row <= SKIP_AT_MOST:
             return
     t_ok = offs_t < row_end
-    if FUSED_COMBINE:
-        combine_tokens = tile_tokens(sorted_ptr, first_row, row_end, TOPK, BLOCK_T, gl.num_warps())
     if SWIGLU:
         a_rows = (gl.where(t_ok, pair, 0) // TOPK).to(gl.int64)
     else:
@@ -347,12 +326,6 @@ def _fragment_gemm_kernel(
         out_row = col_pair.to(gl.int64) * SPLIT_K + split
         ptrs = out_ptr + out_row[None, :] * stride_om + rows[:, None]
         gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < N_VALID)[:, None])
-        if FUSED_COMBINE:
-            gl.thread_barrier()
-            combine_finished_tokens(
-                out_ptr, combined_ptr, counts_ptr, combine_tokens, pid_w, num_w, N_VALID,
-                stride_om, stride_co, TOPK, BLOCK_W, BLOCK_T, gl.num_warps(), DISCARD,
-            )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- host side
@@ -390,8 +363,6 @@ def fragment_gemm(
     out_scale: float | None = None,
     alpha: float = 0.0,
     limit: float = 0.0,
-    combined: torch.Tensor | None = None,
-    counts: torch.Tensor | None = None,
 ) -> None:
     """One grouped GEMM over the tiles of `routing` (routing.route with block_m = block_t).
 
@@ -416,12 +387,7 @@ def fragment_gemm(
 
     With config.tile_ready, ready [tile-count bound] int32, zero before GEMM1 (the router
     clears it): GEMM1's CTAs count themselves in per tile when their rows are stored, and
-    GEMM2's CTAs start a tile once its count reaches ready_target (GEMM1's CTAs per tile).
-
-    combined [tokens, n_valid] bf16 (GEMM2, with counts [tokens * row blocks] int32, zero,
-    which it leaves zero): GEMM2 also does the combine's work (combine.combine without
-    topk_ids), row block by row block (fragment_config_sm90.combine_in_gemm2): each token's
-    row block is summed by the CTA that stores its last pair row, from L2."""
+    GEMM2's CTAs start a tile once its count reaches ready_target (GEMM1's CTAs per tile)."""
     if w.dim() == 3:
         w, w_scale = panel_view(w), panel_view(w_scale)
     if out_scale is not None and (not gemm1 or out.dtype == torch.float32):
@@ -429,9 +395,6 @@ def fragment_gemm(
             "fragment_gemm: out_scale quantizes GEMM1's SwiGLU rows into fp16 or bf16 [hi | lo]"
         )
     operand = _check_operands(a, w, w_scale, gemm1, decode, split_k, config, routing, ready, x_exp)
-    fused = combined is not None
-    if fused:
-        _check_combined(out, combined, counts, gemm1, split_k, config, n_valid, routing[5])
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
     # A row's four e8m0 bytes of one 128-element K chunk, as one int32: [E, N / 64, 64, K / 128].
@@ -451,8 +414,6 @@ def fragment_gemm(
         ready if ready is not None else num_tiles,
         x_exp if x_exp is not None else num_tiles,
         in_scale if isinstance(in_scale, torch.Tensor) else num_tiles,
-        combined if fused else num_tiles,
-        counts if fused else num_tiles,
         N,
         K,
         k_valid,
@@ -462,7 +423,6 @@ def fragment_gemm(
         *scale_words.stride(),
         bias.stride(0) if bias is not None else 0,
         out.stride(0),
-        combined.stride(0) if fused else 0,
         ready_target,
         alpha,
         limit,
@@ -479,14 +439,6 @@ def fragment_gemm(
         SCALE_BIAS=POST_SCALE_BIAS[operand],
         IN_SCALE=0 if in_scale is None else 1 if isinstance(in_scale, float) else 2,
         OUT_QUANT=out_scale is not None,
-        FUSED_COMBINE=fused,
-        # Whole 128-byte lines of dead pair rows: rows start on a line, and the last row
-        # block's valid columns end on one. (An AOT compile's CPU tensors stand in for CUDA
-        # allocations, which are 512-byte aligned.)
-        DISCARD=fused
-        and (out.data_ptr() % 128 == 0 or out.device.type != "cuda")
-        and out.stride(0) * 4 % 128 == 0
-        and n_valid % 32 == 0,
     )
     # With narrow_t, the tiles of at most narrow_t tokens run in a launch of their own.
     _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, False))
@@ -515,24 +467,6 @@ def _config_constexprs(config, narrow: bool) -> dict:
         launch_pdl=config.pdl,
         **_layouts(config.block_w, mma_n, config.num_warps, config.chunks),
     )
-
-
-def _check_combined(y, combined, counts, gemm1, split_k, config, n_valid, top_k) -> None:
-    """fragment_gemm's checks of a combine in GEMM2 (combine_finished_tokens' bounds)."""
-    if gemm1 or split_k != 1 or y.dtype != torch.float32:
-        raise ValueError("fragment_gemm: the combine follows an unsplit GEMM2 into float32 rows")
-    if config.block_w != 128 or config.block_t > 32 * config.num_warps or config.post_scale:
-        raise ValueError(f"fragment_gemm: no combine in GEMM2 with {config}")
-    tokens = combined.shape[0]
-    if combined.dtype != torch.bfloat16 or tuple(combined.shape) != (y.shape[0] // top_k, n_valid):
-        raise ValueError(f"fragment_gemm: combined must be bf16 [{y.shape[0] // top_k}, {n_valid}]")
-    if combined.stride(1) != 1:
-        raise ValueError("fragment_gemm: combined's rows must be contiguous")
-    row_blocks = -(-n_valid // config.block_w)
-    if counts is None or counts.dtype != torch.int32 or counts.numel() < tokens * row_blocks:
-        raise ValueError(
-            f"fragment_gemm: the combine needs counts, {tokens * row_blocks} zeroed int32"
-        )
 
 
 def _check_operands(a, w, w_scale, gemm1, decode, split_k, config, routing, ready, x_exp) -> str:

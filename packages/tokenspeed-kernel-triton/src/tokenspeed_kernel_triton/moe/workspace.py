@@ -39,19 +39,3 @@ def scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> to
         _buffers[key] = buffer
         generation += 1
     return buffer[:numel].view(shape)
-
-
-def zeroed_counters(slot: str, numel: int, device) -> torch.Tensor:
-    """[numel] int32 counters for `slot`, zero when handed out: allocated zeroed, and every
-    kernel that counts in them leaves them zero for the next call (the last to count resets
-    each one)."""
-    global generation
-    if not isinstance(device, torch.device):
-        device = torch.device(device)
-    key = (slot, "counters", device, _stream(device))
-    buffer = _buffers.get(key)
-    if buffer is None or buffer.numel() < numel:
-        buffer = torch.zeros(max(numel, 1), dtype=torch.int32, device=device)
-        _buffers[key] = buffer
-        generation += 1
-    return buffer[:numel]
