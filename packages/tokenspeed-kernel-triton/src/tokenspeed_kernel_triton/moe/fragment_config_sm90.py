@@ -142,7 +142,13 @@ CONFIGS = (
     # decoded once per expert. H100, same run as vLLM's path, whole layer, µs, narrow_t 32 /
     # none / 16 / vLLM: M=1024 916.1 / 1027.1 / 1033.8 / 1281.0 (3 stages 929.6), M=2048
     # 1450.3 / 1507.8 / 1423.3 / 1622.5 (8: 1440.0; the 128-token tile with 64: 1412.1).
-    (8192, FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32)),
+    (4096, FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32)),
+    # M = 1025 to 2048, ~32 to 64 rows per expert: 128-token tiles whose experts of at most
+    # 64 rows run as 128x64 tiles in the narrow launch, and those of 65 to 128 as one 128-token
+    # tile rather than two 64-token ones. H200, same run as vLLM's path, µs, this / the
+    # 64-token tile above / vLLM: whole layer M=1536 1131.4 / 1121.1 / 1160.7, M=2048 1396.1 /
+    # 1457.4 / 1612.5; TP=8 shard M=1536 227.8 / 238.3 / 204.1, M=2048 282.8 / 287.6 / 293.1.
+    (8192, FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=64)),
     # From ~128 rows per expert: 128 tokens per tile halve the weight decode per MMA, and a
     # two-step ring keeps shared memory for two independent 4-warp CTAs per SM (255
     # registers), which interleave one's decode with the other's wgmmas. One 8-warp CTA of two
