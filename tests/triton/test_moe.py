@@ -525,6 +525,46 @@ def test_wgmma_narrow_tiles_change_nothing():
 
 
 @pytest.mark.gpu
+def test_wgmma_fp16_pair_rows_stay_within_the_tolerance_at_any_row_magnitude():
+    """GEMM2's pair rows in fp16 (the prefill tiles of a TP=8 shard), tiles with a row element
+    at or above the bound kept exact in float32: against the reference at the bf16 tolerance
+    for x scaled so that the rows range from well below the bound to far above it, where the
+    SwiGLU clamp saturates and the rows cancel; once every tile is past the bound, bit for bit
+    the output of float32 rows, and below it not (the fp16 rows were taken)."""
+    import tokenspeed_kernel as tk
+
+    config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
+    spec = get_kernel("moe_apply", HOPPER)
+    if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
+        pytest.skip("no wgmma on this GPU")
+    shard_config, shard = tk.tensor_parallel_shard(config, gpt_oss_weights(), rank=0, world_size=8)
+    plan = moe_plan_for(spec, shard_config, 4096, "cuda")
+    prepared = spec.fn.prepare_weights(plan, shard)
+    reference = get_kernel("moe_apply", "reference.moe_apply")
+    ref_plan = moe_plan_for(reference, shard_config, 4096, "cuda")
+    ref_prepared = reference.fn.prepare_weights(ref_plan, shard)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    tiles = ((300, (128, 64, 4, 4)), (1100, (128, 128, 4, 2)))
+    for m, tile in tiles:
+        logits = torch.randn(m, 128, generator=g, device="cuda")
+        base = torch.randn(m, 2880, generator=g, device="cuda")
+        for scale in (0.25, 1.0, 8.0, 2.0**12):
+            x = (base * scale).to(torch.bfloat16)
+            expected = torch.empty_like(x)
+            reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
+            outs = []
+            for half in (True, False):
+                out = torch.empty_like(x)
+                tile_config = FragmentConfig(*tile, pdl=True, narrow_t=32, half_pair_rows=half)
+                with pin_config(HOPPER, tile_config):
+                    spec.fn.apply(plan, x, prepared, router_logits=logits, out=out)
+                outs.append(out)
+            name = f"out (M={m}, x * {scale})"
+            assert_close(outs[0], expected, dtype=torch.bfloat16, name=name)
+            assert torch.equal(outs[0], outs[1]) == (scale == 2.0**12), name
+
+
+@pytest.mark.gpu
 def test_wgmma_post_scaling_matches_the_reference_across_row_magnitudes():
     """Post-scaled decode tiles (raw weight halves times x rows the router scaled by powers of
     two, the e8m0 factors on the fp32 partials of block-diagonal activations): rows as large

@@ -16,7 +16,13 @@ import torch
 from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_triton.moe import shift_words_sm90 as shift_words
 from tokenspeed_kernel_triton.moe._common import swiglu_fits_f16
-from tokenspeed_kernel_triton.moe.fragment_config_sm90 import FragmentConfig, gemm2_splits
+from tokenspeed_kernel_triton.moe.combine import combine
+from tokenspeed_kernel_triton.moe.fragment_config_sm90 import (
+    FragmentConfig,
+    gemm2_splits,
+    half_pair_rows,
+    half_pair_rows_bound,
+)
 from tokenspeed_kernel_triton.moe.fragment_layout_sm90 import (
     PANEL_ROWS,
     fragment_order,
@@ -390,6 +396,60 @@ def test_fragment_gemm_refuses_weights_encoded_for_another_operand():
     with pytest.raises(ValueError, match="out_scale"):
         y = torch.zeros(8, 96)
         fragment_gemm(act16, *w2, y, gemm1=False, decode="fp16", out_scale=0.5, **common)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3, 4, 8, 16, 32])
+def test_half_pair_rows_bound_keeps_a_tokens_rounding_under_half_the_tolerance(top_k):
+    """fp16 rounds a value below 2^(e+1) by at most 2^(e-11): top_k rows below the bound err
+    by at most 2^-8 together, half of bf16's atol (0.01) at most; and the bound is the
+    largest power of two that keeps it."""
+    bound = half_pair_rows_bound(top_k)
+    assert math.frexp(bound)[0] == 0.5
+    worst = top_k * bound * 2.0**-12
+    assert worst <= 2.0**-8 < 2 * worst
+    # The rounding the bound is derived from, checked on fp16 itself just below the bound.
+    x = torch.tensor([bound * (1 - 2.0**-20)], dtype=torch.float64)
+    assert abs(float(x.to(torch.float16).double() - x)) <= bound * 2.0**-12
+
+
+def test_fp16_pair_rows_where_the_shard_keeps_rows_small():
+    allowed = FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=32, half_pair_rows=True)
+    assert half_pair_rows(allowed, 384, 1) and half_pair_rows(allowed, 768, 1)  # TP=8, TP=4
+    assert not half_pair_rows(allowed, 1536, 1)  # TP=2 (1440 padded)
+    assert not half_pair_rows(allowed, 384, 2)  # split partial rows
+    assert not half_pair_rows(FragmentConfig(128, 128, 4, 2), 384, 1)
+
+
+def test_fp16_pair_rows_need_their_float32_beside_them():
+    prepared = prepare_weights("mxfp4", 96, 80, word_order="fragment", **_checkpoint())
+    w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
+    act16 = torch.zeros(8, 128, dtype=torch.float16)
+    y16 = torch.zeros(8, 96, dtype=torch.float16)
+    wide = torch.zeros(8, 96)
+    common = dict(gemm1=False, decode="fp16", k_valid=80, n_valid=96)
+    common |= dict(config=FragmentConfig(128, 16, 4, 2), routing=(None, None, None, None, 1, 2))
+    for kwargs in (
+        dict(wide=None, half_bound=4.0),
+        dict(wide=wide, half_bound=3.0),  # not a power of two
+        dict(wide=wide, half_bound=2.0**16),  # past fp16's normal range
+        dict(wide=wide[:, :64], half_bound=4.0),
+        dict(wide=wide.half(), half_bound=4.0),
+    ):
+        with pytest.raises(ValueError, match="fp16 pair rows"):
+            fragment_gemm(act16, *w2, y16, **common, **kwargs)
+    # Split partial rows: GEMM2 over two K chunks (I = 256).
+    prepared = prepare_weights("mxfp4", 96, 256, word_order="fragment", **_checkpoint(I=256))
+    w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
+    with pytest.raises(ValueError, match="fp16 pair rows"):
+        act16 = torch.zeros(8, 256, dtype=torch.float16)
+        fragment_gemm(
+            act16, *w2, y16, **common | dict(k_valid=256), wide=wide, half_bound=4.0, split_k=2
+        )
+    out = torch.empty(2, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fp16 pair rows come with"):
+        combine(y16, out, top_k=4)
+    with pytest.raises(ValueError, match="fp16 pair rows come with"):
+        combine(wide, out, top_k=4, wide=wide, half_bound=4.0)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])

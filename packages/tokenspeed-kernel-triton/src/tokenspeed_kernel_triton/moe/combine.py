@@ -1,7 +1,9 @@
 """Weighted combine: out[t] = sum_j y[t * top_k + j] over a token's top-k pairs.
 
 GEMM2 already added the second bias and multiplied by the routing weight (bias first, as the
-contract says); this sums the k fp32 rows in a fixed order (deterministic) and rounds once.
+contract says); this sums the k rows in float32 in a fixed order (deterministic) and rounds
+once. The rows are float32, or fp16 with the elements not below a bound in magnitude kept
+exact in a float32 tensor of the same shape (wgmma_gemm_sm90's fp16 pair rows).
 Where routing may have left pairs out (precomputed ids outside [0, E); with expert
 parallelism, ids of other ranks' experts) their rows were never written: they are skipped, a
 compare on k ids per program.
@@ -9,6 +11,7 @@ compare on k ids per program.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
@@ -27,6 +30,8 @@ def _combine_kernel(
     y_ptr,
     out_ptr,
     ids_ptr,
+    wide_ptr,
+    half_bound,
     E_OFF,
     E,
     H,
@@ -35,6 +40,7 @@ def _combine_kernel(
     TOPK: tl.constexpr,
     SPLITS: tl.constexpr,
     CHECK_IDS: tl.constexpr,
+    HALF_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INTERPRETED: tl.constexpr,
     WAIT_PRIOR: tl.constexpr,
@@ -52,7 +58,12 @@ def _combine_kernel(
             expert = tl.load(ids_ptr + token * TOPK + j // SPLITS) - E_OFF
             row_ok = mask & (expert >= 0) & (expert < E)
         row = token * (TOPK * SPLITS) + j
-        acc += tl.load(y_ptr + row * stride_y + offs, mask=row_ok, other=0.0)
+        value = tl.load(y_ptr + row * stride_y + offs, mask=row_ok, other=0.0).to(tl.float32)
+        if HALF_ROWS:
+            # Not below the bound (or not finite): GEMM2 stored the exact float32 as well.
+            wide = row_ok & ((tl.abs(value) < half_bound) == 0)
+            value = tl.where(wide, tl.load(wide_ptr + row * stride_y + offs, mask=wide), value)
+        acc += value
     tl.store(out_ptr + token * stride_o + offs, round_to_bf16(acc, INTERPRETED), mask=mask)
 
 
@@ -66,12 +77,18 @@ def combine(
     num_experts: int = 0,
     expert_offset: int = 0,
     pdl=False,
+    wide=None,
+    half_bound: float = 0.0,
 ) -> None:
     """y [M * top_k * splits, H] float32 (`splits` consecutive partial rows per pair) -> out
     [M, H] bfloat16. topk_ids [M, top_k] (global ids): skip the pairs whose id is outside
     [expert_offset, expert_offset + num_experts), the experts routing grouped. pdl: launch with
     programmatic dependent launch (CUDA sm_90+), behind a kernel that triggers it
-    (wgmma_gemm_sm90's PDL)."""
+    (wgmma_gemm_sm90's PDL). y fp16 with wide (float32, y's shape and strides): the pair rows
+    of wgmma_gemm_sm90.fragment_gemm's fp16 form, elements not below half_bound in magnitude
+    read from wide."""
+    if (y.dtype == torch.float16) != (wide is not None):
+        raise ValueError("combine: fp16 pair rows come with `wide`, float32 rows without")
     M, H = out.shape
     if M == 0:
         return
@@ -82,6 +99,8 @@ def combine(
         y,
         out,
         topk_ids if topk_ids is not None else y,
+        wide if wide is not None else y,
+        half_bound,
         expert_offset,
         num_experts,
         H,
@@ -90,6 +109,7 @@ def combine(
         TOPK=top_k,
         SPLITS=splits,
         CHECK_IDS=topk_ids is not None,
+        HALF_ROWS=wide is not None,
         BLOCK_H=block_h,
         INTERPRETED=interpreting(),
         WAIT_PRIOR=pdl,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 
@@ -26,7 +27,10 @@ class FragmentConfig:
     shift-decoded weights with an fp16 intermediate only, else moe_forward_sm90 falls back to
     scaled fragments); narrow_t: each GEMM runs its tiles of at most narrow_t tokens (an
     expert's last, or only, tile) in a second launch of block_w x narrow_t tiles, whose MMAs
-    are that much narrower (the routing tiles stay block_t rows)."""
+    are that much narrower (the routing tiles stay block_t rows); half_pair_rows: GEMM2 may
+    store its pair rows in fp16 (half the bytes written and read back by the combine), tiles
+    with an element not below half_pair_rows_bound() in magnitude exact in float32, where
+    half_pair_rows() says."""
 
     block_w: int
     block_t: int
@@ -39,6 +43,7 @@ class FragmentConfig:
     mma_in_flight: int | None = None
     post_scale: bool = False
     narrow_t: int = 0
+    half_pair_rows: bool = False
 
     def __post_init__(self) -> None:
         # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
@@ -142,13 +147,13 @@ CONFIGS = (
     # decoded once per expert. H100, same run as vLLM's path, whole layer, µs, narrow_t 32 /
     # none / 16 / vLLM: M=1024 916.1 / 1027.1 / 1033.8 / 1281.0 (3 stages 929.6), M=2048
     # 1450.3 / 1507.8 / 1423.3 / 1622.5 (8: 1440.0; the 128-token tile with 64: 1412.1).
-    (4096, FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32)),
+    (4096, FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32, half_pair_rows=True)),
     # M = 1025 to 2048, ~32 to 64 rows per expert: 128-token tiles whose experts of at most
     # 64 rows run as 128x64 tiles in the narrow launch, and those of 65 to 128 as one 128-token
     # tile rather than two 64-token ones. H200, same run as vLLM's path, µs, this / the
     # 64-token tile above / vLLM: whole layer M=1536 1131.4 / 1121.1 / 1160.7, M=2048 1396.1 /
     # 1457.4 / 1612.5; TP=8 shard M=1536 227.8 / 238.3 / 204.1, M=2048 282.8 / 287.6 / 293.1.
-    (8192, FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=64)),
+    (8192, FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=64, half_pair_rows=True)),
     # From ~128 rows per expert: 128 tokens per tile halve the weight decode per MMA, and a
     # two-step ring keeps shared memory for two independent 4-warp CTAs per SM (255
     # registers), which interleave one's decode with the other's wgmmas. One 8-warp CTA of two
@@ -163,7 +168,7 @@ CONFIGS = (
     # 2485.2, M=8192 3805.4 / 4062.9 / 3840.4 / 3915.4 / 4074.4; TP=8 shard M=4096 454.6 /
     # 494.0 / 449.5 / - / 444.7, M=8192 818.4 / 846.1 / 824.6 / 830.1 / 740.3. The 64-token
     # tile above with narrow_t 16 / 32: M=4096 2481.3 / 2505.4, TP=8 497.6 / 502.0.
-    (None, FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=32)),
+    (None, FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=32, half_pair_rows=True)),
 )
 
 
@@ -188,3 +193,33 @@ def gemm2_splits(requested: int, K: int) -> int:
     chunks = K // 128
     per_split = -(-chunks // max(1, requested))
     return -(-chunks // per_split)
+
+
+# fp16 pair rows from a tile whose elements all fall below the bound; a tile with one at or
+# above it stores float32 as well, which costs more than fp16 saves. Rows grow with the
+# intermediate size they sum over: at TP=4 and TP=8 shards most tiles stay below the bound,
+# at TP=2 and whole layers few. H200, GPT-OSS-120B, same run as vLLM's path, µs, fp16 /
+# float32 rows / vLLM: TP=8 (I=384) M=1024 182.4 / 188.0 / 239.8, M=2048 266.9 / 280.9 /
+# 292.4, M=4096 405.1 / 435.8 / 431.0, M=8192 728.2 / 794.5 / 723.3; TP=4 (768) M=2048
+# 439.8 / 446.4 / 473.2, M=8192 1237.6 / 1260.5 / 1221.1; TP=2 (1440) M=2048 796.0 / 781.1 /
+# 876.5, M=8192 2243.2 / 2146.6 / 2239.2; whole layer M=2048 1442.8 / 1414.0 / 1635.1,
+# M=8192 4023.1 / 3873.5 / 4110.6.
+HALF_PAIR_ROWS_MAX_INTERMEDIATE = 768
+
+
+def half_pair_rows(config: FragmentConfig, padded_intermediate: int, splits: int) -> bool:
+    """Whether GEMM2 stores fp16 pair rows: where the config allows them, GEMM2 is unsplit
+    and the intermediate size is at most HALF_PAIR_ROWS_MAX_INTERMEDIATE."""
+    return (
+        config.half_pair_rows
+        and splits == 1
+        and padded_intermediate <= HALF_PAIR_ROWS_MAX_INTERMEDIATE
+    )
+
+
+def half_pair_rows_bound(top_k: int) -> float:
+    """The magnitude below which GEMM2's pair rows may be fp16 (FragmentConfig.half_pair_rows):
+    an element below 2^(e+1) rounds to fp16 by at most 2^(e-11), so a token's top_k rows err by
+    at most top_k * bound * 2^-12 <= 2^-8 together, under half the bf16 output's absolute
+    tolerance (0.01) however much the rows cancel; elements at or above it stay exact."""
+    return 2.0 ** math.floor(math.log2(16 / top_k))

@@ -116,3 +116,47 @@ def swiglu_store(
         lo = (act - hi.to(gl.float32)).to(gl.bfloat16)
         gl.store(ptrs, hi, mask=ok != 0)
         gl.store(ptrs + N // 2, lo, mask=ok != 0)
+
+
+@gluon.jit
+def pair_rows_store(
+    out_ptr,
+    wide_ptr,
+    acc,
+    half_bound_bits,
+    rows,
+    out_row,
+    col_ok,
+    pid_w,
+    n_valid,
+    stride_om,
+    BLOCK_W: gl.constexpr,
+    BLOCK_T: gl.constexpr,
+    pair_rows_layout: gl.constexpr,
+):
+    """GEMM2's pair rows in half the bytes: fp16 into out_ptr where every element of the tile
+    is below the bound b in magnitude (half_bound_bits: b's fp16 bits, b a power of two),
+    which rounds each by at most b * 2^-12 (fragment_config_sm90.half_pair_rows_bound bounds
+    a token's top_k rows together); else
+    (rare, one reduction decides) the tile's exact float32 rows into wide_ptr, at the same
+    indices, and NaN as its fp16 rows, which tells combine.combine to read them there. The
+    fp16 tile is stored from a layout of 8 consecutive columns per thread: whole 16-byte
+    stores and 32-byte sectors, where the accumulator layout would store 2-byte pieces 8
+    columns apart. Two exclusive stores keep the registers of one: the float32 store in the
+    accumulator layout beside the conversion spilled."""
+    half = acc.to(gl.float16)
+    # The magnitude bits of the fp16 values: their order is the values' and infinity's and
+    # NaN's come last, where float max would drop a NaN.
+    magnitude = half.to(gl.int16, bitcast=True) & 0x7FFF
+    if gl.max(gl.max(magnitude, axis=1), axis=0) >= half_bound_bits:
+        ptrs = wide_ptr + out_row[None, :] * stride_om + rows[:, None]
+        gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < n_valid)[:, None])
+        tile = gl.full([BLOCK_W, BLOCK_T], float("nan"), gl.float16, pair_rows_layout)
+    else:
+        tile = gl.convert_layout(half, pair_rows_layout)
+    rows_at: gl.constexpr = gl.SliceLayout(1, pair_rows_layout)
+    cols_at: gl.constexpr = gl.SliceLayout(0, pair_rows_layout)
+    half_rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=rows_at)
+    ok = gl.convert_layout(col_ok, cols_at)[None, :] & (half_rows < n_valid)[:, None]
+    at = out_ptr + gl.convert_layout(out_row, cols_at)[None, :] * stride_om + half_rows[:, None]
+    gl.store(at, tile, mask=ok)

@@ -101,6 +101,7 @@ def kernel_layouts(block_w: int, block_t: int, num_warps: int, chunks: int = 1) 
     )
     scale_warps_w = max(1, min(num_warps, block_w // 32))
     scale_warps_c = num_warps // scale_warps_w
+    rows_lanes = min(32, block_w // 8)
     return dict(
         mma=mma,
         dot_a=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
@@ -118,4 +119,9 @@ def kernel_layouts(block_w: int, block_t: int, num_warps: int, chunks: int = 1) 
         # The same rings seen one ring step ([chunks, ...]) at a time, for its copies.
         words_step_layout=gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]),
         scales_step_layout=gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
+        # GEMM2's [block_w, block_t] tile as its fp16 pair rows are stored: 8 consecutive
+        # weight rows (output columns) of one token per thread, 16-byte stores.
+        pair_rows_layout=gl.BlockedLayout(
+            [8, 1], [rows_lanes, 32 // rows_lanes], [1, num_warps], [0, 1]
+        ),
     )

@@ -20,6 +20,8 @@ from .fragment_config_sm90 import (
     FragmentConfig,
     gemm2_splits,
     grid_wait,
+    half_pair_rows,
+    half_pair_rows_bound,
     scaled_fragments,
 )
 from .layout import PaddedMoEKernel
@@ -140,6 +142,11 @@ def moe_forward_sm90(
     splits = gemm2_splits(config.gemm2_split_k, Ip)
     y = scratch("y", (M * top_k * splits, H), torch.float32, x.device)
     w2 = (prepared["w2"], prepared["w2_scale"], prepared["w2_bias"])
+    half_rows = {}
+    if half_pair_rows(config, Ip, splits):
+        y16 = scratch("y16", tuple(y.shape), torch.float16, x.device)
+        half_rows = dict(wide=y, half_bound=half_pair_rows_bound(top_k))
+        y = y16
     # GEMM1 wrote channels up to I only (k_valid); the rest are zero-filled. ready_target:
     # GEMM1's CTAs per tile.
     fragment_gemm(
@@ -155,11 +162,13 @@ def moe_forward_sm90(
         in_scale=act_scale,
         ready_target=-(-2 * I // config.block_w),
         **common,
+        **half_rows,
     )
     # A token's rows: its top_k pairs, each in `splits` consecutive partial rows.
     combine(
         y, out, top_k=top_k, splits=splits, topk_ids=ids_to_check,
         num_experts=prepared["num_experts"], expert_offset=expert_offset, pdl=config.pdl,
+        **half_rows,
     )  # fmt: skip
     return out
 

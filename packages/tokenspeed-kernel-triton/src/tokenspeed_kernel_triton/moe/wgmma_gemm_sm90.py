@@ -29,6 +29,7 @@ One kernel body over 80 lines: its prologue, main loop and epilogue share a doze
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from triton.experimental import gluon
@@ -39,7 +40,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .._launch import bind_launches
 from .fragment_config_sm90 import gemm2_splits
-from .fragment_epilogue_sm90 import epilogue_operands, swiglu_store, token_columns
+from .fragment_epilogue_sm90 import (
+    epilogue_operands,
+    pair_rows_store,
+    swiglu_store,
+    token_columns,
+)
 from .fragment_layout_sm90 import PANEL_ROWS, kernel_layouts, panel_view
 from .fragment_steps_sm90 import issue_activations, issue_weights, mma_step, post_scaled_step
 from .mxfp4_words import LOOKUP_TABLE_WORDS
@@ -66,6 +72,7 @@ def _fragment_gemm_kernel(
     ready_ptr,
     x_exp_ptr,
     in_scale_ptr,
+    wide_ptr,
     N,
     K,
     K_VALID,
@@ -86,6 +93,7 @@ def _fragment_gemm_kernel(
     limit,
     in_scale,
     out_scale,
+    half_bound_bits,
     TOPK: gl.constexpr,
     SWIGLU: gl.constexpr,
     SPLIT_A: gl.constexpr,
@@ -105,6 +113,7 @@ def _fragment_gemm_kernel(
     SCALE_BIAS: gl.constexpr,
     IN_SCALE: gl.constexpr,
     OUT_QUANT: gl.constexpr,
+    HALF_ROWS: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
@@ -116,6 +125,7 @@ def _fragment_gemm_kernel(
     scales_smem_layout: gl.constexpr,
     words_step_layout: gl.constexpr,
     scales_step_layout: gl.constexpr,
+    pair_rows_layout: gl.constexpr,
 ):
     pid = gl.program_id(0)
     # Row blocks of the real rows only: GEMM1's rows past 2I are zero padding (their SwiGLU
@@ -324,8 +334,14 @@ def _fragment_gemm_kernel(
         acc *= post_factor[None, :]  # the routing weight
         # Row pair * SPLIT_K + split: the combine sums a token's top_k * SPLIT_K rows.
         out_row = col_pair.to(gl.int64) * SPLIT_K + split
-        ptrs = out_ptr + out_row[None, :] * stride_om + rows[:, None]
-        gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < N_VALID)[:, None])
+        if HALF_ROWS:
+            pair_rows_store(
+                out_ptr, wide_ptr, acc, half_bound_bits, rows, out_row, col_ok, pid_w, N_VALID,
+                stride_om, BLOCK_W, BLOCK_T, pair_rows_layout,
+            )  # fmt: skip
+        else:
+            ptrs = out_ptr + out_row[None, :] * stride_om + rows[:, None]
+            gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < N_VALID)[:, None])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -363,6 +379,8 @@ def fragment_gemm(
     out_scale: float | None = None,
     alpha: float = 0.0,
     limit: float = 0.0,
+    wide: torch.Tensor | None = None,
+    half_bound: float = 0.0,
 ) -> None:
     """One grouped GEMM over the tiles of `routing` (routing.route with block_m = block_t).
 
@@ -387,7 +405,11 @@ def fragment_gemm(
 
     With config.tile_ready, ready [tile-count bound] int32, zero before GEMM1 (the router
     clears it): GEMM1's CTAs count themselves in per tile when their rows are stored, and
-    GEMM2's CTAs start a tile once its count reaches ready_target (GEMM1's CTAs per tile)."""
+    GEMM2's CTAs start a tile once its count reaches ready_target (GEMM1's CTAs per tile).
+
+    GEMM2 into fp16 `out` (unsplit): its pair rows in fp16, and the elements not below
+    half_bound in magnitude as float32 at the same index of `wide` (float32, out's shape),
+    which combine.combine reads back (fragment_epilogue_sm90.pair_rows_store)."""
     if w.dim() == 3:
         w, w_scale = panel_view(w), panel_view(w_scale)
     if out_scale is not None and (not gemm1 or out.dtype == torch.float32):
@@ -395,6 +417,21 @@ def fragment_gemm(
             "fragment_gemm: out_scale quantizes GEMM1's SwiGLU rows into fp16 or bf16 [hi | lo]"
         )
     operand = _check_operands(a, w, w_scale, gemm1, decode, split_k, config, routing, ready, x_exp)
+    half_rows = not gemm1 and out.dtype == torch.float16
+    if half_rows and (
+        split_k != 1
+        or not 2.0**-14 <= half_bound <= 2.0**15
+        or math.frexp(half_bound)[0] != 0.5
+        or wide is None
+        or wide.dtype != torch.float32
+        or wide.shape != out.shape
+        or wide.stride() != out.stride()
+    ):
+        raise ValueError(
+            "fragment_gemm: fp16 pair rows need an unsplit GEMM2, a power of two half_bound "
+            "in fp16's normal range and `wide`, "
+            "float32 of their shape and strides"
+        )
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
     # A row's four e8m0 bytes of one 128-element K chunk, as one int32: [E, N / 64, 64, K / 128].
@@ -414,6 +451,7 @@ def fragment_gemm(
         ready if ready is not None else num_tiles,
         x_exp if x_exp is not None else num_tiles,
         in_scale if isinstance(in_scale, torch.Tensor) else num_tiles,
+        wide if half_rows else num_tiles,
         N,
         K,
         k_valid,
@@ -428,6 +466,7 @@ def fragment_gemm(
         limit,
         in_scale if isinstance(in_scale, float) else 1.0,
         out_scale if out_scale is not None else 1.0,
+        _f16_bits(half_bound) if half_rows else 0,
     )
     constexprs = dict(
         TOPK=top_k,
@@ -439,11 +478,16 @@ def fragment_gemm(
         SCALE_BIAS=POST_SCALE_BIAS[operand],
         IN_SCALE=0 if in_scale is None else 1 if isinstance(in_scale, float) else 2,
         OUT_QUANT=out_scale is not None,
+        HALF_ROWS=half_rows,
     )
     # With narrow_t, the tiles of at most narrow_t tokens run in a launch of their own.
     _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, False))
     if config.narrow_t:
         _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, True))
+
+
+def _f16_bits(value: float) -> int:
+    return int(torch.tensor(value, dtype=torch.float16).view(torch.int16))
 
 
 def _config_constexprs(config, narrow: bool) -> dict:
