@@ -237,8 +237,9 @@ def supports(request, platform) -> Support:
 
 # GPT-OSS-120B's H = I = 2880, top-4, 8 experts (no config depends on the count). M = 1, 4 and
 # 16 take the decode tiles (grid wait; tile by tile), 64 and 256 the serving tiles, 4096 the
-# prefill tile. The weight gain moves the e8m0 scales (centre 127 + log2(gain) - 7 for w13,
-# - log2(gain) for w2), which picks each weight's decode: gain 1 shift-decodes w13 to bf16 and
+# prefill tile (also at a TP=8 shard's I = 384, with fp16 pair rows). The weight gain moves
+# the e8m0 scales (centre 127 + log2(gain) - 7 for w13, - log2(gain) for w2), which picks
+# each weight's decode: gain 1 shift-decodes w13 to bf16 and
 # w2 to fp16 (fp16 intermediate, post-scaled decode tiles); 2^17 puts w13's bytes above bf16's
 # shift range (prmt) and w2's below fp16's (bf16 hi + lo intermediate); 2^-10 puts w2's above
 # bf16's (prmt). FP8 activations at a decode tile (post-scaled) and the prefill tile, per-row
@@ -252,6 +253,7 @@ AOT_CASES = (
     dict(_GPT_OSS, num_tokens=64),
     dict(_GPT_OSS, num_tokens=256),
     dict(_GPT_OSS, num_tokens=4096),
+    dict(_GPT_OSS, num_tokens=4096, intermediate_size=384),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**17),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**-10),
     dict(_GPT_OSS, num_tokens=1, activation_format="fp8"),
