@@ -137,13 +137,13 @@ def pair_rows_store(
     """GEMM2's pair rows in half the bytes: fp16 into out_ptr where every element of the tile
     is below the bound b in magnitude (half_bound_bits: b's fp16 bits, b a power of two),
     which rounds each by at most b * 2^-12 (fragment_config_sm90.half_pair_rows_bound bounds
-    a token's top_k rows together); else
-    (rare, one reduction decides) the tile's exact float32 rows into wide_ptr, at the same
-    indices, and NaN as its fp16 rows, which tells combine.combine to read them there. The
-    fp16 tile is stored from a layout of 8 consecutive columns per thread: whole 16-byte
-    stores and 32-byte sectors, where the accumulator layout would store 2-byte pieces 8
-    columns apart. Two exclusive stores keep the registers of one: the float32 store in the
-    accumulator layout beside the conversion spilled."""
+    a token's top_k rows together); else (one reduction decides) the tile's exact float32
+    rows into wide_ptr, at the same indices, and NaN as its fp16 rows, which tells
+    combine.combine to read them there. The fp16 tile is stored from a layout of 8
+    consecutive columns per thread: whole 16-byte stores and 32-byte sectors, where the
+    accumulator layout would store 2-byte pieces 8 columns apart. The two stores exclude each
+    other so that they need the registers of one: float32 stores of single elements beside
+    the conversion spilled."""
     half = acc.to(gl.float16)
     # The magnitude bits of the fp16 values: their order is the values' and infinity's and
     # NaN's come last, where float max would drop a NaN.

@@ -407,9 +407,10 @@ def fragment_gemm(
     clears it): GEMM1's CTAs count themselves in per tile when their rows are stored, and
     GEMM2's CTAs start a tile once its count reaches ready_target (GEMM1's CTAs per tile).
 
-    GEMM2 into fp16 `out` (unsplit): its pair rows in fp16, and the elements not below
-    half_bound in magnitude as float32 at the same index of `wide` (float32, out's shape),
-    which combine.combine reads back (fragment_epilogue_sm90.pair_rows_store)."""
+    GEMM2 into fp16 `out` (unsplit): its pair rows in fp16, except that a tile with an
+    element not below half_bound in magnitude stores its float32 rows at the same indices of
+    `wide` (float32, out's shape) and NaN in `out`, which combine.combine reads back so
+    (fragment_epilogue_sm90.pair_rows_store)."""
     if w.dim() == 3:
         w, w_scale = panel_view(w), panel_view(w_scale)
     if out_scale is not None and (not gemm1 or out.dtype == torch.float32):
@@ -429,8 +430,7 @@ def fragment_gemm(
     ):
         raise ValueError(
             "fragment_gemm: fp16 pair rows need an unsplit GEMM2, a power of two half_bound "
-            "in fp16's normal range and `wide`, "
-            "float32 of their shape and strides"
+            "in fp16's normal range and `wide`, float32 of their shape and strides"
         )
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
@@ -486,6 +486,7 @@ def fragment_gemm(
         _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, True))
 
 
+@functools.cache
 def _f16_bits(value: float) -> int:
     return int(torch.tensor(value, dtype=torch.float16).view(torch.int16))
 
