@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenspeed_kernel import moe_apply, moe_plan, moe_prepare_weights
+from tokenspeed_kernel import moe_apply, moe_plan, moe_prepare_weights, tensor_parallel_shard
 from tokenspeed_kernel.ops.moe.reference import topk_softmax
 from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEWeights
 from tokenspeed_kernel.platform import platform_of
@@ -531,13 +531,11 @@ def test_wgmma_fp16_pair_rows_stay_within_the_tolerance_at_any_row_magnitude():
     for x scaled so that the rows range from well below the bound to far above it, where the
     SwiGLU clamp saturates and the rows cancel; once every tile is past the bound, bit for bit
     the output of float32 rows, and with the rows below it not (the fp16 rows were taken)."""
-    import tokenspeed_kernel as tk
-
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
     spec = get_kernel("moe_apply", HOPPER)
     if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
         pytest.skip("no wgmma on this GPU")
-    shard_config, shard = tk.tensor_parallel_shard(config, gpt_oss_weights(), rank=0, world_size=8)
+    shard_config, shard = tensor_parallel_shard(config, gpt_oss_weights(), rank=0, world_size=8)
     plan = moe_plan_for(spec, shard_config, 4096, "cuda")
     prepared = spec.fn.prepare_weights(plan, shard)
     reference = get_kernel("moe_apply", "reference.moe_apply")
