@@ -526,11 +526,11 @@ def test_wgmma_narrow_tiles_change_nothing():
 
 @pytest.mark.gpu
 def test_wgmma_fp16_pair_rows_stay_within_the_tolerance_at_any_row_magnitude():
-    """GEMM2's pair rows in fp16 (the prefill tiles of a TP=8 shard), tiles with a row element
+    """GEMM2's pair rows in fp16 (the prefill tiles of a TP=8 shard), pairs with a row element
     at or above the bound kept exact in float32: against the reference at the bf16 tolerance
     for x scaled so that the rows range from well below the bound to far above it, where the
-    SwiGLU clamp saturates and the rows cancel; once every tile is past the bound, bit for bit
-    the output of float32 rows, and with the rows below it not (the fp16 rows were taken)."""
+    SwiGLU clamp saturates and the rows cancel; with the rows below the bound not bit for bit
+    the float32 rows' output (fp16 was taken)."""
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
     spec = get_kernel("moe_apply", HOPPER)
     if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
@@ -561,8 +561,44 @@ def test_wgmma_fp16_pair_rows_stay_within_the_tolerance_at_any_row_magnitude():
             assert_close(outs[0], expected, dtype=torch.bfloat16, name=name)
             if scale <= 1.0:  # rows below the bound: the fp16 rows were taken
                 assert not torch.equal(outs[0], outs[1]), name
-            if scale == 2.0**12:  # every tile past it: float32 rows throughout
-                assert torch.equal(outs[0], outs[1]), name
+
+
+@pytest.mark.gpu
+def test_wgmma_fp16_pair_rows_keep_a_tokens_output_independent_of_its_tile_neighbours():
+    """The router orders an expert's pairs by atomics, so which tokens share a GEMM2 tile
+    varies from call to call: with fp16 pair rows (TP=8 shard) each pair still takes fp16 or
+    float32 on its own elements alone. Tokens far past the bound mixed at random with tokens
+    well below it, routed onto a few experts so that each spans several tiles: permuting the
+    batch permutes the output bit for bit, at the 64- and 128-token tiles with their narrow
+    launches, and the output matches the reference."""
+    config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
+    spec = get_kernel("moe_apply", HOPPER)
+    if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
+        pytest.skip("no wgmma on this GPU")
+    shard_config, shard = tensor_parallel_shard(config, gpt_oss_weights(), rank=0, world_size=8)
+    plan = moe_plan_for(spec, shard_config, 4096, "cuda")
+    prepared = spec.fn.prepare_weights(plan, shard)
+    reference = get_kernel("moe_apply", "reference.moe_apply")
+    ref_plan = moe_plan_for(reference, shard_config, 4096, "cuda")
+    ref_prepared = reference.fn.prepare_weights(ref_plan, shard)
+    g = torch.Generator(device="cuda").manual_seed(13)
+    m = 700
+    logits = torch.randn(m, 128, generator=g, device="cuda")
+    logits[:, :6] += 4.0  # most pairs on six experts: several tiles each
+    large = torch.rand(m, generator=g, device="cuda") < 0.3
+    scale = torch.where(large, 16.0, 0.25)
+    x = (torch.randn(m, 2880, generator=g, device="cuda") * scale[:, None]).to(torch.bfloat16)
+    perm = torch.randperm(m, generator=g, device="cuda")
+    expected = torch.empty_like(x)
+    reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
+    for tile in ((128, 64, 4, 4, 32), (128, 128, 4, 2, 64)):
+        tile_config = FragmentConfig(*tile[:4], pdl=True, narrow_t=tile[4], half_pair_rows=True)
+        out, permuted = torch.empty_like(x), torch.empty_like(x)
+        with pin_config(HOPPER, tile_config):
+            spec.fn.apply(plan, x, prepared, router_logits=logits, out=out)
+            spec.fn.apply(plan, x[perm], prepared, router_logits=logits[perm], out=permuted)
+        assert_close(out, expected, dtype=torch.bfloat16, name=f"out ({tile_config})")
+        assert torch.equal(permuted, out[perm]), f"permuted batch ({tile_config})"
 
 
 @pytest.mark.gpu

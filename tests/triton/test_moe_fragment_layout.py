@@ -35,7 +35,7 @@ from tokenspeed_kernel_triton.moe.layout import prepare_weights
 from tokenspeed_kernel_triton.moe.moe_sm90 import KERNEL_NAME, moe_forward_sm90
 from tokenspeed_kernel_triton.moe.moe_sm90 import pick_config as pick_fragment_config
 from tokenspeed_kernel_triton.moe.mxfp4_words import decode_words_reference
-from tokenspeed_kernel_triton.moe.wgmma_gemm_sm90 import fragment_gemm
+from tokenspeed_kernel_triton.moe.wgmma_gemm_sm90 import fp16_wide_threshold_bits, fragment_gemm
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
@@ -412,6 +412,23 @@ def test_half_pair_rows_bound_keeps_a_tokens_rounding_under_half_the_tolerance(t
     assert abs(float(x.to(torch.float16).double() - x)) <= bound * 2.0**-12
 
 
+@pytest.mark.parametrize("exponent", range(-13, 16))
+def test_fp16_pair_rows_pick_by_float32_bits_what_the_combine_picks_by_fp16(exponent):
+    """GEMM2 decides a pair's fp16 or float32 rows on the float32 bits
+    (fp16_wide_threshold_bits); the combine reads the float32 rows where the fp16 value is
+    not below the bound. Both must pick the same elements, including the values that round
+    up to the bound, infinities and NaN."""
+    bound = 2.0**exponent
+    threshold = fp16_wide_threshold_bits(bound)
+    near = torch.arange(threshold - 4096, threshold + 4096, dtype=torch.int32)
+    special = torch.tensor([0x7F800000, 0x7FC00000, 0, 1], dtype=torch.int32)
+    values = torch.cat([near, special]).view(torch.float32)
+    values = torch.cat([values, -values])
+    combine_reads_wide = (values.to(torch.float16).float().abs() < bound) == 0
+    gemm2_stores_wide = (values.view(torch.int32) & 0x7FFFFFFF) >= threshold
+    assert torch.equal(combine_reads_wide, gemm2_stores_wide)
+
+
 def test_fp16_pair_rows_where_the_shard_keeps_rows_small():
     allowed = FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=32, half_pair_rows=True)
     assert half_pair_rows(allowed, 384, 1) and half_pair_rows(allowed, 768, 1)  # TP=8, TP=4
@@ -432,6 +449,7 @@ def test_fp16_pair_rows_need_their_float32_beside_them():
         dict(wide=None, half_bound=4.0),
         dict(wide=wide, half_bound=3.0),  # not a power of two
         dict(wide=wide, half_bound=2.0**16),  # past fp16's normal range
+        dict(wide=wide, half_bound=2.0**-14),  # fp16's steps finer below it
         dict(wide=wide[:, :64], half_bound=4.0),
         dict(wide=wide.half(), half_bound=4.0),
     ):

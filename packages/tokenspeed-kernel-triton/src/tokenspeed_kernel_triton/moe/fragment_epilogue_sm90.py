@@ -123,7 +123,7 @@ def pair_rows_store(
     out_ptr,
     wide_ptr,
     acc,
-    half_bound_bits,
+    wide_from_bits,
     rows,
     out_row,
     col_ok,
@@ -134,26 +134,27 @@ def pair_rows_store(
     BLOCK_T: gl.constexpr,
     pair_rows_layout: gl.constexpr,
 ):
-    """GEMM2's pair rows in half the bytes: fp16 into out_ptr where every element of the tile
-    is below the bound b in magnitude (half_bound_bits: b's fp16 bits, b a power of two),
-    which rounds each by at most b * 2^-12 (fragment_config_sm90.half_pair_rows_bound bounds
-    a token's top_k rows together); else (one reduction decides) the tile's exact float32
-    rows into wide_ptr, at the same indices, and NaN as its fp16 rows, which tells
-    combine.combine to read them there. The fp16 tile is stored from a layout of 8
+    """GEMM2's pair rows in half the bytes: fp16 into out_ptr for each pair (column) whose
+    elements in this row block all round to fp16 below the bound b in magnitude (from
+    wide_from_bits on, float32 bits, they round to b or above; b a power of two), which rounds
+    each by at most b * 2^-12 (fragment_config_sm90.half_pair_rows_bound bounds a token's
+    top_k rows together). A tile holding any other column stores its exact float32 rows into
+    wide_ptr, at the same indices, and NaN as those columns' fp16 rows, which tells
+    combine.combine to read them there. The choice is each pair's own, never its tile
+    neighbours': the router orders an expert's pairs by atomics, and a token's output must
+    not depend on which tokens share its tile. The fp16 tile is stored from a layout of 8
     consecutive columns per thread: whole 16-byte stores and 32-byte sectors, where the
-    accumulator layout would store 2-byte pieces 8 columns apart. The two stores exclude each
-    other so that they need the registers of one: float32 stores of single elements beside
-    the conversion spilled."""
-    half = acc.to(gl.float16)
-    # The magnitude bits of the fp16 values: their order is the values' and infinity's and
+    accumulator layout would store 2-byte pieces 8 columns apart. Deciding on the float32
+    bits keeps no fp16 copy live across the branch (ptxas spilled one)."""
+    # The magnitude bits of the float32 values: their order is the values' and infinity's and
     # NaN's come last, where float max would drop a NaN.
-    magnitude = half.to(gl.int16, bitcast=True) & 0x7FFF
-    if gl.max(gl.max(magnitude, axis=1), axis=0) >= half_bound_bits:
+    magnitude = acc.to(gl.int32, bitcast=True) & 0x7FFFFFFF
+    wide_col = gl.max(magnitude, axis=0) >= wide_from_bits
+    if gl.max(wide_col.to(gl.int32), axis=0) != 0:
         ptrs = wide_ptr + out_row[None, :] * stride_om + rows[:, None]
         gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < n_valid)[:, None])
-        tile = gl.full([BLOCK_W, BLOCK_T], float("nan"), gl.float16, pair_rows_layout)
-    else:
-        tile = gl.convert_layout(half, pair_rows_layout)
+        acc = gl.where(wide_col[None, :], float("nan"), acc)
+    tile = gl.convert_layout(acc.to(gl.float16), pair_rows_layout)
     rows_at: gl.constexpr = gl.SliceLayout(1, pair_rows_layout)
     cols_at: gl.constexpr = gl.SliceLayout(0, pair_rows_layout)
     half_rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=rows_at)

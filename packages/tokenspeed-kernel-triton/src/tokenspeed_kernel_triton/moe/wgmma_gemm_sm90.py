@@ -93,7 +93,7 @@ def _fragment_gemm_kernel(
     limit,
     in_scale,
     out_scale,
-    half_bound_bits,
+    wide_from_bits,
     TOPK: gl.constexpr,
     SWIGLU: gl.constexpr,
     SPLIT_A: gl.constexpr,
@@ -336,7 +336,7 @@ def _fragment_gemm_kernel(
         out_row = col_pair.to(gl.int64) * SPLIT_K + split
         if HALF_ROWS:
             pair_rows_store(
-                out_ptr, wide_ptr, acc, half_bound_bits, rows, out_row, col_ok, pid_w, N_VALID,
+                out_ptr, wide_ptr, acc, wide_from_bits, rows, out_row, col_ok, pid_w, N_VALID,
                 stride_om, BLOCK_W, BLOCK_T, pair_rows_layout,
             )  # fmt: skip
         else:
@@ -407,10 +407,10 @@ def fragment_gemm(
     clears it): GEMM1's CTAs count themselves in per tile when their rows are stored, and
     GEMM2's CTAs start a tile once its count reaches ready_target (GEMM1's CTAs per tile).
 
-    GEMM2 into fp16 `out` (unsplit): its pair rows in fp16, except that a tile with an
-    element not below half_bound in magnitude stores its float32 rows at the same indices of
-    `wide` (float32, out's shape) and NaN in `out`, which combine.combine reads back so
-    (fragment_epilogue_sm90.pair_rows_store)."""
+    GEMM2 into fp16 `out` (unsplit): its pair rows in fp16, except that a pair with an
+    element that does not round below half_bound in magnitude has NaN in `out` and its exact
+    float32 rows at the same indices of `wide` (float32, out's shape), which combine.combine
+    reads back so (fragment_epilogue_sm90.pair_rows_store)."""
     if w.dim() == 3:
         w, w_scale = panel_view(w), panel_view(w_scale)
     if out_scale is not None and (not gemm1 or out.dtype == torch.float32):
@@ -421,7 +421,7 @@ def fragment_gemm(
     half_rows = not gemm1 and out.dtype == torch.float16
     if half_rows and (
         split_k != 1
-        or not 2.0**-14 <= half_bound <= 2.0**15
+        or not 2.0**-13 <= half_bound <= 2.0**15
         or math.frexp(half_bound)[0] != 0.5
         or wide is None
         or wide.dtype != torch.float32
@@ -430,7 +430,7 @@ def fragment_gemm(
     ):
         raise ValueError(
             "fragment_gemm: fp16 pair rows need an unsplit GEMM2, a power of two half_bound "
-            "in fp16's normal range and `wide`, float32 of their shape and strides"
+            "from 2^-13 to 2^15 and `wide`, float32 of their shape and strides"
         )
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
@@ -466,7 +466,7 @@ def fragment_gemm(
         limit,
         in_scale if isinstance(in_scale, float) else 1.0,
         out_scale if out_scale is not None else 1.0,
-        _f16_bits(half_bound) if half_rows else 0,
+        fp16_wide_threshold_bits(half_bound) if half_rows else 0,
     )
     constexprs = dict(
         TOPK=top_k,
@@ -487,8 +487,14 @@ def fragment_gemm(
 
 
 @functools.cache
-def _f16_bits(value: float) -> int:
-    return int(torch.tensor(value, dtype=torch.float16).view(torch.int16))
+def fp16_wide_threshold_bits(half_bound: float) -> int:
+    """The float32 bits of the smallest magnitude that rounds (to nearest even) to an fp16 at
+    or above the power of two half_bound: 2^e - 2^(e - 12), the tie between 2^e and the fp16
+    below it, 2^e - 2^(e - 11) (from e = -13 on: below 2^-14 fp16's steps are finer). A pair
+    row element from it on is stored exact, so that the combine's test of the fp16 value
+    against half_bound picks out the same elements."""
+    threshold = half_bound - half_bound * 2.0**-12
+    return int(torch.tensor(threshold, dtype=torch.float32).view(torch.int32))
 
 
 def _config_constexprs(config, narrow: bool) -> dict:
