@@ -524,13 +524,9 @@ def test_wgmma_narrow_tiles_change_nothing():
                     )
 
 
-@pytest.mark.gpu
-def test_wgmma_fp16_pair_rows_stay_within_the_tolerance_at_any_row_magnitude():
-    """GEMM2's pair rows in fp16 (the prefill tiles of a TP=8 shard), pairs with a row element
-    at or above the bound kept exact in float32: against the reference at the bf16 tolerance
-    for x scaled so that the rows range from well below the bound to far above it, where the
-    SwiGLU clamp saturates and the rows cancel; with the rows below the bound not bit for bit
-    the float32 rows' output (fp16 was taken)."""
+def _wgmma_tp8_shard():
+    """The Hopper kernel planned and prepared for rank 0's TP=8 shard of GPT-OSS-120B, and the
+    reference's output for it: (spec, plan, prepared, reference_out(x, logits))."""
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
     spec = get_kernel("moe_apply", HOPPER)
     if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
@@ -541,6 +537,23 @@ def test_wgmma_fp16_pair_rows_stay_within_the_tolerance_at_any_row_magnitude():
     reference = get_kernel("moe_apply", "reference.moe_apply")
     ref_plan = moe_plan_for(reference, shard_config, 4096, "cuda")
     ref_prepared = reference.fn.prepare_weights(ref_plan, shard)
+
+    def reference_out(x, logits):
+        expected = torch.empty_like(x)
+        reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
+        return expected
+
+    return spec, plan, prepared, reference_out
+
+
+@pytest.mark.gpu
+def test_wgmma_fp16_pair_rows_stay_within_the_tolerance_at_any_row_magnitude():
+    """GEMM2's pair rows in fp16 (the prefill tiles of a TP=8 shard), pairs with a row element
+    at or above the bound kept exact in float32: against the reference at the bf16 tolerance
+    for x scaled so that the rows range from well below the bound to far above it, where the
+    SwiGLU clamp saturates and the rows cancel; with the rows below the bound not bit for bit
+    the float32 rows' output (fp16 was taken)."""
+    spec, plan, prepared, reference_out = _wgmma_tp8_shard()
     g = torch.Generator(device="cuda").manual_seed(9)
     tiles = ((300, (128, 64, 4, 4)), (1100, (128, 128, 4, 2)))
     for m, tile in tiles:
@@ -548,8 +561,7 @@ def test_wgmma_fp16_pair_rows_stay_within_the_tolerance_at_any_row_magnitude():
         base = torch.randn(m, 2880, generator=g, device="cuda")
         for scale in (0.25, 1.0, 8.0, 2.0**12):
             x = (base * scale).to(torch.bfloat16)
-            expected = torch.empty_like(x)
-            reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
+            expected = reference_out(x, logits)
             outs = []
             for half in (True, False):
                 out = torch.empty_like(x)
@@ -571,16 +583,7 @@ def test_wgmma_fp16_pair_rows_keep_a_tokens_output_independent_of_its_tile_neigh
     well below it, routed onto a few experts so that each spans several tiles: permuting the
     batch permutes the output bit for bit, at the 64- and 128-token tiles with their narrow
     launches, and the output matches the reference."""
-    config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
-    spec = get_kernel("moe_apply", HOPPER)
-    if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
-        pytest.skip("no wgmma on this GPU")
-    shard_config, shard = tensor_parallel_shard(config, gpt_oss_weights(), rank=0, world_size=8)
-    plan = moe_plan_for(spec, shard_config, 4096, "cuda")
-    prepared = spec.fn.prepare_weights(plan, shard)
-    reference = get_kernel("moe_apply", "reference.moe_apply")
-    ref_plan = moe_plan_for(reference, shard_config, 4096, "cuda")
-    ref_prepared = reference.fn.prepare_weights(ref_plan, shard)
+    spec, plan, prepared, reference_out = _wgmma_tp8_shard()
     g = torch.Generator(device="cuda").manual_seed(13)
     m = 700
     logits = torch.randn(m, 128, generator=g, device="cuda")
@@ -589,8 +592,7 @@ def test_wgmma_fp16_pair_rows_keep_a_tokens_output_independent_of_its_tile_neigh
     scale = torch.where(large, 16.0, 0.25)
     x = (torch.randn(m, 2880, generator=g, device="cuda") * scale[:, None]).to(torch.bfloat16)
     perm = torch.randperm(m, generator=g, device="cuda")
-    expected = torch.empty_like(x)
-    reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
+    expected = reference_out(x, logits)
     for tile in ((128, 64, 4, 4, 32), (128, 128, 4, 2, 64)):
         tile_config = FragmentConfig(*tile[:4], pdl=True, narrow_t=tile[4], half_pair_rows=True)
         out, permuted = torch.empty_like(x), torch.empty_like(x)
