@@ -224,6 +224,15 @@ class LoadedKernel:
             function = self._functions.get(index)
             if function is None:
                 function = _check(driver.cuKernelGetFunction(self._kernel), "cuKernelGetFunction")
+                if self._shared > 48 * 1024:
+                    # Past 48 KB a kernel must opt in to its dynamic shared memory.
+                    attribute = (
+                        driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                    )
+                    _check(
+                        driver.cuFuncSetAttribute(function, attribute, self._shared),
+                        "cuFuncSetAttribute",
+                    )
                 self._functions[index] = function
             params = (tuple(args), self._types)
             _check(
@@ -283,7 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     build = sub.add_parser("build", help="compile the CuTe DSL kernels' cubins ahead of time")
     build.add_argument("--arch", default="sm_90a", choices=sorted(COMPILE_ARCHS.values()))
     build.add_argument("--out", type=Path, required=True)
-    build.add_argument("--modules", nargs="*", default=["cute_kvcache_store", "cute_decode"])
+    build.add_argument(
+        "--modules", nargs="*", default=["cute_kvcache_store", "cute_decode", "cute_prefill"]
+    )
     args = parser.parse_args(argv)
     if dsl_version() is None:
         print(f"build: the CuTe DSL is not installed (pip install '{EXTRA}')", file=sys.stderr)
