@@ -4,20 +4,22 @@ layers on Hopper (bf16, head dim 64, any GQA grouping, sinks, lse).
 Why: at long sequences FA3 leads our Triton prefill, and what separates a Hopper prefill
 from the tensor cores' rate is the softmax's per-score FP32 work (FFMA for scale and shift,
 FADD for the row sum, FMNMX for the row max), which does not run under the other warpgroups'
-wgmmas (docs/decisions.md, issue 21). This kernel does none of it per score:
+wgmmas (docs/decisions.md, issue 21). Here:
 
-- Q is scaled by softmax_scale * log2(e) once per tile, in shared memory, so the S wgmma
-  gives exp2's argument as it stands.
-- Scores are not shifted by a running max: p = 2^s is exact in float32 and bf16 (both have
-  8 exponent bits) while the row's sum of p stays in [2^-64, 2^64]. Online softmax subtracts
-  the max only to stay inside that range; the result o / l is the same either way.
-- Row sums are one more wgmma, P against a tile of ones.
+- Scores are not shifted by a running max: p = 2^(s * scale * log2 e) is exact in float32
+  and bf16 (both have 8 exponent bits) while a row's sum of p stays within [2^-64, 2^64].
+  Online softmax subtracts the max only to stay in range; o / l is the same either way. So
+  there is no row max, no rescale, and the scale is one FMUL (folding it into Q in bf16
+  would cost Q's rounding on every product of the scores, which grows with the logits).
+- Row sums are float32 adds, in four chains per row. A wgmma of P against a tile of ones
+  instead took longer (H100, S=8192x2: 2.248 against 2.183 ms) and rounds p to bf16.
 
-Per score that leaves one MUFU.EX2 and half a bf16x2 pack. A row whose key sum leaves the
-range (scores past +-64 in log2 units, e.g. very large logits), or whose output is not
-finite, makes the CTA compute its tile again with the max-shifted online softmax, in the same
-launch: the producer streams K/V a second time and every row is written again. Inputs that
-never get near the bound pay one CTA barrier per tile for this.
+Per score: an FMUL, an exponential, an add and half a bf16x2 pack (plus a compare and a
+select on the diagonal's blocks). A row whose key sum leaves the range (scores past about
+64 in exp2's units), or whose output is not finite, lists its tile; a second launch, one CTA
+per SM, walks the list and computes those tiles again with the max-shifted online softmax,
+writing every row of them. With nothing listed its CTAs read the count and exit. (Both
+passes in one kernel made ptxas serialize every wgmma: too few registers at 512 threads.)
 
 A CTA is one producer warpgroup (cp.async into a 3-stage K/V ring, mbarriers) and three
 consumer warpgroups of 64 query rows each (192 rows), ping-ponging their wgmmas through
@@ -57,12 +59,11 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def smem_bytes() -> int:
-    """Q tile, the K and V rings, the ones tile of the row-sum wgmma, mbarriers, the redo
+    """Q tile, the K and V rings, mbarriers, the redo
     flag, and slack for the allocator's 1024-byte alignment of each tile."""
     q_tile = BLOCK_M * HEAD_DIM * 2
     kv_rings = 2 * STAGES * BLOCK_N * HEAD_DIM * 2
-    ones = 8 * BLOCK_N * 2
-    return q_tile + kv_rings + ones + 4 * 1024
+    return q_tile + kv_rings + 4 * 1024
 
 
 @functools.cache
@@ -117,24 +118,25 @@ def _dsl():
 
     def mask(acc_S, tScS, m_block, seqlen, key_block):
         # Causal, equal q/k lengths: row r sees keys [0, r]; keys past the sequence (read at
-        # its last row's address) are masked too.
-        row0 = m_block * BLOCK_M
-        col0 = key_block * BLOCK_N
-        for idx in range(cute.size(acc_S)):
-            limit = cutlass.min(row0 + tScS[idx][0] + 1, seqlen)
-            hidden = col0 + tScS[idx][1] >= limit
-            acc_S[idx] = Float32(cutlass.select_(hidden, Float32(neg_inf), acc_S[idx]))
+        # its last row's address) are masked too. In wgmma's accumulator layout a thread's
+        # element e + 2i + 4j sits in row i (of its two) and column 8j + e past its first, so
+        # one threshold per row leaves a compare with an immediate and a select per score.
+        col0 = key_block * BLOCK_N + tScS[0][1]
+        for i, cols in enumerate(row_cols(acc_S)):
+            limit = cutlass.min(m_block * BLOCK_M + tScS[cols[0]][0] + 1, seqlen) - col0
+            for idx in cols:
+                hidden = limit <= 8 * (idx // 4) + idx % 2
+                acc_S[idx] = Float32(cutlass.select_(hidden, Float32(neg_inf), acc_S[idx]))
 
     def scale_rows(acc, alphas):
         for i, cols in enumerate(row_cols(acc)):
             for idx in cols:
                 acc[idx] = acc[idx] * alphas[i]
 
-    def exp2_scores(acc_S, row_max, row_sum, acc_O, acc_L, scale_log2, SHIFTED, HAS_LSE):
-        """acc_S (raw scores q.k) becomes p. Unshifted: p = 2^(s * scale * log2 e). Shifted:
-        online softmax, p = 2^((s - m) * scale * log2 e) with m the running row max, o and
-        l rescaled. With lse the row sums are this thread's float32 partials (the wgmma's
-        sum of bf16 p is not exact enough for lse)."""
+    def exp2_scores(acc_S, row_max, row_sum, acc_O, scale_log2, SHIFTED):
+        """acc_S (raw scores q.k) becomes p, and this thread's row sums take its p.
+        Unshifted: p = 2^(s * scale * log2 e). Shifted: online softmax, p = 2^((s - m) *
+        scale * log2 e) with m the running row max, o and the sums rescaled."""
         fmax = cute.arch.fmax
         alphas = []
         for i, cols in enumerate(row_cols(acc_S)):
@@ -150,20 +152,18 @@ def _dsl():
                 shift = Float32(cutlass.select_(m_new == neg_inf, Float32(0.0), m_new * scale_log2))
                 alphas.append(cute.math.exp2(row_max[i] * scale_log2 - shift, fastmath=True))
                 row_max[i] = m_new
-            total = Float32(0.0)
-            for idx in cols:
+            # Four chains of adds rather than one: a quarter of the latency between them.
+            partial = [Float32(0.0)] * 4
+            for n, idx in enumerate(cols):
                 if SHIFTED:
                     acc_S[idx] = cute.math.exp2(acc_S[idx] * scale_log2 - shift, fastmath=True)
                 else:
                     acc_S[idx] = cute.math.exp2(acc_S[idx] * scale_log2, fastmath=True)
-                if HAS_LSE:
-                    total = total + acc_S[idx]
-            if HAS_LSE:
-                row_sum[i] = row_sum[i] * alphas[i] + total if SHIFTED else row_sum[i] + total
+                partial[n % 4] = partial[n % 4] + acc_S[idx]
+            total = (partial[0] + partial[1]) + (partial[2] + partial[3])
+            row_sum[i] = row_sum[i] * alphas[i] + total if SHIFTED else row_sum[i] + total
         if SHIFTED:
             scale_rows(acc_O, alphas)
-            if not HAS_LSE:
-                scale_rows(acc_L, alphas)
 
     def tile_of(
         t, block, redo_tiles, cu_seqlens, num_tokens, num_m_blocks, num_q_heads, batch, REDO
@@ -279,13 +279,6 @@ def _dsl():
         sQ = smem.allocate_tensor(BFloat16, lq.outer, 1024, lq.inner)
         sK = smem.allocate_tensor(BFloat16, lkv.outer, 1024, lkv.inner)
         sV = smem.allocate_tensor(BFloat16, lkv.outer, 1024, lkv.inner)
-        ones_atom = warpgroup.make_smem_layout_atom(
-            hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, BFloat16, BLOCK_N), BFloat16
-        )
-        lones = cute.tile_to_shape(ones_atom, (8, BLOCK_N), order=(0, 1))
-        sOnes = smem.allocate_tensor(BFloat16, lones.outer, 1024, lones.inner)
-        for i in cutlass.range(tidx, 8 * BLOCK_N, THREADS, unroll=1):
-            sOnes[i] = BFloat16(1.0)
         cute.arch.fence_view_async_shared()
         if tidx == 0:
             flag[0] = Int32(0)
@@ -376,16 +369,9 @@ def _dsl():
                 warpgroup.OperandMajorMode.MN, Float32, (CONSUMERS, 1, 1), (64, HEAD_DIM),
                 a_source=warpgroup.OperandSource.RMEM,
             )  # fmt: skip
-            # Row sums on the tensor core: P times a tile of ones (8 equal columns).
-            tiled_sum = hh.make_trivial_tiled_mma(
-                BFloat16, BFloat16, warpgroup.OperandMajorMode.K,
-                warpgroup.OperandMajorMode.K, Float32, (CONSUMERS, 1, 1), (64, 8),
-                a_source=warpgroup.OperandSource.RMEM,
-            )  # fmt: skip
             wg_layout = cute.make_layout(CONSUMERS, stride=128)
             wg_qk = tiled_qk.get_slice(wg_layout(cw))
             wg_pv = tiled_pv.get_slice(wg_layout(cw))
-            wg_sum = tiled_sum.get_slice(wg_layout(cw))
             thr_qk = tiled_qk.get_slice(ctid)
             thr_pv = tiled_pv.get_slice(ctid)
             sVt = cute.composition(
@@ -394,13 +380,11 @@ def _dsl():
             tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
             tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
             tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
-            tLrOnes = wg_sum.make_fragment_B(wg_sum.partition_B(sOnes))
             tScS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, BLOCK_N)))
             tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((BLOCK_M, BLOCK_N)))
             tOcO = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, HEAD_DIM)))
             acc_S = cute.make_rmem_tensor(wg_qk.partition_shape_C((BLOCK_M, BLOCK_N)), Float32)
             acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((BLOCK_M, HEAD_DIM)), Float32)
-            acc_L = cute.make_rmem_tensor(wg_sum.partition_shape_C((BLOCK_M, 8)), Float32)
             row_max = cute.make_rmem_tensor(2, Float32)
             row_sum = cute.make_rmem_tensor(2, Float32)
             n_o = cute.size(acc_O) // 4
@@ -429,7 +413,6 @@ def _dsl():
                             Float32(cute.make_tensor(sinks + h, cute.make_layout(1))[0]) * LOG2E
                         )
                     acc_O.fill(0.0)
-                    acc_L.fill(0.0)
                     for i in cutlass.range_constexpr(2):
                         row_max[i] = neg_inf
                         row_sum[i] = 0.0
@@ -449,7 +432,7 @@ def _dsl():
                     warpgroup.wait_group(0)
                     release(k_empty + s0, lane)
                     mask(acc_S, tScS, m_block, seqlen, n_blocks - 1)
-                    exp2_scores(acc_S, row_max, row_sum, acc_O, acc_L, scale_log2, SHIFTED, HAS_LSE)
+                    exp2_scores(acc_S, row_max, row_sum, acc_O, scale_log2, SHIFTED)
                     tOrP.store(acc_S.load().to(BFloat16))
 
                     for i in cutlass.range(1, n_blocks, unroll=1):
@@ -461,8 +444,6 @@ def _dsl():
                         cute.arch.barrier(barrier_id=turn, number_of_threads=256)
                         if cutlass.const_expr(SHIFTED):
                             gemm(tiled_pv, acc_O, tOrP, tOrV[None, None, None, sp], False)
-                            if cutlass.const_expr(not HAS_LSE):
-                                gemm(tiled_sum, acc_L, tOrP, tLrOnes, False)
                             gemm(tiled_qk, acc_S, tSrQ, tSrK[None, None, None, s], True)
                             cute.arch.barrier_arrive(barrier_id=after, number_of_threads=256)
                             warpgroup.wait_group(0)
@@ -471,24 +452,18 @@ def _dsl():
                             # S_j first: its exponentials run while P_{j-1} V_{j-1} multiplies.
                             gemm(tiled_qk, acc_S, tSrQ, tSrK[None, None, None, s], True)
                             gemm(tiled_pv, acc_O, tOrP, tOrV[None, None, None, sp], False)
-                            if cutlass.const_expr(not HAS_LSE):
-                                gemm(tiled_sum, acc_L, tOrP, tLrOnes, False)
                             cute.arch.barrier_arrive(barrier_id=after, number_of_threads=256)
-                            warpgroup.wait_group(1 if HAS_LSE else 2)
+                            warpgroup.wait_group(1)
                             release(k_empty + s, lane)
                         if i < n_masked:
                             mask(acc_S, tScS, m_block, seqlen, n_blocks - 1 - i)
                         if cutlass.const_expr(SHIFTED):
-                            # Rescaling o and l waits for the wgmmas accumulating them.
+                            # Rescaling o waits for the wgmmas accumulating it.
                             warpgroup.wait_group(0)
                             release(v_empty + sp, lane)
-                            exp2_scores(
-                                acc_S, row_max, row_sum, acc_O, acc_L, scale_log2, SHIFTED, HAS_LSE
-                            )
+                            exp2_scores(acc_S, row_max, row_sum, acc_O, scale_log2, SHIFTED)
                         else:
-                            exp2_scores(
-                                acc_S, row_max, row_sum, acc_O, acc_L, scale_log2, SHIFTED, HAS_LSE
-                            )
+                            exp2_scores(acc_S, row_max, row_sum, acc_O, scale_log2, SHIFTED)
                             warpgroup.wait_group(0)
                             release(v_empty + sp, lane)
                         tOrP.store(acc_S.load().to(BFloat16))
@@ -498,8 +473,6 @@ def _dsl():
                     cute.arch.mbarrier_wait(v_full + sl, (it // STAGES) % 2)
                     cute.arch.barrier(barrier_id=turn, number_of_threads=256)
                     gemm(tiled_pv, acc_O, tOrP, tOrV[None, None, None, sl], False)
-                    if cutlass.const_expr(not HAS_LSE):
-                        gemm(tiled_sum, acc_L, tOrP, tLrOnes, False)
                     cute.arch.barrier_arrive(barrier_id=after, number_of_threads=256)
                     warpgroup.wait_group(0)
                     release(v_empty + sl, lane)
@@ -507,11 +480,10 @@ def _dsl():
                     # o / (l + sink term) as bf16 rows straight to global memory (and lse).
                     bad = Int32(0)
                     for i in cutlass.range_constexpr(2):
-                        key_sum = acc_L[2 * i]
-                        if cutlass.const_expr(HAS_LSE):
-                            key_sum = row_sum[i]
-                            key_sum = key_sum + cute.arch.shuffle_sync_bfly(key_sum, 1)
-                            key_sum = key_sum + cute.arch.shuffle_sync_bfly(key_sum, 2)
+                        # The row's sum over the four threads that share it.
+                        key_sum = row_sum[i]
+                        key_sum = key_sum + cute.arch.shuffle_sync_bfly(key_sum, 1)
+                        key_sum = key_sum + cute.arch.shuffle_sync_bfly(key_sum, 2)
                         top = Float32(0.0)
                         if cutlass.const_expr(SHIFTED):
                             # Shifted sums are relative to the keys' max m; the sink may be
