@@ -34,13 +34,6 @@ def _spec():
     return get_kernel(OP, decode.KERNEL_NAME)
 
 
-@pytest.fixture
-def no_dsl(monkeypatch, tmp_path):
-    monkeypatch.setattr(rt, "dsl_version", lambda: None)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv(rt.CUBIN_DIR_ENV, raising=False)
-
-
 def test_registers_below_triton():
     spec = _spec()
     assert spec.backend == "cute"
