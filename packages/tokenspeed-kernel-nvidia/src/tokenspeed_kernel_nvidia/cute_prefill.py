@@ -122,7 +122,7 @@ def _dsl():
         # element e + 2i + 4j sits in row i (of its two) and column 8j + e past its first, so
         # one threshold per row leaves a compare with an immediate and a select per score.
         col0 = key_block * BLOCK_N + tScS[0][1]
-        for i, cols in enumerate(row_cols(acc_S)):
+        for cols in row_cols(acc_S):
             limit = cutlass.min(m_block * BLOCK_M + tScS[cols[0]][0] + 1, seqlen) - col0
             for idx in cols:
                 hidden = limit <= 8 * (idx // 4) + idx % 2
