@@ -1,5 +1,6 @@
-"""Triton mha_prefill and mha_extend_with_kvcache against FlashAttention-3 at GPT-OSS shapes;
-rewrites benchmarks/results/prefill_<gpu>.md.
+"""Triton mha_prefill and mha_extend_with_kvcache against FlashAttention-3 at GPT-OSS shapes,
+with our CuTe DSL causal prefill beside them where it runs (its cubins from
+TOKENSPEED_KERNEL_CUTE_CUBINS or the DSL); rewrites benchmarks/results/prefill_<gpu>.md.
 
     python3 benchmarks/bench_prefill.py [--sweep] [--only causal|window] [--no-extend] [--no-record]
 """
@@ -49,7 +50,8 @@ METHOD = (
     "runs in the same process. Numerics: relative L2 error of the bf16 output against the "
     "core fp32 reference on the same inputs, FA3's beside it. FA3 / ours = FA3's time over "
     "ours (> 1: we are faster). Config tuples: BLOCK_M, BLOCK_N, warps, stages, heads per "
-    "tile, masked/unmasked split."
+    "tile, masked/unmasked split. CuTe: `cute.mha_prefill` (causal only) in the same process; "
+    "FA3 / CuTe is FA3's time over its, and its error against the reference comes last."
 )
 EXTEND_SWEEP = {
     False: [C(128, 64, 8, 4, 8), C(128, 64, 4, 3, 8), C(128, 32, 8, 3, 8), C(128, 64, 8, 2, 8)],
@@ -166,8 +168,31 @@ def run_prefill_case(seqlen, batch, window, fa3, sweep) -> list[dict]:
     def run():
         prefill.mha_prefill(q, k, v, out=out, lse=None, **kwargs)
 
+    cute = cute_prefill()
+    if cute is not None and window < 0:
+        cute_out = torch.full_like(q, float("nan"))
+
+        def run_cute():
+            cute.mha_prefill(q, k, v, out=cute_out, lse=None, **kwargs)
+
+        run_cute()
+        check["cute_err_vs_ref"] = rel_err(cute_out, ref)
+        check["cute_ms"] = bench(run_cute)
     configs = sweep[window >= 0] if sweep else ()
     return case_rows(label, flops, run, out, ref, check, fa3_ms, configs, prefill.KERNEL_NAME)
+
+
+def cute_prefill():
+    """The CuTe DSL prefill module where it can run here (sm_90 with the DSL or its cubins),
+    else None."""
+    try:
+        from tokenspeed_kernel.ops.attention.request import AttentionRequest
+        from tokenspeed_kernel.platform import platform_of
+        from tokenspeed_kernel_nvidia import cute_prefill as cute
+    except ImportError:
+        return None
+    request = AttentionRequest(torch.bfloat16, torch.bfloat16, D, HQ, HKV, sinks=True)
+    return cute if cute.supports(request, platform_of(torch.device("cuda"))).ok else None
 
 
 def run_extend_case(ctx, new, batch, window, page, fa3, sweep) -> list[dict]:
@@ -234,23 +259,28 @@ def run_extend_case(ctx, new, batch, window, page, fa3, sweep) -> list[dict]:
 
 def _cells(r: dict) -> list[object]:
     if "error" in r:
-        return [r["case"], r["config"], f"error: {r['error'][:80]}", "", "", "", "", ""]
+        return [r["case"], r["config"], f"error: {r['error'][:80]}", *[""] * 7]
     fa3_ms = r.get("fa3_ms")
     peer = ["", "", ""]
     if fa3_ms:
         peer = [f"{fa3_ms:.3f}", f"{r['fa3_tflops']:.0f}", f"{fa3_ms / r['ms']:.2f}"]
+    cute = ["", ""]
+    if r.get("cute_ms"):
+        cute = [f"{r['cute_ms']:.3f}", f"{fa3_ms / r['cute_ms']:.2f}" if fa3_ms else ""]
     err = f"{r['err_vs_ref']:.1e}"
     if "fa3_err_vs_ref" in r:
         err += f" / {r['fa3_err_vs_ref']:.1e}"
+    if "cute_err_vs_ref" in r:
+        err += f" / {r['cute_err_vs_ref']:.1e}"
     if r.get("nan"):
         err += " (NaN in the output)"
-    return [r["case"], r["config"], f"{r['ms']:.3f}", f"{r['tflops']:.0f}", *peer, err]
+    return [r["case"], r["config"], f"{r['ms']:.3f}", f"{r['tflops']:.0f}", *peer, *cute, err]
 
 
 def prefill_lines(rows: list[dict]) -> list[str]:
     """The heuristic rows side by side with FA3, then the pinned configs (--sweep)."""
     columns = ["case", "config", "ms", "TFLOP/s", "FA3 ms", "FA3 TFLOP/s", "FA3 / ours"]
-    columns.append("rel err vs ref (ours / FA3)")
+    columns += ["CuTe ms", "FA3 / CuTe", "rel err vs ref (ours / FA3 / CuTe)"]
     lines = table(columns, (_cells(r) for r in rows if r["config"] == "heuristic"))
     swept = [r for r in rows if r["config"] != "heuristic"]
     if swept:
