@@ -113,6 +113,9 @@ CASES = [
     ("b2-sink+30", A((129, 700), sinks=30.0, q_gain=20.0, lse=True, **_GPT_OSS)),
     # Logits far past 2^64 in exp2's units: tiles take the shifted redo.
     ("b2-large-logits-redo", A((777, 64), sinks=0.0, q_gain=40.0, lse=True, **_GPT_OSS)),
+    # Row maxima around 64 in exp2's units: rows on both sides of the range check.
+    ("b2-logits-at-the-range-bound", A((1000, 257), sinks=0.0, q_gain=14.0, lse=True,
+                                       **_GPT_OSS)),
     ("b3-gqa1-heads4", A((65, 300, 2), num_q_heads=4, num_kv_heads=4, head_dim=64, sinks=0.0,
                          lse=True)),
     ("b2-gqa4-heads8", A((1, 500), num_q_heads=8, num_kv_heads=2, head_dim=64, lse=True)),
