@@ -59,8 +59,8 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def smem_bytes() -> int:
-    """Q tile, the K and V rings, mbarriers, the redo
-    flag, and slack for the allocator's 1024-byte alignment of each tile."""
+    """Q tile, the K and V rings, and slack for the mbarriers, the redo flag and the
+    allocator's 1024-byte alignment of each tile."""
     q_tile = BLOCK_M * HEAD_DIM * 2
     kv_rings = 2 * STAGES * BLOCK_N * HEAD_DIM * 2
     return q_tile + kv_rings + 4 * 1024
@@ -316,7 +316,6 @@ def _dsl():
             thr = tiled.get_slice(tidx)
             tQs = thr.partition_D(sQ)
             t = first
-            done = Int32(0)  # tiles this CTA finished: Q's mbarrier phase
             base = Int32(0)  # key blocks streamed before this tile: the ring's count
             while t < todo:
                 h, b, m_block, seq_start, seqlen, n_blocks, n_masked = tile_of(
@@ -353,7 +352,6 @@ def _dsl():
                     # Q's slot is refilled for the next tile once the consumers are done.
                     cute.arch.barrier(barrier_id=tile_end, number_of_threads=THREADS)
                 base = base + n_blocks
-                done = done + 1
                 t = t + step
         else:
             # ---- consumers: three warpgroups of 64 query rows ----
@@ -392,7 +390,7 @@ def _dsl():
             turn = pingpong + cw
             after = pingpong + (cw + 1) % CONSUMERS
             t = first
-            done = Int32(0)
+            done = Int32(0)  # tiles this warpgroup finished: Q's mbarrier phase
             base = Int32(0)
             while t < todo:
                 h, b, m_block, seq_start, seqlen, n_blocks, n_masked = tile_of(
@@ -649,10 +647,12 @@ def mha_prefill(
     if num_tokens == 0 or batch <= 0 or max_seqlen <= 0:
         return
     num_m_blocks = -(-max_seqlen // BLOCK_M)
-    if batch > 65535 or num_m_blocks > 65535:
+    num_tiles = num_q_heads * batch * num_m_blocks
+    # The redo list codes a tile as one int32.
+    if batch > 65535 or num_m_blocks > 65535 or num_tiles >= 1 << 31:
         raise ValueError(
-            f"{KERNEL_NAME}: {batch} sequences or {num_m_blocks} row blocks of {BLOCK_M} "
-            "exceed the grid's 65535"
+            f"{KERNEL_NAME}: {batch} sequences x {num_m_blocks} row blocks of {BLOCK_M} x "
+            f"{num_q_heads} heads exceed the grid (65535 per dimension) or int32 tile codes"
         )
     # Views the 16-byte reads cannot serve (fused-QKV slices at odd offsets) are copied:
     # one pass over the tensor, small beside the attention itself.
@@ -669,7 +669,6 @@ def mha_prefill(
         sink_dtype = sinks.dtype
     platform = platform_of(q.device)
     arch = rt.compile_arch(platform.arch)
-    num_tiles = num_q_heads * batch * num_m_blocks
     # The tiles the first launch lists for the shifted redo: their count, then their codes.
     redo = torch.empty(num_tiles + 1, dtype=torch.int32, device=q.device)
     redo[:1].zero_()
