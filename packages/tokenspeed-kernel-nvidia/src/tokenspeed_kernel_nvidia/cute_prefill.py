@@ -24,8 +24,9 @@ passes in one kernel made ptxas serialize every wgmma: too few registers at 512 
 A CTA is one producer warpgroup (cp.async into a 3-stage K/V ring, mbarriers) and three
 consumer warpgroups of 64 query rows each (192 rows), ping-ponging their wgmmas through
 named barriers. S_j is issued before P_{j-1} V_{j-1}, so its exponentials run while that
-multiplies. Key blocks are 128; the grid is (heads, sequences, row blocks), longest row
-blocks first. The DSL is needed only to compile (see `_cute_runtime`).
+multiplies. Key blocks are 128; the grid is (heads, row blocks, sequences): longest row
+blocks first, one sequence at a time, so that the CTAs in flight share one sequence's K and V
+in L2. The DSL is needed only to compile (see `_cute_runtime`).
 """
 
 # No `from __future__ import annotations`: the DSL evaluates the kernels' annotations in the
@@ -170,7 +171,7 @@ def _dsl():
     ):
         """(head, sequence, row block, sequence start, length, key blocks, masked blocks) of
         the first launch's tile (its block index) or of the redo launch's list entry t."""
-        h, b, m_block = block[0], block[1], num_m_blocks - 1 - block[2]
+        h, b, m_block = block[0], block[2], num_m_blocks - 1 - block[1]
         if REDO:
             code = cute.make_tensor(redo_tiles + t, cute.make_layout(1))[0]
             h = code % num_q_heads
@@ -291,8 +292,8 @@ def _dsl():
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # The first launch runs its grid's one tile (heads, sequences, row blocks: longest
-        # first). The redo launch (REDO) loops over the tiles the first one listed, shifted;
+        # The first launch runs its grid's one tile (heads, row blocks longest first,
+        # sequences). The redo launch (REDO) loops over the tiles the first one listed, shifted;
         # the producer and the consumers walk the same list, their ring counts carried along.
         first = Int32(0)
         todo = Int32(1)
@@ -583,7 +584,7 @@ def _dsl():
             stride_lh, num_tokens, num_m_blocks, num_q_heads, batch, group, scale_log2,
             HAS_SINKS, HAS_LSE, REDO,
         ).launch(
-            grid=[num_q_heads, batch, num_m_blocks], block=[THREADS, 1, 1], smem=smem_bytes(),
+            grid=[num_q_heads, num_m_blocks, batch], block=[THREADS, 1, 1], smem=smem_bytes(),
             stream=stream,
         )  # fmt: skip
 
@@ -701,7 +702,7 @@ def mha_prefill(
     ]
     has_lse = lse is not None
     first = _loaded(sink_dtype, has_lse, False, arch)
-    first.launch_grid(q.device, (num_q_heads, batch, num_m_blocks), THREADS, args)
+    first.launch_grid(q.device, (num_q_heads, num_m_blocks, batch), THREADS, args)
     # One CTA per SM walks the listed tiles; with none listed each reads the count and exits.
     second = _loaded(sink_dtype, has_lse, True, arch)
     second.launch_grid(q.device, (min(num_tiles, platform.sm_count), 1, 1), THREADS, args)
