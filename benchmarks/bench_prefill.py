@@ -2,7 +2,8 @@
 with our CuTe DSL causal prefill beside them where it runs (its cubins from
 TOKENSPEED_KERNEL_CUTE_CUBINS or the DSL); rewrites benchmarks/results/prefill_<gpu>.md.
 
-    python3 benchmarks/bench_prefill.py [--sweep] [--only causal|window] [--no-extend] [--no-record]
+    python3 benchmarks/bench_prefill.py [--sweep] [--only causal|window] [--no-extend]
+        [--rounds N] [--no-record]
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 
 import record
 import torch
@@ -50,8 +52,11 @@ METHOD = (
     "runs in the same process. Numerics: relative L2 error of the bf16 output against the "
     "core fp32 reference on the same inputs, FA3's beside it. FA3 / ours = FA3's time over "
     "ours (> 1: we are faster). Config tuples: BLOCK_M, BLOCK_N, warps, stages, heads per "
-    "tile, masked/unmasked split. CuTe: `cute.mha_prefill` (causal only) in the same process; "
-    "FA3 / CuTe is FA3's time over its, and its error against the reference comes last."
+    "tile, masked/unmasked split. CuTe: `cute.mha_prefill` (causal only) in the same process, "
+    "timed in alternating rounds with FA3 (a do_bench median of each per round: clocks drift "
+    "within a run by as much as the two differ); its time is the median over the rounds, FA3 / "
+    "CuTe the median of the rounds' ratios with their range; its error against the reference "
+    "comes last."
 )
 EXTEND_SWEEP = {
     False: [C(128, 64, 8, 4, 8), C(128, 64, 4, 3, 8), C(128, 32, 8, 3, 8), C(128, 64, 8, 2, 8)],
@@ -82,6 +87,17 @@ def prefill_inputs(seqlen, batch, gen):
     sinks = torch.randn(HQ, device="cuda", generator=gen).bfloat16()  # FA3 takes bf16 sinks
     cu = torch.arange(0, total + 1, seqlen, device="cuda", dtype=torch.int32)
     return q, k, v, sinks, cu
+
+
+def paired(run_peer, run_ours, rounds: int) -> tuple[float, list[float]]:
+    """Our median time over `rounds` alternating rounds and each round's peer time over ours."""
+    ours, ratios = [], []
+    for _ in range(rounds):
+        peer = bench(run_peer)
+        ms = bench(run_ours)
+        ours.append(ms)
+        ratios.append(peer / ms)
+    return statistics.median(ours), ratios
 
 
 def peer_ms(run_fa3, ref, check: dict) -> float:
@@ -121,7 +137,7 @@ def case_rows(label, flops, run, out, ref, check, fa3_ms, configs, kernel_name) 
     return rows
 
 
-def run_prefill_case(seqlen, batch, window, fa3, sweep) -> list[dict]:
+def run_prefill_case(seqlen, batch, window, fa3, sweep, rounds) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(seqlen + window)
     q, k, v, sinks, cu = prefill_inputs(seqlen, batch, gen)
     kwargs = dict(
@@ -142,11 +158,12 @@ def run_prefill_case(seqlen, batch, window, fa3, sweep) -> list[dict]:
         lse_max_err=(lse - ref_lse).abs().max().item(),
         nan=bool(out.isnan().any() or lse.isnan().any()),
     )
-    fa3_ms = None
+    fa3_ms = run_fa3 = None
     if fa3 is not None:
         window_size = (window, 0) if window >= 0 else (-1, -1)
-        fa3_ms = peer_ms(
-            lambda: fa3.flash_attn_varlen_func(
+
+        def run_fa3():
+            return fa3.flash_attn_varlen_func(
                 q,
                 k,
                 v,
@@ -158,10 +175,9 @@ def run_prefill_case(seqlen, batch, window, fa3, sweep) -> list[dict]:
                 causal=True,
                 window_size=window_size,
                 sinks=sinks,
-            ),
-            ref,
-            check,
-        )
+            )
+
+        fa3_ms = peer_ms(run_fa3, ref, check)
     label = f"prefill {'causal' if window < 0 else f'window{window}'} S={seqlen}x{batch}"
     flops = 4 * HQ * D * batch * visible_keys(seqlen, window)
 
@@ -177,7 +193,10 @@ def run_prefill_case(seqlen, batch, window, fa3, sweep) -> list[dict]:
 
         run_cute()
         check["cute_err_vs_ref"] = rel_err(cute_out, ref)
-        check["cute_ms"] = bench(run_cute)
+        if run_fa3 is None:
+            check["cute_ms"] = bench(run_cute)
+        else:
+            check["cute_ms"], check["fa3_over_cute"] = paired(run_fa3, run_cute, rounds)
     configs = sweep[window >= 0] if sweep else ()
     return case_rows(label, flops, run, out, ref, check, fa3_ms, configs, prefill.KERNEL_NAME)
 
@@ -266,7 +285,14 @@ def _cells(r: dict) -> list[object]:
         peer = [f"{fa3_ms:.3f}", f"{r['fa3_tflops']:.0f}", f"{fa3_ms / r['ms']:.2f}"]
     cute = ["", ""]
     if r.get("cute_ms"):
-        cute = [f"{r['cute_ms']:.3f}", f"{fa3_ms / r['cute_ms']:.2f}" if fa3_ms else ""]
+        ratios = r.get("fa3_over_cute")
+        paired_ratio = ""
+        if ratios:
+            paired_ratio = (
+                f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}, "
+                f"{len(ratios)} rounds)"
+            )
+        cute = [f"{r['cute_ms']:.3f}", paired_ratio]
     err = f"{r['err_vs_ref']:.1e}"
     if "fa3_err_vs_ref" in r:
         err += f" / {r['fa3_err_vs_ref']:.1e}"
@@ -294,8 +320,13 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time pinned configs")
     parser.add_argument("--no-extend", action="store_true")
     parser.add_argument("--only", choices=("causal", "window"), help="prefill cases to run")
+    parser.add_argument(
+        "--rounds", type=int, default=7, help="alternating CuTe / FA3 rounds per causal case"
+    )
     record.add_record_argument(parser)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least one round")
     try:
         import flash_attn_interface as fa3
     except ImportError:
@@ -306,7 +337,8 @@ def main() -> None:
     for seqlen, batch, window in PREFILL_CASES:
         if args.only and (window >= 0) != (args.only == "window"):
             continue
-        rows += run_prefill_case(seqlen, batch, window, fa3, SWEEP if args.sweep else None)
+        sweep = SWEEP if args.sweep else None
+        rows += run_prefill_case(seqlen, batch, window, fa3, sweep, args.rounds)
         print(json.dumps(rows[-1]), flush=True)
     if not args.no_extend:
         for window, page in ((-1, 64), (127, 64), (-1, 16)):
