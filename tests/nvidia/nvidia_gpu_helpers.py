@@ -1,6 +1,7 @@
-"""Shared pieces of the NVIDIA adapters' GPU tests: the conformance parameters of one kernel
-(default cases in the GPU dtypes, plus GPT-OSS-120B's real shapes) and the guard that makes a
-GPU run fail, instead of skipping every case, when the library it is meant to test is absent.
+"""Shared pieces of the NVIDIA kernels' tests: the conformance parameters of one kernel
+(default cases in the GPU dtypes, plus GPT-OSS-120B's real shapes), the guard that makes a
+GPU run fail, instead of skipping every case, when the library it is meant to test is absent,
+and a kernel module's spec registered from sources alone.
 
 Set TOKENSPEED_NVIDIA_EXPECT="fa3,flashinfer" (the GPU commands in the package README do) to
 require those libraries; unset, a missing library skips its tests.
@@ -14,12 +15,20 @@ import os
 import pytest
 import torch
 
-from tokenspeed_kernel.registry import get_kernel
+from tokenspeed_kernel.registry import get_kernel, kernels
 from tokenspeed_kernel.testing import conformance_cases, conformance_params
 from tokenspeed_kernel.testing.cases import attention_case
 
 GPU_DTYPES = (torch.bfloat16, torch.float16)
 PRESET = "gpt-oss-120b"
+
+
+def registered_kernel(op: str, module):
+    """The spec of `module`'s kernel for `op`. The package's entry point registers it; from
+    sources alone (the GPU machine) the module registers it here."""
+    if not any(spec.name == module.KERNEL_NAME for spec in kernels(op)):
+        module.register()
+    return get_kernel(op, module.KERNEL_NAME)
 
 
 def require(library) -> None:

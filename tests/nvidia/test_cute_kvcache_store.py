@@ -13,11 +13,12 @@ import json
 
 import pytest
 import torch
+from nvidia_gpu_helpers import registered_kernel
 
 from tokenspeed_kernel.ops.attention.request import KVStoreRequest
 from tokenspeed_kernel.platform import KNOWN_PLATFORMS, Platform
 from tokenspeed_kernel.presets import PRESETS
-from tokenspeed_kernel.registry import get_kernel, kernels
+from tokenspeed_kernel.registry import get_kernel
 from tokenspeed_kernel.testing import assert_close, assert_conformance, conformance_params
 from tokenspeed_kernel.testing.cases import conformance_cases
 from tokenspeed_kernel_nvidia import _cute_runtime as rt
@@ -38,10 +39,7 @@ needs_dsl = pytest.mark.skipif(bool(_dsl_skip_reason()), reason=_dsl_skip_reason
 
 
 def _spec():
-    # The entry point registers the nvidia package; from sources alone (GPU machine), do it here.
-    if not any(s.name == store.KERNEL_NAME for s in kernels("kvcache_store")):
-        store.register()
-    return get_kernel("kvcache_store", store.KERNEL_NAME)
+    return registered_kernel("kvcache_store", store)
 
 
 def test_registers_below_triton():

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nvidia_gpu_helpers import registered_kernel
 
 from tokenspeed_kernel.ops.attention.request import AttentionRequest
 from tokenspeed_kernel.platform import KNOWN_PLATFORMS, Platform
-from tokenspeed_kernel.registry import get_kernel, kernels
+from tokenspeed_kernel.registry import get_kernel
 from tokenspeed_kernel.testing import assert_conformance, conformance_params
 from tokenspeed_kernel.testing.cases import attention_case
 from tokenspeed_kernel.testing.inputs import AttentionShape
@@ -29,9 +30,7 @@ DSL_MISSING = "" if rt.dsl_version() else "the CuTe DSL is not installed (pip in
 
 
 def _spec():
-    if not any(s.name == prefill.KERNEL_NAME for s in kernels(OP)):
-        prefill.register()
-    return get_kernel(OP, prefill.KERNEL_NAME)
+    return registered_kernel(OP, prefill)
 
 
 def test_registers_below_triton_and_fa3():
