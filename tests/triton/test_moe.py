@@ -14,7 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenspeed_kernel import moe_apply, moe_plan, moe_prepare_weights, tensor_parallel_shard
+from tokenspeed_kernel import (
+    expert_parallel_shard,
+    moe_apply,
+    moe_plan,
+    moe_prepare_weights,
+    tensor_parallel_shard,
+)
 from tokenspeed_kernel.ops.moe.reference import topk_softmax
 from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEWeights
 from tokenspeed_kernel.platform import platform_of
@@ -522,6 +528,64 @@ def test_wgmma_narrow_tiles_change_nothing():
                     assert torch.equal(one, split), (
                         f"M={m} ({routing}), narrow_t={narrow_t}, pdl={pdl}, call {i}"
                     )
+
+
+@pytest.mark.gpu
+def test_wgmma_warp_specialized_gemm1_changes_nothing():
+    """GEMM1's full tiles in the warp-specialized persistent kernel (a producer warpgroup, two
+    consumers on 256 rows, a 4-step mbarrier ring): bit for bit the fragment kernel's output
+    with and without dependent launch and narrow tiles, for calls back to back. Skewed routing
+    gives experts with one token up to more than one tile; the whole layer (45 row blocks of
+    128: the last 256-row block overhangs by one consumer), rank 0's TP=8 shard (3 blocks), the
+    last TP=8 shard (I = 192: 1.5 blocks), an expert-parallel rank (local experts 32-63) and
+    fp8 activations with a static scale (GEMM1 quantizes its own rows) and per-row scales
+    (float32 rows for the pass); M=5 leaves most persistent CTAs without work, M=300 with
+    narrow_t 32 leaves every tile to the narrow launch."""
+    config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
+    spec = get_kernel("moe_apply", HOPPER)
+    if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
+        pytest.skip("no wgmma on this GPU")
+    weights = gpt_oss_weights()
+    layers = {
+        "whole": (config, weights),
+        "tp8 rank 0": tensor_parallel_shard(config, weights, rank=0, world_size=8),
+        "tp8 rank 7": tensor_parallel_shard(config, weights, rank=7, world_size=8),
+        "ep4 rank 1": expert_parallel_shard(config, weights, rank=1, world_size=4),
+    }
+    fp8 = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="fp8")
+    for static in (True, False):
+        layers[f"fp8 static={static}"] = (fp8, gpt_oss_weights("fp8", static=static))
+    g = torch.Generator(device="cuda").manual_seed(17)
+    for name, (layer_config, layer_weights) in layers.items():
+        plan = moe_plan_for(spec, layer_config, 4096, "cuda")
+        prepared = spec.fn.prepare_weights(plan, layer_weights)
+        for m, narrows in ((1100, (0, 32)), (5, (32,)), (300, (32,))):
+            xs = [torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)]
+            xs.append(torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16))
+            logits = [torch.randn(m, 128, generator=g, device="cuda") for _ in xs]
+            first = 0
+            for e, count in enumerate((1, 5, 16, 17, 32, 33, 64, 65, 128, 129, 200)):
+                tokens = torch.arange(first, first + count, device="cuda") % m
+                for lg in logits:
+                    lg[tokens, 32 + e] += 30.0  # experts the EP rank holds
+                first += count
+            for narrow_t in narrows:
+                for pdl in (False, True):
+                    results = []
+                    for warp_specialized in (False, True):
+                        tile = FragmentConfig(
+                            128, 128, 4, 2, pdl=pdl, narrow_t=narrow_t,
+                            warp_specialized=warp_specialized,
+                        )  # fmt: skip
+                        outs = [torch.empty_like(x) for x in xs]
+                        with pin_config(HOPPER, tile):
+                            for x, lg, out in zip(xs, logits, outs, strict=True):
+                                spec.fn.apply(plan, x, prepared, router_logits=lg, out=out)
+                        results.append(outs)
+                    for i, (plain, specialized) in enumerate(zip(*results, strict=True)):
+                        case = f"{name} M={m} narrow_t={narrow_t} pdl={pdl} call {i}"
+                        assert torch.equal(plain, specialized), case
+        del prepared
 
 
 def _wgmma_tp8_shard():

@@ -213,6 +213,35 @@ def test_fragment_config_refuses_rings_the_kernel_cannot_run():
     for in_flight in (0, 5):
         with pytest.raises(ValueError, match=f"mma_in_flight {in_flight}"):
             FragmentConfig(64, 8, 4, 2, chunks=4, mma_in_flight=in_flight)
+    assert FragmentConfig(128, 128, 4, 2, narrow_t=32, warp_specialized=True).warp_specialized
+    # The warp-specialized kernel's consumers are 128 x 128 fragment tiles, one chunk a step.
+    for other in (
+        dict(block_t=64),
+        dict(block_w=256, num_warps=8),
+        dict(chunks=2),
+        dict(gemm2_split_k=2),
+        dict(pdl=True, tile_ready=True),
+    ):
+        tile = {**dict(block_w=128, block_t=128, num_warps=4, stages=2), **other}
+        with pytest.raises(ValueError, match="warp_specialized"):
+            FragmentConfig(**tile, warp_specialized=True)
+
+
+def test_warp_specialized_kernel_takes_only_gemm1_on_bf16_x_with_whole_consumers():
+    from tokenspeed_kernel_triton.moe.fragment_ws_sm90 import warp_specialized_fits
+
+    on = FragmentConfig(128, 128, 4, 2, warp_specialized=True)
+    off = FragmentConfig(128, 128, 4, 2)
+    x = torch.empty(16, 2880, dtype=torch.bfloat16)
+    w = torch.empty(2, 90, 64, 23, 16, dtype=torch.int32)
+    assert warp_specialized_fits(on, x, w, gemm1=True, n_valid=5760)
+    assert not warp_specialized_fits(off, x, w, gemm1=True, n_valid=5760)
+    assert not warp_specialized_fits(on, x, w, gemm1=False, n_valid=5760)  # GEMM2
+    assert not warp_specialized_fits(on, x.half(), w, gemm1=True, n_valid=5760)
+    assert not warp_specialized_fits(on, x, w, gemm1=True, n_valid=5760 - 64)  # a half consumer
+    # Copy offsets are 32-bit: x rows past 2^31 elements go to the fragment kernel.
+    big = torch.empty(2**31 // 2880 + 1, 2880, dtype=torch.bfloat16, device="meta")
+    assert not warp_specialized_fits(on, big, w, gemm1=True, n_valid=5760)
 
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -30,7 +30,10 @@ class FragmentConfig:
     are that much narrower (the routing tiles stay block_t rows); half_pair_rows: GEMM2 may
     store its pair rows in fp16 (half the bytes written and read back by the combine), pairs
     with an element not below half_pair_rows_bound() in magnitude exact in float32, where
-    half_pair_rows() says."""
+    half_pair_rows() says; warp_specialized: the full tiles run in the warp-specialized
+    persistent kernel (fragment_ws_sm90: a producer warpgroup and two consumers on 256 rows,
+    its own 4-step ring) where the call allows it, else, and for the narrow tiles, in this
+    config's fragment kernel with `stages`."""
 
     block_w: int
     block_t: int
@@ -44,6 +47,7 @@ class FragmentConfig:
     post_scale: bool = False
     narrow_t: int = 0
     half_pair_rows: bool = False
+    warp_specialized: bool = False
 
     def __post_init__(self) -> None:
         # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
@@ -63,6 +67,16 @@ class FragmentConfig:
             raise ValueError(
                 f"FragmentConfig: narrow_t {self.narrow_t} is not a power of two in [8, "
                 f"block_t {self.block_t}) on a scaled-fragment config"
+            )
+        if self.warp_specialized and (
+            (self.block_w, self.block_t, self.num_warps, self.chunks) != (128, 128, 4, 1)
+            or self.post_scale
+            or self.tile_ready
+            or self.gemm2_split_k != 1
+        ):
+            raise ValueError(
+                "FragmentConfig: warp_specialized takes 128 x 128 tiles of 4 warps, one chunk "
+                "per step, no post_scale, tile_ready or GEMM2 splits"
             )
         if not 1 <= self.in_flight <= self.chunks:
             raise ValueError(
@@ -168,7 +182,18 @@ CONFIGS = (
     # 2485.2, M=8192 3805.4 / 4062.9 / 3840.4 / 3915.4 / 4074.4; TP=8 shard M=4096 454.6 /
     # 494.0 / 449.5 / - / 444.7, M=8192 818.4 / 846.1 / 824.6 / 830.1 / 740.3. The 64-token
     # tile above with narrow_t 16 / 32: M=4096 2481.3 / 2505.4, TP=8 497.6 / 502.0.
-    (None, FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=32, half_pair_rows=True)),
+    # GEMM1's full tiles warp-specialized (fragment_ws_sm90: a producer warpgroup feeding two
+    # consumers on 256 rows through a 4-step ring, persistent). H200, same run as vLLM's path,
+    # µs, warp-specialized / this tile's fragment kernel / vLLM: whole layer M=3072 1623.3 /
+    # 1709.7 / 1696.7, M=6144 3108.9 / 3241.7 / 3263.7, M=8192 3709.4 / 3810.3 / 4060.0; TP=8
+    # shard M=3072 315.6 / 349.3 / 291.0, M=6144 581.0 / 624.4 / 558.9, M=8192 720.7 / 719.3 /
+    # 712.9. Not at M <= 2048 (above): TP=8 M=1536 222.7 against 216.9.
+    (
+        None,
+        FragmentConfig(
+            128, 128, 4, 2, pdl=True, narrow_t=32, half_pair_rows=True, warp_specialized=True
+        ),
+    ),
 )
 
 

@@ -48,6 +48,7 @@ from .fragment_epilogue_sm90 import (
 )
 from .fragment_layout_sm90 import PANEL_ROWS, kernel_layouts, panel_view
 from .fragment_steps_sm90 import issue_activations, issue_weights, mma_step, post_scaled_step
+from .fragment_ws_sm90 import warp_specialized_fits, warp_specialized_gemm1
 from .mxfp4_words import LOOKUP_TABLE_WORDS
 from .replay import recordable
 from .shift_words_sm90 import POST_SCALE_BIAS
@@ -481,7 +482,14 @@ def fragment_gemm(
         HALF_ROWS=half_rows,
     )
     # With narrow_t, the tiles of at most narrow_t tokens run in a launch of their own.
-    _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, False))
+    if warp_specialized_fits(config, a, w, gemm1, n_valid):
+        warp_specialized_gemm1(
+            a, w, scale_words, bias, out, routing, _lookup_tables(a.device), in_scale,
+            k_valid=k_valid, n_valid=n_valid, alpha=alpha, limit=limit, out_scale=out_scale,
+            config=config, constexprs=constexprs,
+        )  # fmt: skip
+    else:
+        _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, False))
     if config.narrow_t:
         _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, True))
 

@@ -1,0 +1,289 @@
+"""GEMM1's full 128-token tiles, warp-specialized and persistent (FragmentConfig.warp_specialized;
+wgmma_gemm_sm90.fragment_gemm launches it in place of the fragment kernel's full-tile launch).
+
+One CTA per SM walks the (routing tile, 256-row block) work items. A producer warpgroup copies
+each K chunk's x rows [128 tokens, 128] and the block's weight words and scales into a ring of
+STAGES slots (cp.async; each producer thread's arrival on the slot's `full` mbarrier lands when
+its copies have). Two consumer warpgroups, 128 of the block's rows each, decode their words into
+wgmma fragments, multiply them by the shared x rows and release the slot on its `empty`
+mbarrier. So the copies leave the consumers' instruction stream, no CTA barrier joins the two
+consumers (one decodes while the other's wgmmas run), one copy of the x rows serves 256 weight
+rows, and the producer fills the ring with the next work item while the consumers run their
+SwiGLU epilogues.
+
+The decode, MMA and epilogue are the fragment kernel's (fragment_steps_sm90,
+fragment_epilogue_sm90): its outputs bit for bit. Registers (setmaxnreg): the producer runs
+spill-free on 56, since a spilled address reloads from L2 (shared memory leaves L1 little) and
+stalls the ring; the consumers need 224 for ptxas not to serialize their wgmmas (C7512).
+GEMM2 stays on the fragment kernel: on the TP=8 shard the fp16 pair-row epilogue spilled ~2 KB
+in a 224-register consumer (docs/decisions.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .._launch import bind_launches
+from .fragment_epilogue_sm90 import epilogue_operands, swiglu_store
+from .fragment_layout_sm90 import PANEL_ROWS, kernel_layouts
+from .fragment_steps_sm90 import decode_fragment
+from .replay import recordable
+
+STAGES = 4
+WG_ROWS = 128
+CTA_ROWS = 2 * WG_ROWS
+
+_STAGES = gl.constexpr(STAGES)
+_WG_ROWS = gl.constexpr(WG_ROWS)
+_CTA_ROWS = gl.constexpr(CTA_ROWS)
+_TOKENS = gl.constexpr(128)
+_PANEL_ROWS = gl.constexpr(PANEL_ROWS)
+_PRODUCER_REGS = gl.constexpr(56)
+_CONSUMER_REGS = gl.constexpr(224)
+_FIRST = gl.constexpr(0)
+_SECOND = gl.constexpr(1)
+# The consumers' layouts are the 128 x 128, 4-warp fragment kernel's; the producer copies 16
+# bytes per thread (x rows, words) and one scale word per thread.
+_BASE = kernel_layouts(WG_ROWS, 128, 4)
+_MMA = gl.constexpr(_BASE["mma"])
+_DOT_A = gl.constexpr(_BASE["dot_a"])
+_WORDS = gl.constexpr(_BASE["words_layout"])
+_X_SMEM = gl.constexpr(_BASE["smem_layout"])
+_X_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+_WORDS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
+_SCALES_COPY = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+
+
+@gluon.jit
+def _work_item(work, num_w, tiles_ptr):
+    tile = work // num_w
+    pid_w = work % num_w
+    expert = gl.load(tiles_ptr + 2 * tile, cache_modifier=".cg").to(gl.int64)
+    row_end = gl.load(tiles_ptr + 2 * tile + 1, cache_modifier=".cg")
+    return tile, pid_w, expert, row_end
+
+
+@gluon.jit
+def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, SKIP_AT_MOST: gl.constexpr):
+    x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr = pointers
+    x_ring, words_ring, scales_ring, full, empty = ring
+    N, K, K_VALID, N_VALID, grid = sizes
+    word_strides, scale_strides = strides
+    stride_xm, stride_we, stride_wp, stride_wn, stride_wc = word_strides
+    stride_se, stride_sp, stride_sn, stride_sc = scale_strides
+    num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
+    num_w = gl.cdiv(N_VALID, _CTA_ROWS)
+    t_local = gl.arange(0, _TOKENS, layout=gl.SliceLayout(1, _X_COPY))
+    k_local = gl.arange(0, 128, layout=gl.SliceLayout(0, _X_COPY))
+    w_local = gl.arange(0, _CTA_ROWS, layout=gl.SliceLayout(1, _WORDS_COPY))
+    wj = gl.arange(0, 16, layout=gl.SliceLayout(0, _WORDS_COPY))
+    s_local = gl.arange(0, _CTA_ROWS, layout=_SCALES_COPY)
+    count = 0
+    for work in range(gl.program_id(0), num_tiles * num_w, grid):
+        tile, pid_w, expert, row_end = _work_item(work, num_w, tiles_ptr)
+        first_row = tile * _TOKENS
+        if row_end - first_row > SKIP_AT_MOST:
+            # Loop-invariant 32-bit offsets (the host checks their range) from per-step scalar
+            # bases keep the producer within its registers.
+            offs_t = first_row + t_local
+            t_ok = offs_t < row_end
+            pair = gl.load(sorted_ptr + offs_t, mask=t_ok, other=0, cache_modifier=".cg")
+            x_offs = ((pair // TOPK) * stride_xm)[:, None] + k_local[None, :]
+            # Rows past N (a block overhanging the padded rows) reread row N - 1.
+            wr = gl.minimum(pid_w * _CTA_ROWS + w_local, N - 1)
+            w_offs = (wr // _PANEL_ROWS * stride_wp + wr % _PANEL_ROWS * stride_wn)[:, None]
+            w_offs = w_offs + wj[None, :]
+            sr = gl.minimum(pid_w * _CTA_ROWS + s_local, N - 1)
+            s_offs = sr // _PANEL_ROWS * stride_sp + sr % _PANEL_ROWS * stride_sn
+            w_expert = w_ptr + expert * stride_we
+            s_expert = ws_ptr + expert * stride_se
+            for k in range(K // 128):
+                slot = count % _STAGES
+                # Both consumers released the slot's previous use (none in the first lap).
+                mbarrier.wait(empty.index(slot), (count // _STAGES + 1) & 1, pred=count >= _STAGES)
+                # x's row ends at H (K_VALID); the weights' zero padding past it meets zeros.
+                mask = t_ok[:, None] & ((k * 128 + k_local) < K_VALID)[None, :]
+                async_copy.async_copy_global_to_shared(
+                    x_ring.index(slot), x_ptr + k * 128 + x_offs, mask=mask
+                )
+                async_copy.async_copy_global_to_shared(
+                    words_ring.index(slot), w_expert + k * stride_wc + w_offs
+                )
+                async_copy.async_copy_global_to_shared(
+                    scales_ring.index(slot), s_expert + k * stride_sc + s_offs
+                )
+                async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
+                count += 1
+
+
+@gluon.jit
+def _consumer(
+    pointers, ring, sizes, epilogue_args,
+    TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, SKIP_AT_MOST: gl.constexpr,
+    SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
+    WG: gl.constexpr,
+):  # fmt: skip
+    bias_ptr, out_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr, in_scale_ptr = pointers
+    x_ring, words_ring, scales_ring, full, empty = ring
+    N, K, K_VALID, N_VALID, grid = sizes
+    stride_be, stride_om, alpha, limit, in_scale, out_scale = epilogue_args
+    num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
+    num_w = gl.cdiv(N_VALID, _CTA_ROWS)
+    lo_table = gl.load(table_ptr)
+    hi_table = gl.load(table_ptr + 1)
+    # The routing weights and x's exponents are not GEMM1's (unscaled x): placeholders.
+    epilogue_ptrs = (
+        sorted_ptr, sorted_ptr, bias_ptr, sorted_ptr, stride_be, in_scale_ptr, in_scale
+    )  # fmt: skip
+    count = 0
+    for work in range(gl.program_id(0), num_tiles * num_w, grid):
+        tile, pid_w, expert, row_end = _work_item(work, num_w, tiles_ptr)
+        first_row = tile * _TOKENS
+        if row_end - first_row > SKIP_AT_MOST:
+            row_block = 2 * pid_w + WG
+            acc = gl.zeros([_WG_ROWS, _TOKENS], gl.float32, layout=_MMA)
+            for _step in range(K // 128):
+                slot = count % _STAGES
+                mbarrier.wait(full.index(slot), (count // _STAGES) & 1)
+                # The producer's copies (generic proxy) before the wgmma reads them (async).
+                fence_async_shared()
+                words = words_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS).load(_WORDS)
+                scales = scales_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS)
+                scales = scales.load(gl.SliceLayout(1, _WORDS))
+                frag = decode_fragment(
+                    words, scales, lo_table, hi_table, _DOT_A, _WG_ROWS, SHIFT_DECODE, False, False
+                )
+                b = x_ring.index(slot).permute((1, 0))
+                acc = warpgroup_mma(frag, b, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                # Gluon puts the partition's barrier before the single arrival: every warp of
+                # this consumer is done with the slot.
+                mbarrier.arrive(empty.index(slot))
+                count += 1
+            # The last block may overhang the real rows by this consumer's: nothing to store.
+            if row_block * _WG_ROWS < N_VALID:
+                epilogue = (epilogue_ptrs, expert, first_row, row_block, row_end, N_VALID)
+                operands = epilogue_operands(
+                    epilogue, TOPK, True, HAS_BIAS, False, 0, IN_SCALE, _WG_ROWS, _TOKENS, _MMA
+                )
+                rows, cols, col_ok, _, bias, pre_factor, _ = operands
+                if IN_SCALE != 0:
+                    acc *= pre_factor[None, :]
+                if HAS_BIAS:
+                    acc += bias[:, None]
+                out_rows = (out_ptr, N, stride_om, rows, cols, col_ok)
+                swiglu_store(out_rows, acc, alpha, limit, out_scale, _WG_ROWS, _TOKENS, OUT_QUANT)
+
+
+@recordable
+@bind_launches
+@gluon.jit
+def _warp_specialized_gemm1_kernel(
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr,
+    in_scale_ptr,
+    N, K, K_VALID, N_VALID, grid,
+    stride_xm, stride_we, stride_wp, stride_wn, stride_wc, stride_se, stride_sp, stride_sn,
+    stride_sc, stride_be, stride_om,
+    alpha, limit, in_scale, out_scale,
+    TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, SKIP_AT_MOST: gl.constexpr,
+    SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
+    PDL: gl.constexpr,
+):  # fmt: skip
+    if PDL:
+        # The routing outputs are complete past the wait; the launch after (the narrow tiles')
+        # starts as SMs free up.
+        gdc_wait()
+        gdc_launch_dependents()
+    x_ring = gl.allocate_shared_memory(gl.bfloat16, [_STAGES, _TOKENS, 128], _X_SMEM)
+    # Plain row-major slots (a layout of a slot's rank).
+    words_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    scales_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    words_ring = gl.allocate_shared_memory(gl.int32, [_STAGES, _CTA_ROWS, 16], words_smem)
+    scales_ring = gl.allocate_shared_memory(gl.int32, [_STAGES, _CTA_ROWS], scales_smem)
+    full = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(_STAGES):
+        mbarrier.init(full.index(s), count=128)  # the producer warpgroup's threads
+        mbarrier.init(empty.index(s), count=2)  # the two consumers
+    ring = (x_ring, words_ring, scales_ring, full, empty)
+    sizes = (N, K, K_VALID, N_VALID, grid)
+    consumer_pointers = (
+        bias_ptr, out_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr, in_scale_ptr
+    )  # fmt: skip
+    epilogue_args = (stride_be, stride_om, alpha, limit, in_scale, out_scale)
+    producer_pointers = (x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr)
+    strides = (
+        (stride_xm, stride_we, stride_wp, stride_wn, stride_wc),
+        (stride_se, stride_sp, stride_sn, stride_sc),
+    )
+    # Constexprs stay constexprs only as top-level entries of a partition's arguments (inside
+    # a tuple built here they would reach the partition as run-time values).
+    gl.warp_specialize(
+        [
+            (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, HAS_BIAS,
+                         SKIP_AT_MOST, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _FIRST)),
+            (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, HAS_BIAS,
+                         SKIP_AT_MOST, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _SECOND)),
+            (_producer, (producer_pointers, ring, sizes, strides, TOPK, SKIP_AT_MOST)),
+        ],
+        [4, 4],
+        [_CONSUMER_REGS, _PRODUCER_REGS],
+    )  # fmt: skip
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the AOT check compiles on the CPU: an H100's count
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def warp_specialized_fits(config, x: torch.Tensor, w: torch.Tensor, gemm1: bool,
+                          n_valid: int) -> bool:  # fmt: skip
+    """Whether the warp-specialized kernel takes this call's full tiles: config.warp_specialized,
+    GEMM1 on bf16 x, whole consumers of real rows (its epilogue masks no rows) and 32-bit copy
+    offsets."""
+    return (
+        config.warp_specialized
+        and gemm1
+        and x.dtype == torch.bfloat16
+        and n_valid % WG_ROWS == 0
+        and x.numel() < 2**31
+        and w[0].numel() < 2**31
+    )
+
+
+def warp_specialized_gemm1(
+    x, w, scale_words, bias, out, routing, table, in_scale, *, k_valid: int, n_valid: int,
+    alpha: float, limit: float, out_scale: float | None, config,
+    constexprs: dict,
+) -> None:  # fmt: skip
+    """GEMM1 + bias + SwiGLU over the routing tiles of more than config.narrow_t tokens, as
+    wgmma_gemm_sm90.fragment_gemm computes them (its checked operands; `constexprs` its
+    kernel's call-dependent ones)."""
+    N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
+    _, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
+    grid = min(_sm_count(x.device), max_tiles * -(-n_valid // CTA_ROWS))
+    _warp_specialized_gemm1_kernel[(grid,)](
+        x, w, scale_words, bias if bias is not None else scale_words, out, sorted_pairs, tiles,
+        num_tiles, table, in_scale if isinstance(in_scale, torch.Tensor) else num_tiles,
+        N, K, k_valid, n_valid, grid,
+        x.stride(0), *w.stride()[:4], *scale_words.stride(),
+        bias.stride(0) if bias is not None else 0, out.stride(0),
+        alpha, limit, in_scale if isinstance(in_scale, float) else 1.0,
+        out_scale if out_scale is not None else 1.0,
+        TOPK=top_k, HAS_BIAS=bias is not None, SKIP_AT_MOST=config.narrow_t,
+        SHIFT_DECODE=constexprs["SHIFT_DECODE"], IN_SCALE=constexprs["IN_SCALE"],
+        OUT_QUANT=constexprs["OUT_QUANT"], PDL=config.pdl, num_warps=4, launch_pdl=config.pdl,
+    )  # fmt: skip
