@@ -24,6 +24,8 @@ lo, on one decoded fragment); the epilogue adds the bias, multiplies by the rout
 writes fp32 rows by pair (split-K: partial rows, summed by the combine).
 
 One kernel body over 80 lines: its prologue, main loop and epilogue share a dozen values.
+With FragmentConfig.warp_specialized, GEMM1's full tiles run in fragment_ws_sm90's
+warp-specialized persistent kernel instead (the same decode, MMAs and epilogue).
 """
 
 from __future__ import annotations
