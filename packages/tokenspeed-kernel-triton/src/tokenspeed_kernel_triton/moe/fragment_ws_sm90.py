@@ -15,8 +15,9 @@ The decode, MMA and epilogue are the fragment kernel's (fragment_steps_sm90,
 fragment_epilogue_sm90): its outputs bit for bit. Registers (setmaxnreg): the producer runs
 spill-free on 56, since a spilled address reloads from L2 (shared memory leaves L1 little) and
 stalls the ring; the consumers need 224 for ptxas not to serialize their wgmmas (C7512).
-GEMM2 stays on the fragment kernel: on the TP=8 shard the fp16 pair-row epilogue spilled ~2 KB
-in a 224-register consumer (docs/decisions.md).
+GEMM2 stays on the fragment kernel: on a TP=8 shard its three K chunks leave a work item
+mostly epilogue, which both consumers reach at once with the tensor cores idle, where two
+independent CTAs per SM overlap one's epilogue with the other's MMAs (docs/decisions.md).
 """
 
 from __future__ import annotations
