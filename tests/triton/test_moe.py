@@ -535,9 +535,10 @@ def test_wgmma_warp_specialized_gemm1_changes_nothing():
     """GEMM1's full tiles in the warp-specialized persistent kernel (a producer warpgroup, two
     consumers on 256 rows, a 4-step mbarrier ring): bit for bit the fragment kernel's output
     with and without dependent launch and narrow tiles, for calls back to back. Skewed routing
-    gives experts with one token up to more than one tile; the whole layer (45 row blocks of
-    128: the last 256-row block overhangs by one consumer), rank 0's TP=8 shard (3 blocks), the
-    last TP=8 shard (I = 192: 1.5 blocks), an expert-parallel rank (local experts 32-63) and
+    gives experts with one token up to more than one tile; the whole layer (45 consumers' rows:
+    the last 256-row block's second consumer is all padding), rank 0's TP=8 shard (3 blocks),
+    the last TP=8 shard (I = 192: 1.5 blocks), TP=2 and TP=4 shards (2I = 2880 and 1344: a
+    consumer's rows half real, half padding), an expert-parallel rank (local experts 32-63) and
     fp8 activations with a static scale (GEMM1 quantizes its own rows) and per-row scales
     (float32 rows for the pass); M=5 leaves most persistent CTAs without work, M=300 with
     narrow_t 32 leaves every tile to the narrow launch."""
@@ -550,6 +551,8 @@ def test_wgmma_warp_specialized_gemm1_changes_nothing():
         "whole": (config, weights),
         "tp8 rank 0": tensor_parallel_shard(config, weights, rank=0, world_size=8),
         "tp8 rank 7": tensor_parallel_shard(config, weights, rank=7, world_size=8),
+        "tp2 rank 1": tensor_parallel_shard(config, weights, rank=1, world_size=2),
+        "tp4 rank 3": tensor_parallel_shard(config, weights, rank=3, world_size=4),
         "ep4 rank 1": expert_parallel_shard(config, weights, rank=1, world_size=4),
     }
     fp8 = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="fp8")

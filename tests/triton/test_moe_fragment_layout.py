@@ -227,18 +227,23 @@ def test_fragment_config_refuses_rings_the_kernel_cannot_run():
             FragmentConfig(**tile, warp_specialized=True)
 
 
-def test_warp_specialized_kernel_takes_only_gemm1_on_bf16_x_with_whole_consumers():
+def test_warp_specialized_kernel_takes_only_gemm1_on_bf16_x_in_whole_row_blocks():
     from tokenspeed_kernel_triton.moe.fragment_ws_sm90 import warp_specialized_fits
 
     on = FragmentConfig(128, 128, 4, 2, warp_specialized=True)
     off = FragmentConfig(128, 128, 4, 2)
     x = torch.empty(16, 2880, dtype=torch.bfloat16)
-    w = torch.empty(2, 90, 64, 23, 16, dtype=torch.int32)
+    w = torch.empty(2, 92, 64, 23, 16, dtype=torch.int32)  # 2I = 5760 of 5888 padded rows
     assert warp_specialized_fits(on, x, w, gemm1=True, n_valid=5760)
     assert not warp_specialized_fits(off, x, w, gemm1=True, n_valid=5760)
     assert not warp_specialized_fits(on, x, w, gemm1=False, n_valid=5760)  # GEMM2
     assert not warp_specialized_fits(on, x.half(), w, gemm1=True, n_valid=5760)
-    assert not warp_specialized_fits(on, x, w, gemm1=True, n_valid=5760 - 64)  # a half consumer
+    # A TP=2 shard: 2I = 2880 real rows of 3072 padded, a consumer's rows half padding.
+    shard = torch.empty(2, 48, 64, 23, 16, dtype=torch.int32)
+    assert warp_specialized_fits(on, x, shard, gemm1=True, n_valid=2880)
+    # Padded rows that are no whole 256-row blocks go to the fragment kernel.
+    odd = torch.empty(2, 91, 64, 23, 16, dtype=torch.int32)
+    assert not warp_specialized_fits(on, x, odd, gemm1=True, n_valid=5760)
     # Copy offsets are 32-bit: x rows past 2^31 elements go to the fragment kernel.
     big = torch.empty(2**31 // 2880 + 1, 2880, dtype=torch.bfloat16, device="meta")
     assert not warp_specialized_fits(on, big, w, gemm1=True, n_valid=5760)

@@ -172,7 +172,7 @@ def _consumer(
                 # this consumer is done with the slot.
                 mbarrier.arrive(empty.index(slot))
                 count += 1
-            # The last block may overhang the real rows by this consumer's: nothing to store.
+            # A consumer wholly in the zero padding past the real rows stores nothing.
             if row_block * _WG_ROWS < N_VALID:
                 epilogue = (epilogue_ptrs, expert, first_row, row_block, row_end, N_VALID)
                 operands = epilogue_operands(
@@ -253,13 +253,18 @@ def _sm_count(device: torch.device) -> int:
 def warp_specialized_fits(config, x: torch.Tensor, w: torch.Tensor, gemm1: bool,
                           n_valid: int) -> bool:  # fmt: skip
     """Whether the warp-specialized kernel takes this call's full tiles: config.warp_specialized,
-    GEMM1 on bf16 x, whole consumers of real rows (its epilogue masks no rows) and 32-bit copy
-    offsets."""
+    GEMM1 on bf16 x, whole 256-row blocks of the padded rows and 32-bit copy offsets. A
+    consumer whose rows start below n_valid stores them all (the SwiGLU epilogue masks no
+    rows): those past n_valid are the zero padding, whose zeros land in the intermediate's
+    padded channels, which GEMM2 never reads (its k_valid), as the fragment kernel's
+    128-row blocks do past an odd 2I / 128."""
+    padded_rows = w.shape[1] * w.shape[2]
     return (
         config.warp_specialized
         and gemm1
         and x.dtype == torch.bfloat16
-        and n_valid % WG_ROWS == 0
+        and padded_rows % CTA_ROWS == 0
+        and n_valid <= padded_rows
         and x.numel() < 2**31
         and w[0].numel() < 2**31
     )
