@@ -266,7 +266,7 @@ def warp_specialized_fits(config, x: torch.Tensor, w: torch.Tensor, gemm1: bool,
         and padded_rows % CTA_ROWS == 0
         and n_valid <= padded_rows
         and x.numel() < 2**31
-        and w[0].numel() < 2**31
+        and w.numel() // w.shape[0] < 2**31
     )
 
 
