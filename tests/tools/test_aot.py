@@ -68,10 +68,11 @@ def test_matrix_instructions_and_shared_memory(aot_rows, target):
 
 def test_hopper_moe_keeps_weight_fragments_in_registers(aot_rows):
     """triton.moe_apply.sm90's point: MXFP4 words decode straight into wgmma's register A
-    operand, so no GEMM stages an operand through shared memory or reloads one with ldmatrix
-    (one st.shared at most: GEMM2 polling its tile counter; a GEMM2 storing fp16 pair rows
-    also converts its output tile's layout through shared memory, after the main loop; the
-    warp-specialized GEMM1's two are the words by which Triton starts its partitions)."""
+    operand, so no GEMM stages an operand through shared memory or reloads one with ldmatrix.
+    A few st.shared at most, none in the main loop: the epilogue's per-token values (pairs,
+    factors) converted into the accumulator layout, GEMM2 polling its tile counter, a GEMM2
+    storing fp16 pair rows staging its output tile after the main loop, and the
+    warp-specialized GEMM1's two words by which Triton starts its partitions."""
     from tokenspeed_kernel_triton.moe.wgmma_gemm_sm90 import _fragment_gemm_kernel
 
     half_rows = f"({[p.name for p in _fragment_gemm_kernel.params].index('HALF_ROWS')},)"
@@ -85,10 +86,7 @@ def test_hopper_moe_keeps_weight_fragments_in_registers(aot_rows):
     assert any(row["constexprs"].get(half_rows) == "True" for row in gemms)
     for row in gemms:
         assert not row["ldmatrix"], row
-        if row["fn"] == "_warp_specialized_gemm1_kernel":
-            assert row["shared_stores"] <= 2, row
-        elif row["constexprs"].get(half_rows) != "True":
-            assert row["shared_stores"] <= 1, row
+        assert row["shared_stores"] <= 4, row
 
 
 @pytest.mark.parametrize("target", ("gfx942", "gfx950"))

@@ -28,8 +28,8 @@ class FragmentConfig:
     scaled fragments); narrow_t: each GEMM runs its tiles of at most narrow_t tokens (an
     expert's last, or only, tile) in a second launch of block_w x narrow_t tiles, whose MMAs
     are that much narrower (the routing tiles stay block_t rows); half_pair_rows: GEMM2 may
-    store its pair rows in fp16 (half the bytes written and read back by the combine), pairs
-    with an element not below half_pair_rows_bound() in magnitude exact in float32, where
+    store its pair rows in fp16 (half the bytes written and read back by the combine), the
+    elements not below half_pair_rows_bound() in magnitude exact in float32, where
     half_pair_rows() says; warp_specialized: the full tiles run in the warp-specialized
     persistent kernel (fragment_ws_sm90: a producer warpgroup and two consumers on 256 rows,
     its own 4-step ring) where the call allows it, else, and for the narrow tiles, in this

@@ -4,6 +4,7 @@ clamped SwiGLU store."""
 
 from __future__ import annotations
 
+from triton import language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -44,15 +45,24 @@ def epilogue_operands(
     expert, the tile's first sorted row, pid_w, row_end, n_valid: the rows the bias has)."""
     pointers, expert, first_row, pid_w, row_end, n_valid = source
     sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale = pointers
+    out_cols: gl.constexpr = gl.SliceLayout(0, out_layout)
+    # The accumulator layout repeats each column's values over a warp's lanes and warps (32 a
+    # thread at 128 tokens): wide tiles load them one per thread and convert, a shared-memory
+    # pass instead of a load, its address and mask per value. The serving tiles' 2 to 4 a
+    # thread stay loads.
+    WIDE: gl.constexpr = BLOCK_T >= 32
+    load_cols: gl.constexpr = (
+        gl.BlockedLayout([1], [32], [gl.num_warps()], [0]) if WIDE else out_cols
+    )
     rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, out_layout))
-    cols = first_row + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_layout))
+    cols = first_row + gl.arange(0, BLOCK_T, layout=load_cols)
     col_ok = cols < row_end
     pair = gl.load(sorted_ptr + cols, mask=col_ok, other=0, cache_modifier=".cg")
     bias = gl.zeros([BLOCK_W], gl.float32, gl.SliceLayout(1, out_layout))
     if HAS_BIAS:
         bias = gl.load(bias_ptr + expert * stride_be + rows, mask=rows < n_valid, other=0.0)
-    pre = gl.full([BLOCK_T], 1.0, gl.float32, gl.SliceLayout(0, out_layout))
-    post = gl.full([BLOCK_T], 1.0, gl.float32, gl.SliceLayout(0, out_layout))
+    pre = gl.full([BLOCK_T], 1.0, gl.float32, load_cols)
+    post = gl.full([BLOCK_T], 1.0, gl.float32, load_cols)
     if SWIGLU:
         if POST_SCALE:
             e = gl.load(x_exp_ptr + pair // TOPK, mask=col_ok, other=SCALE_BIAS)
@@ -64,6 +74,11 @@ def epilogue_operands(
     if IN_SCALE == 2:
         operand_row = pair // TOPK if SWIGLU else cols
         pre = pre * gl.load(in_scale_ptr + operand_row, mask=col_ok, other=0.0)
+    cols = first_row + gl.arange(0, BLOCK_T, layout=out_cols)
+    col_ok = cols < row_end
+    pair = gl.convert_layout(pair, out_cols)
+    pre = gl.convert_layout(pre, out_cols)
+    post = gl.convert_layout(post, out_cols)
     return rows, cols, col_ok, pair, bias, pre, post
 
 
@@ -119,14 +134,25 @@ def swiglu_store(
 
 
 @gluon.jit
+def _max_keeping_nan(a, b):
+    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@gluon.jit
+def not_below(x, bound):
+    """|x| >= bound, or x NaN."""
+    return (gl.abs(x) < bound) == 0
+
+
+@gluon.jit
 def pair_rows_store(
     out_ptr,
     wide_ptr,
     acc,
+    stage,
     wide_from_bits,
-    rows,
-    out_row,
-    col_ok,
+    sorted_ptr,
+    tile_rows,
     pid_w,
     n_valid,
     stride_om,
@@ -134,30 +160,42 @@ def pair_rows_store(
     BLOCK_T: gl.constexpr,
     pair_rows_layout: gl.constexpr,
 ):
-    """GEMM2's pair rows in half the bytes: fp16 into out_ptr for each pair (column) whose
-    elements in this row block all round to fp16 below the bound b in magnitude (from
-    wide_from_bits on, float32 bits, they round to b or above; b a power of two), which rounds
-    each by at most b * 2^-12 (fragment_config_sm90.half_pair_rows_bound bounds a token's
-    top_k rows together). A tile holding any other column stores its exact float32 rows into
-    wide_ptr, at the same indices, and NaN as those columns' fp16 rows, which tells
-    combine.combine to read them there. The choice is each pair's own, never its tile
-    neighbours': the router orders an expert's pairs by atomics, and a token's output must
-    not depend on which tokens share its tile. The fp16 tile is stored from a layout of 8
-    consecutive columns per thread: whole 16-byte stores and 32-byte sectors, where the
-    accumulator layout would store 2-byte pieces 8 columns apart. Deciding on the float32
-    bits keeps no fp16 copy live across the branch (ptxas spilled one)."""
-    # The magnitude bits of the float32 values: their order is the values' and infinity's and
-    # NaN's come last, where float max would drop a NaN.
-    magnitude = acc.to(gl.int32, bitcast=True) & 0x7FFFFFFF
-    wide_col = gl.max(magnitude, axis=0) >= wide_from_bits
-    if gl.max(wide_col.to(gl.int32), axis=0) != 0:
-        ptrs = wide_ptr + out_row[None, :] * stride_om + rows[:, None]
-        gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < n_valid)[:, None])
-        acc = gl.where(wide_col[None, :], float("nan"), acc)
-    tile = gl.convert_layout(acc.to(gl.float16), pair_rows_layout)
-    rows_at: gl.constexpr = gl.SliceLayout(1, pair_rows_layout)
-    cols_at: gl.constexpr = gl.SliceLayout(0, pair_rows_layout)
-    half_rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=rows_at)
-    ok = gl.convert_layout(col_ok, cols_at)[None, :] & (half_rows < n_valid)[:, None]
-    at = out_ptr + gl.convert_layout(out_row, cols_at)[None, :] * stride_om + half_rows[:, None]
-    gl.store(at, tile, mask=ok)
+    """GEMM2's pair rows in half the bytes: each element in fp16 into out_ptr where it rounds
+    below the bound b in magnitude (from wide_from_bits on, float32 bits, it rounds to b or
+    above; b a power of two), which rounds it by at most b * 2^-12
+    (fragment_config_sm90.half_pair_rows_bound bounds a token's top_k rows together); any
+    other element (NaN included) exact in float32 into wide_ptr, at the same index, and NaN
+    into out_ptr, which tells combine.combine to read it there. Each element decides for
+    itself: a token's output never depends on which tokens share its tile (the router orders
+    an expert's pairs by atomics). tile_rows: (the tile's first sorted row, its row end).
+
+    The fp16 tile goes to global memory from a layout of 8 consecutive columns per thread
+    (whole 16-byte stores), through `stage`, [BLOCK_W, BLOCK_T] fp16 over the ring's shared
+    memory: one stmatrix store and one load, where a layout conversion steps through a small
+    scratch tile with two CTA barriers a step. The pair indices are loaded again for the
+    layout that uses them rather than held across the epilogue: 32 registers each per thread
+    in the accumulator's column layout (as int64 offsets 64) made ptxas spill."""
+    first_row, row_end = tile_rows
+    rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, acc.type.layout))
+    # One CTA-wide test keeps the float32 stores off the common path. Its max keeps NaN,
+    # which a plain float max drops.
+    wide_from = wide_from_bits.to(gl.float32, bitcast=True)
+    peak = gl.reduce(gl.reduce(gl.abs(acc), 1, _max_keeping_nan), 0, _max_keeping_nan)
+    if not (peak < wide_from):
+        wide = not_below(acc, wide_from)
+        cols = first_row + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, acc.type.layout))
+        pair = gl.load(sorted_ptr + cols, mask=cols < row_end, other=0)
+        ptrs = wide_ptr + pair.to(gl.int64)[None, :] * stride_om + rows[:, None]
+        ok = wide & (cols < row_end)[None, :] & (rows < n_valid)[:, None]
+        gl.store(ptrs, acc, mask=ok)
+        acc = gl.where(wide, float("nan"), acc)
+    # Every warp is past its last wgmma, so the ring is free.
+    gl.thread_barrier()
+    stage.store(acc.to(gl.float16))
+    gl.thread_barrier()
+    tile = stage.load(pair_rows_layout)
+    cols = first_row + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, pair_rows_layout))
+    pair = gl.load(sorted_ptr + cols, mask=cols < row_end, other=0)
+    rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, pair_rows_layout))
+    ok = (cols < row_end)[None, :] & (rows < n_valid)[:, None]
+    gl.store(out_ptr + pair.to(gl.int64)[None, :] * stride_om + rows[:, None], tile, mask=ok)

@@ -124,4 +124,5 @@ def kernel_layouts(block_w: int, block_t: int, num_warps: int, chunks: int = 1) 
         pair_rows_layout=gl.BlockedLayout(
             [8, 1], [rows_lanes, 32 // rows_lanes], [1, num_warps], [0, 1]
         ),
+        stage_layout=gl.SwizzledSharedLayout(8, 1, 8, [0, 1]),
     )

@@ -129,6 +129,7 @@ def _fragment_gemm_kernel(
     words_step_layout: gl.constexpr,
     scales_step_layout: gl.constexpr,
     pair_rows_layout: gl.constexpr,
+    stage_layout: gl.constexpr,
 ):
     pid = gl.program_id(0)
     # Row blocks of the real rows only: GEMM1's rows past 2I are zero padding (their SwiGLU
@@ -335,14 +336,17 @@ def _fragment_gemm_kernel(
             gl.atomic_add(ready_ptr + tile, 1, sem="release", scope="gpu")
     else:
         acc *= post_factor[None, :]  # the routing weight
-        # Row pair * SPLIT_K + split: the combine sums a token's top_k * SPLIT_K rows.
-        out_row = col_pair.to(gl.int64) * SPLIT_K + split
         if HALF_ROWS:
+            # The output tile's staging buffer over the ring's activations (fp16 or bf16).
+            gl.static_assert(STAGES * MMA_N * CHUNKS * 128 >= BLOCK_W * BLOCK_T)
+            stage = act._reinterpret(gl.float16, [BLOCK_W, BLOCK_T], stage_layout)
             pair_rows_store(
-                out_ptr, wide_ptr, acc, wide_from_bits, rows, out_row, col_ok, pid_w, N_VALID,
-                stride_om, BLOCK_W, BLOCK_T, pair_rows_layout,
+                out_ptr, wide_ptr, acc, stage, wide_from_bits, sorted_ptr, (first_row, row_end),
+                pid_w, N_VALID, stride_om, BLOCK_W, BLOCK_T, pair_rows_layout,
             )  # fmt: skip
         else:
+            # Row pair * SPLIT_K + split: the combine sums a token's top_k * SPLIT_K rows.
+            out_row = col_pair.to(gl.int64) * SPLIT_K + split
             ptrs = out_ptr + out_row[None, :] * stride_om + rows[:, None]
             gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < N_VALID)[:, None])
 
@@ -410,10 +414,10 @@ def fragment_gemm(
     clears it): GEMM1's CTAs count themselves in per tile when their rows are stored, and
     GEMM2's CTAs start a tile once its count reaches ready_target (GEMM1's CTAs per tile).
 
-    GEMM2 into fp16 `out` (unsplit): its pair rows in fp16, except that a pair with an
-    element that does not round below half_bound in magnitude has NaN in `out` and its exact
-    float32 rows at the same indices of `wide` (float32, out's shape), which combine.combine
-    reads back so (fragment_epilogue_sm90.pair_rows_store)."""
+    GEMM2 into fp16 `out` (unsplit): its pair rows in fp16, except that an element that does
+    not round below half_bound in magnitude has NaN in `out` and its exact float32 value at the
+    same index of `wide` (float32, out's shape), which combine.combine reads back so
+    (fragment_epilogue_sm90.pair_rows_store)."""
     if w.dim() == 3:
         w, w_scale = panel_view(w), panel_view(w_scale)
     if out_scale is not None and (not gemm1 or out.dtype == torch.float32):
