@@ -644,9 +644,9 @@ def test_wgmma_fp16_pair_rows_stay_within_the_tolerance_at_any_row_magnitude():
 
 @pytest.mark.gpu
 def test_wgmma_fp16_pair_rows_keep_a_tokens_output_independent_of_its_tile_neighbours():
-    """The router orders an expert's pairs by atomics, so which tokens share a GEMM2 tile
-    varies from call to call: with fp16 pair rows (TP=8 shard) each pair still takes fp16 or
-    float32 on its own elements alone. Tokens far past the bound mixed at random with tokens
+    """Which tokens share a GEMM2 tile depends on the rest of the batch and on where a token
+    stands in it: with fp16 pair rows (TP=8 shard) each element still takes fp16 or float32
+    on its own value alone. Tokens far past the bound mixed at random with tokens
     well below it, routed onto a few experts so that each spans several tiles: permuting the
     batch permutes the output bit for bit, at the 64- and 128-token tiles with their narrow
     launches, and the output matches the reference."""

@@ -117,22 +117,25 @@ def _shard_outputs(kernel, config, weights, split, world_size, x, routing) -> li
     return outputs
 
 
-@pytest.mark.parametrize("block_counts", [False, True])
+@pytest.mark.parametrize("small_blocks", [False, True])
 @pytest.mark.parametrize("precomputed", [False, True])
 @pytest.mark.parametrize("tokens,top_k", [(5, 2), (70, 4), (1500, 2)])
 def test_routing_groups_only_the_local_experts(
-    tokens, top_k, precomputed, block_counts, monkeypatch
+    tokens, top_k, precomputed, small_blocks, monkeypatch
 ):
     """Experts 5..10 of 16: tiles name local experts 0..5 in order, every local pair once,
-    no other pair; the one-program (10 pairs) and multi-kernel (280 and 3000 pairs) routers,
-    from logits or from precomputed ids with -1 and ids past E among them. The multi-kernel
-    router's align kernel counts the ids itself, or sums the counts of blocks of pairs (64
-    tokens per top-k block, 1024 pairs per count block), here one block per load as with 128
-    blocks of 128 experts. Every entry of the tile table and every sorted row is written on
-    each call, the unused ones with 0 (the GEMMs read whole tiles): a second call into the
-    same buffers, filled with -7 in between, leaves none of it."""
-    monkeypatch.setattr(triton_routing, "BLOCK_COUNTS_MIN_PAIRS", 64 if block_counts else 1 << 30)
-    monkeypatch.setattr(triton_routing, "_COUNTS_PER_LOAD", 16)
+    no other pair, each expert's pairs in pair order (a stable sort); the one-program (10
+    pairs) and multi-kernel (280 and 3000 pairs) routers, from logits or from precomputed ids
+    with -1 and ids past E among them. The multi-kernel router's blocks at their default size
+    (3 blocks at 280 pairs, which the scatter sums itself; 24 at 3000, summed by the align
+    kernel) and at 8 pairs (35 and 375 blocks), 4 experts an align program and 4 blocks a
+    step (many programs, many steps). Every entry of the tile table and every sorted row is
+    written on each call, the unused ones with 0 (the GEMMs read whole tiles): a second call
+    into the same buffers, filled with -7 in between, leaves none of it."""
+    if small_blocks:
+        monkeypatch.setattr(triton_routing, "_BLOCK_PAIRS", 8)
+        monkeypatch.setattr(triton_routing, "_COUNTS_PER_LOAD", 16)
+        monkeypatch.setattr(triton_routing, "_ALIGN_EXPERTS", 4)
     gen = generator("moe-ep-routing", tokens, top_k)
     logits = torch.randn(tokens, 16, generator=gen).to(DEVICE)
     given = (None, None)
@@ -162,6 +165,10 @@ def test_routing_groups_only_the_local_experts(
         last = expert
         rows = sorted_pairs[t * 4 : min((t + 1) * 4, row_end)].long().cpu()
         assert len(rows) and torch.all(flat[rows] == expert)
+        if seen and flat[seen[-1]] == expert:
+            rows = torch.cat([torch.tensor(seen[-1:]), rows])
+            seen.pop()
+        assert torch.all(rows[1:] > rows[:-1]), f"expert {expert}: pairs out of order"
         seen += rows.tolist()
     assert sorted(seen) == local
     assert int(num_tiles) <= bound == max(1, (tokens * top_k + 6 * 3) // 4)

@@ -220,17 +220,15 @@ def gemm2_splits(requested: int, K: int) -> int:
     return -(-chunks // per_split)
 
 
-# fp16 pair rows from a pair whose elements in a row block all fall below the bound; a tile
-# with another pair stores float32 as well, which costs more than fp16 saves. Rows grow with
-# the intermediate size they sum over: at TP=4 and TP=8 shards most tiles stay below the bound,
-# at TP=2 and whole layers few. H200, GPT-OSS-120B, same run as vLLM's path, µs, fp16 /
-# float32 rows / vLLM: TP=8 (I=384) M=1024 182.4 / 188.0 / 239.8, M=2048 266.9 / 280.9 /
-# 292.4, M=4096 405.1 / 435.8 / 431.0, M=8192 728.2 / 794.5 / 723.3; TP=4 (768) M=2048
-# 439.8 / 446.4 / 473.2, M=8192 1237.6 / 1260.5 / 1221.1; TP=2 (1440) M=2048 796.0 / 781.1 /
-# 876.5, M=8192 2243.2 / 2146.6 / 2239.2; whole layer M=2048 1442.8 / 1414.0 / 1635.1,
-# M=8192 4023.1 / 3873.5 / 4110.6. The choice per pair rather than per tile (so that a token's
-# output does not depend on which tokens share its tile), H100, same run: TP=8 M=1024 192.6 /
-# 201.5 / 243.6, M=4096 422.9 / 467.6 / 445.7, M=8192 748.9 / 845.3 / 747.3.
+# fp16 pair rows, each element not below the bound exact in float32 instead; a tile holding one
+# pays a predicated float32 store per element. Rows grow with the intermediate size they sum over:
+# at TP=4 and TP=8 shards most tiles stay below the bound, at TP=2 and whole layers few. H200,
+# GPT-OSS-120B, same run as vLLM's path, µs, fp16 / float32 rows / vLLM: TP=8 (I=384) M=1024 182.4
+# / 188.0 / 239.8, M=2048 266.9 / 280.9 / 292.4, M=4096 405.1 / 435.8 / 431.0, M=8192 728.2 /
+# 794.5 / 723.3; TP=4 (768) M=2048 439.8 / 446.4 / 473.2, M=8192 1237.6 / 1260.5 / 1221.1 (a
+# choice per pair, before the choice per element). With it (H200, same run as vLLM, µs, fp16 /
+# float32 rows): whole layer M=2048 1386.3 / 1373.2, M=4096 2069.1 / 2051.4, M=8192 3728.3 /
+# 3712.8; TP=2 (1440) M=2048 734.1 / 735.3, M=4096 1134.1 / 1128.9, M=8192 2032.1 / 2035.6.
 HALF_PAIR_ROWS_MAX_INTERMEDIATE = 768
 
 

@@ -166,8 +166,8 @@ def pair_rows_store(
     (fragment_config_sm90.half_pair_rows_bound bounds a token's top_k rows together); any
     other element (NaN included) exact in float32 into wide_ptr, at the same index, and NaN
     into out_ptr, which tells combine.combine to read it there. Each element decides for
-    itself: a token's output never depends on which tokens share its tile (the router orders
-    an expert's pairs by atomics). tile_rows: (the tile's first sorted row, its row end).
+    itself: a token's output never depends on which tokens share its tile (the rest of the
+    batch decides that). tile_rows: (the tile's first sorted row, its row end).
 
     The fp16 tile goes to global memory from a layout of 8 consecutive columns per thread
     (whole 16-byte stores), through `stage`, [BLOCK_W, BLOCK_T] fp16 over the ring's shared

@@ -6,13 +6,18 @@ Pair p = token * top_k + j. The sorted layout gives expert e the rows
 whole tiles, so tile t covers rows t * BLOCK_M .. and one expert. Per tile the kernels read
 `tiles[t] = (expert, row_end)`; `num_tiles` is on the device (no host sync, CUDA-graph safe).
 
-Small batches (decode) run everything in one program, with a deterministic stable rank; large
-batches use a top-k kernel over token blocks, a one-program align kernel that counts the pairs
-per expert (from BLOCK_COUNTS_MIN_PAIRS pairs on, it sums the counts the top-k kernel, or for
-precomputed ids a count kernel, took per block) and places each expert's rows, and a scatter
-kernel that writes the tile table and sorts the pairs, whose atomics order rows within an
-expert arbitrarily (every GEMM row is computed independently of its neighbours, so results do
-not depend on that order).
+Small batches (decode) run everything in one program. Large batches use a top-k kernel over
+blocks of tokens that also counts each block's pairs per expert (for precomputed ids a count
+kernel does); an align kernel, one program per group of experts, that sums the blocks' counts
+down the blocks (each block's first rank per expert, each expert's pairs); and a scatter
+kernel that places the experts' rows, writes the tile table and sorts each block's pairs by
+their rank within it (with few blocks it sums their counts itself, and no align kernel runs).
+Both routers order an expert's rows by pair index (a stable sort, no atomics): the same
+routing gives the same rows on every call. H200, GPT-OSS-120B (E=128, top-4), graph-timed
+alone, µs, this / the atomic scatter it replaced (one align program summing all counts, atomics
+on a cursor per expert): M=64 11.2 / 11.1, M=256 11.7 / 15.2, M=1024 12.5 / 17.0, M=3072
+13.1 / 19.1, M=8192 14.7 / 25.7. One align program that also stored each block's prefix
+took 19 µs at M=8192.
 
 Expert parallelism: the layer holds experts expert_offset .. expert_offset + E_local - 1 of the E
 the router ranks (ids stay global); tiles name the local expert (id - expert_offset), and the
@@ -49,18 +54,17 @@ FUSED_MAX_PAIRS = 64
 # The one-program router runs in one warp up to this many pairs, then in four. H200, router
 # alone, graph-timed: 4 pairs 2.5 us (four warps 3.1), 8 pairs 3.1 (3.5), 16 pairs 4.6 (3.6).
 ONE_WARP_MAX_PAIRS = 8
-_CHUNK = 1024
 _TILE_CHUNK = 128
 # Tile table entries per scatter program (the multi-kernel router).
 _SCATTER_TILE_CHUNK = 32
-# Beyond this many pairs the top-k kernel (or the count kernel) counts each block's pairs per
-# expert and the align kernel sums the blocks, _COUNTS_PER_LOAD counts a load; up to it the
-# align kernel counts the ids itself, _CHUNK a step, one load latency after another. H200,
-# GPT-OSS-120B, router alone, graph-timed, one program / block counts (us): M = 256 19.0 /
-# 27.2, 1024 26.5 / 26.8, 2048 27.0 / 25.9, 4096 34.7 / 27.8, 8192 51.0 / 35.3, 16384 88.1 /
-# 57.6.
-BLOCK_COUNTS_MIN_PAIRS = 4096
-_COUNTS_PER_LOAD = 16384
+# The multi-kernel router's blocks hold at most this many pairs: the scatter ranks a block's
+# pairs against each other ([pairs, pairs] compares in one program).
+_BLOCK_PAIRS = 128
+# Up to this many blocks the scatter sums their counts itself, no align kernel between.
+_SCATTER_SUMS_BLOCKS = 16
+# The align kernel's experts per program, and block counts it reads in one step.
+_ALIGN_EXPERTS = 8
+_COUNTS_PER_LOAD = 2048
 
 
 @triton.jit
@@ -143,7 +147,6 @@ def _topk_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_EL: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_COUNTS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ids, weights = _topk_softmax(logits_ptr, rows, M, E, stride_lm, TOPK, BLOCK_E, BLOCK_K)
@@ -152,8 +155,7 @@ def _topk_kernel(
     mask = (rows < M)[:, None] & (kcols < TOPK)[None, :]
     tl.store(ids_ptr + offs, ids, mask=mask)
     tl.store(weights_ptr + offs, weights, mask=mask)
-    if BLOCK_COUNTS:
-        _block_counts_of_topk(ids, mask, E_OFF, E_LOCAL, counts_ptr, BLOCK_EL)
+    _block_counts_of_topk(ids, mask, E_OFF, E_LOCAL, counts_ptr, BLOCK_EL)
 
 
 @recordable
@@ -355,44 +357,28 @@ def _route_small_kernel(
 @bind_launches
 @triton.jit
 def _align_kernel(
-    ids_ptr,
-    num_pairs,
-    E_OFF,
-    E,
     block_counts_ptr,
     num_blocks,
-    num_tiles_ptr,
-    cursor_ptr,
-    expert_tiles_ptr,
-    BLOCK_M: tl.constexpr,
+    block_base_ptr,
+    counts_ptr,
     BLOCK_E: tl.constexpr,
-    CHUNK: tl.constexpr,
+    EXPERTS: tl.constexpr,
     BLOCKS_PER_LOAD: tl.constexpr,
 ):
-    """The experts' pair counts (the sum of num_blocks block counts, BLOCKS_PER_LOAD a load;
-    without them, BLOCKS_PER_LOAD = 0, a histogram of the ids, CHUNK a step) into num_tiles,
-    each expert's first sorted row (cursor_ptr, for the scatter's atomics) and, for the
-    scatter's tile table, expert_tiles_ptr [2, BLOCK_E]: each expert's tile end and row end."""
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    if BLOCKS_PER_LOAD:
-        for first in range(0, num_blocks, BLOCKS_PER_LOAD):
-            blocks = first + tl.arange(0, BLOCKS_PER_LOAD)
-            ptrs = block_counts_ptr + blocks[:, None] * BLOCK_E + experts[None, :]
-            counts += tl.sum(tl.load(ptrs, mask=(blocks < num_blocks)[:, None], other=0), axis=0)
-    else:
-        for start in range(0, num_pairs, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            ok = offs < num_pairs
-            ids = tl.load(ids_ptr + offs, mask=ok, other=0) - E_OFF
-            counts += tl.histogram(ids, BLOCK_E, mask=ok & (ids >= 0) & (ids < E))
-    ntiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(ntiles, 0)
-    row_begin = (tile_end - ntiles) * BLOCK_M
-    tl.store(num_tiles_ptr, tl.sum(ntiles, 0))
-    tl.store(cursor_ptr + experts, row_begin)
-    tl.store(expert_tiles_ptr + experts, tile_end)
-    tl.store(expert_tiles_ptr + BLOCK_E + experts, row_begin + counts)
+    """The blocks' pair counts ([num_blocks, BLOCK_E]) of EXPERTS experts per program summed
+    down the blocks, BLOCKS_PER_LOAD a load: into block_base_ptr, each block's rank among the
+    expert's pairs of its first pair (the counts of the blocks before it), and into
+    counts_ptr the expert's pairs. Experts are independent, so the programs are too."""
+    experts = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
+    counts = tl.zeros([EXPERTS], tl.int32)
+    for first in range(0, num_blocks, BLOCKS_PER_LOAD):
+        blocks = first + tl.arange(0, BLOCKS_PER_LOAD)
+        at = blocks[:, None] * BLOCK_E + experts[None, :]
+        ok = (blocks < num_blocks)[:, None]
+        block = tl.load(block_counts_ptr + at, mask=ok, other=0)
+        tl.store(block_base_ptr + at, counts[None, :] + tl.cumsum(block, 0) - block, mask=ok)
+        counts += tl.sum(block, axis=0)
+    tl.store(counts_ptr + experts, counts)
 
 
 @recordable
@@ -401,35 +387,66 @@ def _align_kernel(
 def _scatter_kernel(
     ids_ptr,
     num_pairs,
+    block_pairs,
+    num_blocks,
     E_OFF,
     E,
-    cursor_ptr,
+    block_base_ptr,
+    counts_ptr,
     sorted_ptr,
-    expert_tiles_ptr,
     tiles_ptr,
     num_tiles_ptr,
     max_tiles,
-    CHUNK: tl.constexpr,
+    PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     TILE_CHUNK: tl.constexpr,
+    SUM_BLOCKS: tl.constexpr,
 ):
-    """CHUNK pairs into their experts' sorted rows, and TILE_CHUNK entries of the tile table
-    (_store_tile_entries), per program: written by one program, the table alone took 17.9 us
-    of the router at M=8192 (H200)."""
+    """Per program: one block's pairs (block_pairs of them, at most PAIRS) into their experts'
+    sorted rows, each at the expert's first row, plus the block's first rank (the align
+    kernel's), plus its rank among the block's pairs of that expert; and TILE_CHUNK entries
+    of the tile table (_store_tile_entries). Each program places the experts' rows from their
+    counts itself (a cumsum over BLOCK_E), where a launch of its own would cost more.
+    SUM_BLOCKS (a power of two at least num_blocks, else 0): no align kernel ran; each
+    program sums the blocks' counts (block_base_ptr) itself, the align kernel's sums."""
     pid = tl.program_id(0)
-    offs = pid * CHUNK + tl.arange(0, CHUNK)
-    ok = offs < num_pairs
-    ids = tl.load(ids_ptr + offs, mask=ok, other=0) - E_OFF
-    ok = ok & (ids >= 0) & (ids < E)
-    pos = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
-    tl.store(sorted_ptr + pos, offs, mask=ok)
+    experts = tl.arange(0, BLOCK_E)
+    if SUM_BLOCKS:
+        blocks = tl.arange(0, SUM_BLOCKS)
+        at = blocks[:, None] * BLOCK_E + experts[None, :]
+        block = tl.load(block_base_ptr + at, mask=(blocks < num_blocks)[:, None], other=0)
+        counts = tl.sum(block, axis=0)
+        block_first = tl.sum(tl.where((blocks < pid)[:, None], block, 0), axis=0)
+    else:
+        counts = tl.load(counts_ptr + experts)
+    ntiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(ntiles, 0)
+    row_begin = (tile_end - ntiles) * BLOCK_M
+    total = tl.sum(ntiles, 0)
+    if pid == 0:
+        tl.store(num_tiles_ptr, total)
+    if pid < num_blocks:
+        lane = tl.arange(0, PAIRS)
+        offs = pid * block_pairs + lane
+        ok = (lane < block_pairs) & (offs < num_pairs)
+        ids = tl.load(ids_ptr + offs, mask=ok, other=0) - E_OFF
+        ok = ok & (ids >= 0) & (ids < E)
+        earlier = (ids[:, None] == ids[None, :]) & ok[None, :] & (lane[None, :] < lane[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        # ids outside the local range gather from expert 0 and are masked at the store.
+        local = tl.where(ok, ids, 0)
+        if SUM_BLOCKS:
+            first = tl.gather(row_begin + block_first, local, 0)
+        else:
+            first = tl.gather(row_begin, local, 0)
+            first += tl.load(block_base_ptr + pid * BLOCK_E + local, mask=ok, other=0)
+        tl.store(sorted_ptr + first + rank, offs, mask=ok)
     if pid * TILE_CHUNK < max_tiles:
         t = pid * TILE_CHUNK + tl.arange(0, TILE_CHUNK)
-        tile_end = tl.load(expert_tiles_ptr + tl.arange(0, BLOCK_E))
-        total = tl.load(num_tiles_ptr)
         e = _expert_of_tiles(tile_end, t)
-        row_end = tl.load(expert_tiles_ptr + BLOCK_E + e, mask=t < total, other=0)
+        # Tiles past the last (e = BLOCK_E) gather any row end: _store_tile_entries zeroes it.
+        row_end = tl.gather(row_begin + counts, tl.minimum(e, BLOCK_E - 1), 0)
         _store_tile_entries(tiles_ptr, sorted_ptr, t, e, row_end, total, max_tiles, BLOCK_M)
 
 
@@ -557,11 +574,10 @@ def _check_one_program_options(num_pairs: int, n_tiles: int, ready, prescale) ->
 
 
 def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts):
-    """route beyond FUSED_MAX_PAIRS pairs: top-k over token blocks (with logits), then the
-    one-program align kernel and the scatter; beyond BLOCK_COUNTS_MIN_PAIRS the top-k kernel
-    (else the count kernel) also counts each block's pairs per expert for the align kernel.
-    grouping: (sorted_pairs, tiles, num_tiles, tile-count bound); experts: (E, expert_offset,
-    E_local)."""
+    """route beyond FUSED_MAX_PAIRS pairs: top-k over token blocks counting each block's pairs
+    per expert (or, for precomputed ids, the count kernel over blocks of pairs), then the
+    one-program align kernel and the scatter. grouping: (sorted_pairs, tiles, num_tiles,
+    tile-count bound); experts: (E, expert_offset, E_local)."""
     sorted_pairs, tiles, num_tiles, n_tiles = grouping
     num_experts, expert_offset, local = experts
     has_logits = router_logits is not None
@@ -571,13 +587,12 @@ def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m
     stride = router_logits.stride(0) if has_logits else 0
     device = topk_ids.device
     block_el = triton.next_power_of_2(local)
-    # Keep one top-k program's [BLOCK_T, BLOCK_E] logits tile near 4K elements.
-    block_t = max(1, min(64, 4096 // block_e))
-    num_blocks = triton.cdiv(M, block_t) if has_logits else triton.cdiv(num_pairs, _CHUNK)
-    block_counts = num_pairs > BLOCK_COUNTS_MIN_PAIRS
-    counts = scratch(
-        "block_counts", (num_blocks if block_counts else 1, block_el), torch.int32, device
-    )
+    # Keep one top-k program's [BLOCK_T, BLOCK_E] logits tile near 4K elements, and its pairs
+    # within the scatter's block.
+    block_t = max(1, min(64, 4096 // block_e, _BLOCK_PAIRS // block_k))
+    block_pairs = block_t * top_k if has_logits else _BLOCK_PAIRS
+    num_blocks = triton.cdiv(num_pairs, block_pairs)
+    counts = scratch("block_counts", (num_blocks, block_el), torch.int32, device)
     if has_logits:
         _topk_kernel[(num_blocks,)](
             router_logits,
@@ -594,45 +609,48 @@ def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m
             BLOCK_E=block_e,
             BLOCK_EL=block_el,
             BLOCK_K=block_k,
-            BLOCK_COUNTS=block_counts,
         )
-    elif block_counts:
+    else:
         _count_kernel[(num_blocks,)](
-            topk_ids, num_pairs, expert_offset, local, counts, CHUNK=_CHUNK, BLOCK_EL=block_el
+            topk_ids, num_pairs, expert_offset, local, counts, CHUNK=block_pairs, BLOCK_EL=block_el
         )
-    cursor = scratch("cursor", (block_el,), torch.int32, device)
-    expert_tiles = scratch("expert_tiles", (2, block_el), torch.int32, device)
-    per_load = min(triton.next_power_of_2(num_blocks), max(1, _COUNTS_PER_LOAD // block_el))
-    _align_kernel[(1,)](
-        topk_ids,
-        num_pairs,
-        expert_offset,
-        local,
-        counts,
-        num_blocks,
-        num_tiles,
-        cursor,
-        expert_tiles,
-        BLOCK_M=block_m,
-        BLOCK_E=block_el,
-        CHUNK=_CHUNK,
-        BLOCKS_PER_LOAD=per_load if block_counts else 0,
-        num_warps=16,
-    )
-    programs = max(triton.cdiv(num_pairs, _CHUNK), triton.cdiv(n_tiles, _SCATTER_TILE_CHUNK))
+    # Few blocks: the scatter sums their counts itself (one launch fewer).
+    sum_blocks = triton.next_power_of_2(num_blocks) if num_blocks <= _SCATTER_SUMS_BLOCKS else 0
+    block_base = counts
+    expert_counts = counts
+    if not sum_blocks:
+        block_base = scratch("block_base", (num_blocks, block_el), torch.int32, device)
+        expert_counts = scratch("expert_counts", (block_el,), torch.int32, device)
+        experts_per_program = min(block_el, _ALIGN_EXPERTS)
+        per_load = min(
+            triton.next_power_of_2(num_blocks), max(1, _COUNTS_PER_LOAD // experts_per_program)
+        )
+        _align_kernel[(block_el // experts_per_program,)](
+            counts,
+            num_blocks,
+            block_base,
+            expert_counts,
+            BLOCK_E=block_el,
+            EXPERTS=experts_per_program,
+            BLOCKS_PER_LOAD=per_load,
+        )
+    programs = max(num_blocks, triton.cdiv(n_tiles, _SCATTER_TILE_CHUNK))
     _scatter_kernel[(programs,)](
         topk_ids,
         num_pairs,
+        block_pairs,
+        num_blocks,
         expert_offset,
         local,
-        cursor,
+        block_base,
+        expert_counts,
         sorted_pairs,
-        expert_tiles,
         tiles,
         num_tiles,
         n_tiles,
-        CHUNK=_CHUNK,
+        PAIRS=triton.next_power_of_2(block_pairs),
         BLOCK_M=block_m,
         BLOCK_E=block_el,
         TILE_CHUNK=_SCATTER_TILE_CHUNK,
+        SUM_BLOCKS=sum_blocks,
     )
