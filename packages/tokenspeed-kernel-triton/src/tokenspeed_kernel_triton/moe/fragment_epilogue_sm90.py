@@ -184,7 +184,7 @@ def pair_rows_store(
     if not (peak < wide_from):
         wide = not_below(acc, wide_from)
         cols = first_row + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, acc.type.layout))
-        pair = gl.load(sorted_ptr + cols, mask=cols < row_end, other=0)
+        pair = gl.load(sorted_ptr + cols, mask=cols < row_end, other=0, cache_modifier=".cg")
         ptrs = wide_ptr + pair.to(gl.int64)[None, :] * stride_om + rows[:, None]
         ok = wide & (cols < row_end)[None, :] & (rows < n_valid)[:, None]
         gl.store(ptrs, acc, mask=ok)
@@ -195,7 +195,7 @@ def pair_rows_store(
     gl.thread_barrier()
     tile = stage.load(pair_rows_layout)
     cols = first_row + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, pair_rows_layout))
-    pair = gl.load(sorted_ptr + cols, mask=cols < row_end, other=0)
+    pair = gl.load(sorted_ptr + cols, mask=cols < row_end, other=0, cache_modifier=".cg")
     rows = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, pair_rows_layout))
     ok = (cols < row_end)[None, :] & (rows < n_valid)[:, None]
     gl.store(out_ptr + pair.to(gl.int64)[None, :] * stride_om + rows[:, None], tile, mask=ok)

@@ -576,8 +576,8 @@ def _check_one_program_options(num_pairs: int, n_tiles: int, ready, prescale) ->
 def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts):
     """route beyond FUSED_MAX_PAIRS pairs: top-k over token blocks counting each block's pairs
     per expert (or, for precomputed ids, the count kernel over blocks of pairs), then the
-    one-program align kernel and the scatter. grouping: (sorted_pairs, tiles, num_tiles,
-    tile-count bound); experts: (E, expert_offset, E_local)."""
+    align kernel (beyond _SCATTER_SUMS_BLOCKS blocks) and the scatter. grouping:
+    (sorted_pairs, tiles, num_tiles, tile-count bound); experts: (E, expert_offset, E_local)."""
     sorted_pairs, tiles, num_tiles, n_tiles = grouping
     num_experts, expert_offset, local = experts
     has_logits = router_logits is not None
