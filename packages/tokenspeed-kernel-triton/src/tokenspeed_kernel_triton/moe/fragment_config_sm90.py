@@ -135,9 +135,9 @@ CONFIGS = (
     # --sizes 64,256,1024`: M=64 64x8 tiles 584 us (64x8 tile by tile 586, 128x16 596,
     # post-scaled 64x2 / 64x4 674 / 623, the 128x64 prefill tile 864), each with the
     # one-program router's ~75 us, which tile counters and post-scaling need; through the
-    # three-launch router (routing.FUSED_MAX_PAIRS) 505 us. M=256 128x16 650 us (64x16 656 /
+    # multi-kernel router (routing.FUSED_MAX_PAIRS) 505 us. M=256 128x16 650 us (64x16 656 /
     # 679 in 2 splits, 128x32 692, 64x8 818, 128x64 942).
-    # Programmatic dependent launch behind the three-launch router (GEMM2 streams its first
+    # Programmatic dependent launch behind the multi-kernel router (GEMM2 streams its first
     # weights, and the combine starts, while the kernel before finishes; the router's kernels
     # do not trigger early, so GEMM1 starts when they end), with GEMM2 unsplit at M=64. Same
     # run as vLLM's path, whole layer / TP=8 shard (I=384), µs, against the same tiles without

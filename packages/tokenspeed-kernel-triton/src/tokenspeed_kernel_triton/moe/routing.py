@@ -49,7 +49,7 @@ from .workspace import scratch
 # every pair with every other): up to the decode tiles' 64, whose tile counters and prescaled x
 # only this router writes. Beyond that one program is the bottleneck: H100, GPT-OSS-120B,
 # graph-timed end to end, M = 20 / 48 / 64 took 341 / 554 / 584 us through it against 307 / 477 /
-# 508 through the three-launch router.
+# 508 through the multi-kernel router.
 FUSED_MAX_PAIRS = 64
 # The one-program router runs in one warp up to this many pairs, then in four. H200, router
 # alone, graph-timed: 4 pairs 2.5 us (four warps 3.1), 8 pairs 3.1 (3.5), 16 pairs 4.6 (3.6).
@@ -476,7 +476,7 @@ def route(
     """Route M tokens and group the pairs by expert. For the one-program decode kernel (at most
     FUSED_MAX_PAIRS pairs), on CUDA sm_90+: launch_dependents lets a kernel launched behind it
     with programmatic dependent launch start early (beyond it, such a kernel starts when the
-    last of the three launches ends); ready, int32 [>= max_tiles], is zeroed for
+    last of the multi-kernel router's launches ends); ready, int32 [>= max_tiles], is zeroed for
     the GEMMs' per-tile counters; prescale = (x [M, H] bf16, scaled [M, H] bf16, exponents [M]
     int32) also writes `_prescale_row` of each row of x into scaled and exponents; with a
     fourth entry, (static scale or None, per-row scales [M] float32 or None), of the e4m3
