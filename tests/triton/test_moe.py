@@ -453,12 +453,13 @@ def test_wgmma_programmatic_dependent_launch_changes_nothing():
     one call and for calls back to back on one stream (each finds the last one's counters)."""
     spec, plan, prepared = _wgmma_gpt_oss_layer()
     g = torch.Generator(device="cuda").manual_seed(3)
-    # Decode tiles up to 16 tokens, and the prefill tile at M=64. Tile counters only where
-    # the one-program router zeroes them (up to FUSED_MAX_PAIRS pairs).
+    # Decode tiles up to 16 tokens (128 rows from M=8), and the prefill tile at M=64. Tile
+    # counters only where the one-program router zeroes them (up to FUSED_MAX_PAIRS pairs).
     decode = dict(block_w=64, block_t=8, num_warps=4, gemm2_split_k=2)
     tiles = {
         1: dict(decode, stages=2, chunks=4),
         4: dict(decode, stages=2, chunks=4, mma_in_flight=1),
+        8: dict(block_w=128, block_t=8, num_warps=4, stages=3),
         16: dict(decode, stages=3, chunks=2),
         64: dict(block_w=128, block_t=64, num_warps=4, stages=4),
     }
@@ -490,6 +491,7 @@ def test_wgmma_narrow_tiles_change_nothing():
     spec, plan, prepared = _wgmma_gpt_oss_layer()
     g = torch.Generator(device="cuda").manual_seed(6)
     cases = (
+        (256, (128, 16, 4, 4), (8,), "skewed"),
         (300, (128, 64, 4, 4), (32, 16), "skewed"),
         (1100, (128, 128, 4, 2), (64, 32), "skewed"),
         (300, (128, 64, 4, 4), (32,), "even"),

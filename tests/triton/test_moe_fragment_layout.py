@@ -8,7 +8,11 @@ that its weight fragments never pass through shared memory)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from tokenspeed_kernel_triton.moe._common import swiglu_fits_f16
 from tokenspeed_kernel_triton.moe.combine import combine
 from tokenspeed_kernel_triton.moe.fragment_config_sm90 import (
     FragmentConfig,
+    for_intermediate,
     gemm2_splits,
     half_pair_rows,
     half_pair_rows_bound,
@@ -225,6 +230,53 @@ def test_fragment_config_refuses_rings_the_kernel_cannot_run():
         tile = {**dict(block_w=128, block_t=128, num_warps=4, stages=2), **other}
         with pytest.raises(ValueError, match="warp_specialized"):
             FragmentConfig(**tile, warp_specialized=True)
+
+
+def test_narrow_launches_only_from_their_intermediate_size():
+    """A config whose narrow launch pays only on long GEMMs drops it below
+    narrow_min_intermediate (a TP=8 shard's 384 padded channels), keeps it from there on; the
+    serving pick at M=256 is such a config."""
+    config = FragmentConfig(128, 16, 4, 4, pdl=True, narrow_t=8, narrow_min_intermediate=768)
+    short = for_intermediate(config, 384)
+    assert short == FragmentConfig(128, 16, 4, 4, pdl=True)
+    assert for_intermediate(config, 768) is config
+    assert for_intermediate(config, 2944) is config
+    always = FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32)
+    assert for_intermediate(always, 128) is always
+    pick = pick_fragment_config(256 * 4)
+    assert pick.narrow_t == 8 and for_intermediate(pick, 384).narrow_t == 0
+    for bad in (-1, 768):
+        with pytest.raises(ValueError, match="narrow_min_intermediate"):
+            FragmentConfig(128, 16, 4, 4, narrow_min_intermediate=bad)
+
+
+_GEMM_WIDTHS = """
+import json, sys
+from tokenspeed_kernel.registry import kernels
+from tokenspeed_kernel.tools import aot
+
+spec = next(s for s in kernels("moe_apply") if s.name == "triton.moe_apply.sm90")
+case = dict(num_experts=8, top_k=4, hidden_size=2880, intermediate_size=int(sys.argv[1]),
+            num_tokens=int(sys.argv[2]))
+launches = aot.run_case_launches(spec, case, "sm_90")
+gemms = [l for l in launches if l.fn.__name__ == "_fragment_gemm_kernel"]
+print(json.dumps([l.constexprs[(l.fn.arg_names.index("BLOCK_T"),)] for l in gemms]))
+"""
+
+
+def test_tp_shards_launch_the_narrow_tiles_from_their_intermediate_size():
+    """At M=256 each GEMM of a TP=4 shard (736 channels, 768 padded) runs its 8-token tiles in
+    a launch of their own; a TP=8 shard's (384) runs one launch per GEMM. The launches as
+    moe_apply makes them for sm_90, in a subprocess: this session interprets Triton kernels,
+    which the AOT launch capture cannot take."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    widths = {}
+    for intermediate in (736, 384):
+        command = [sys.executable, "-c", _GEMM_WIDTHS, str(intermediate), "256"]
+        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-4000:]
+        widths[intermediate] = json.loads(run.stdout.strip().splitlines()[-1])
+    assert widths == {736: [16, 8, 16, 8], 384: [16, 16]}
 
 
 def test_warp_specialized_kernel_takes_only_gemm1_on_bf16_x_in_whole_row_blocks():

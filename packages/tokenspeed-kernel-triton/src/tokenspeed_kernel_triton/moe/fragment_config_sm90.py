@@ -27,7 +27,9 @@ class FragmentConfig:
     shift-decoded weights with an fp16 intermediate only, else moe_forward_sm90 falls back to
     scaled fragments); narrow_t: each GEMM runs its tiles of at most narrow_t tokens (an
     expert's last, or only, tile) in a second launch of block_w x narrow_t tiles, whose MMAs
-    are that much narrower (the routing tiles stay block_t rows); half_pair_rows: GEMM2 may
+    are that much narrower (the routing tiles stay block_t rows), where the padded
+    intermediate size is at least narrow_min_intermediate (for_intermediate: a TP shard's short
+    GEMMs pay more for a second launch than narrower MMAs save); half_pair_rows: GEMM2 may
     store its pair rows in fp16 (half the bytes written and read back by the combine), the
     elements not below half_pair_rows_bound() in magnitude exact in float32, where
     half_pair_rows() says; warp_specialized: the full tiles run in the warp-specialized
@@ -46,6 +48,7 @@ class FragmentConfig:
     mma_in_flight: int | None = None
     post_scale: bool = False
     narrow_t: int = 0
+    narrow_min_intermediate: int = 0
     half_pair_rows: bool = False
     warp_specialized: bool = False
 
@@ -67,6 +70,11 @@ class FragmentConfig:
             raise ValueError(
                 f"FragmentConfig: narrow_t {self.narrow_t} is not a power of two in [8, "
                 f"block_t {self.block_t}) on a scaled-fragment config"
+            )
+        if self.narrow_min_intermediate < 0 or (self.narrow_min_intermediate and not self.narrow_t):
+            raise ValueError(
+                f"FragmentConfig: narrow_min_intermediate {self.narrow_min_intermediate} "
+                f"without a narrow launch (narrow_t {self.narrow_t})"
             )
         if self.warp_specialized and (
             (self.block_w, self.block_t, self.num_warps, self.chunks) != (128, 128, 4, 1)
@@ -112,10 +120,11 @@ CONFIGS = (
             64, 2, 4, 2, gemm2_split_k=2, chunks=4, pdl=True, mma_in_flight=2, post_scale=True
         ),
     ),
-    # M=4 / 16: GEMM2 waits for GEMM1 tile by tile (it starts in GEMM1's last wave), one
-    # chunk's wgmma in flight (two: 79.8 / 246.3 us; the grid wait: 76.7 / 229.7).
+    # M=4: GEMM2 waits for GEMM1 tile by tile (it starts in GEMM1's last wave), one chunk's
+    # wgmma in flight (two: 79.8 us; the grid wait: 76.7). H200, 2026-11-28, graph-timed over 4
+    # layers beside vLLM: 63.3 us against 67.2 for the 128x8 tile below (TP=8 shard 24.7 / 24.0).
     (
-        64,
+        16,
         FragmentConfig(
             64,
             2,
@@ -129,27 +138,40 @@ CONFIGS = (
             post_scale=True,
         ),
     ),
+    # From ~2 tokens per selected expert the decode's instructions bound the GEMMs on the
+    # H200, not its HBM (ncu, M=64, the 64x8 tile: issue slots 83% busy, the ALU pipe the
+    # busiest): 128 weight rows per warpgroup spread each chunk's copies, barriers and loop
+    # over twice the decode (SASS per 64 rows and 128-K chunk: 191 instructions against 233
+    # for 64 rows). H200, 2026-11-28, same run as vLLM's path, graph-timed over 4 layers, µs,
+    # this / the previous pick / vLLM: whole layer M=8 106.3 / 114.4 (post-scaled 64x2) /
+    # 173.9, M=12 149.9 / 162.0 / 229.8, M=16 182.4 / 198.8 / 283.2 (GEMM2 in 2 splits 183.8,
+    # without tile counters 188.0, post-scaled 128x2 214.7); TP=8 M=8 30.3 / 35.5 / 51.9,
+    # M=16 41.5 / 59.0 / 73.6; TP=2 M=16 100.6 / 116.3 / 170.1; TP=4 M=16 60.9 / 74.3 / 102.9.
+    (64, FragmentConfig(128, 8, 4, 3, pdl=True, tile_ready=True)),
     # Serving batches, where each selected expert holds a few tokens (M = 64: 256 pairs over
-    # ~105 experts) or ~8 (M = 256): token tiles just wide enough for them. H100, GPT-OSS-120B,
-    # graph-timed over 4 layers' weights (L2-cold), `bench_moe.py --variants sm90 --sweep
-    # --sizes 64,256,1024`: M=64 64x8 tiles 584 us (64x8 tile by tile 586, 128x16 596,
-    # post-scaled 64x2 / 64x4 674 / 623, the 128x64 prefill tile 864), each with the
-    # one-program router's ~75 us, which tile counters and post-scaling need; through the
-    # multi-kernel router (routing.FUSED_MAX_PAIRS) 505 us. M=256 128x16 650 us (64x16 656 /
-    # 679 in 2 splits, 128x32 692, 64x8 818, 128x64 942).
-    # Programmatic dependent launch behind the multi-kernel router (GEMM2 streams its first
-    # weights, and the combine starts, while the kernel before finishes; the router's kernels
-    # do not trigger early, so GEMM1 starts when they end), with GEMM2 unsplit at M=64. Same
-    # run as vLLM's path, whole layer / TP=8 shard (I=384), µs, against the same tiles without
-    # PDL and GEMM2 in 2 splits: H200 M=64 442 / 87.5 against 464 / 108 (in 2 splits with PDL
-    # 449 / 111), M=256 573 / 109 against 576 / 112, M=1024 1013 / 196 against 1022 / 198,
-    # M=4096 2515 / 488 against 2545 / 489; H100 M=64 511 / 108 against 511 / 122, M=256 647 /
-    # 134 against 651 / 137, M=1024 1033 / 211 against 1042 / 212, M=4096 2540 / 521 against
-    # 2558 / 523, M=8192 4565 / 925 against 4582 / 926. A second H200 machine, on which ours
-    # ran ~5% slower than on the first at every M: M=64 478 / 87.8 against 481 / 109, M=256
-    # 602 / 110 against 596 / 113.
-    (256, FragmentConfig(64, 8, 4, 3, pdl=True)),
-    (1024, FragmentConfig(128, 16, 4, 4, pdl=True)),
+    # ~105 experts): the same 128x8 tile behind the multi-kernel router, which GEMM2's tile
+    # counters would need the one-program router for. H200, 2026-11-28, same run as vLLM's
+    # path, graph-timed over 4 layers, µs, 128x8 / the 64x8 tile picked before / vLLM: whole
+    # layer M=32 300.4 / 342.0 / 435.7, M=64 418.2 / 470.9 / 567.6 (128x8 with a 4-step ring
+    # 435.2, 64x8 with two chunks per step 470.4, 128x16 462.4), M=128 513.6 / 543.3 (128x16)
+    # / 668.1; TP=8 M=32 61.6 / 67.3 / 83.7, M=64 82.3 / 82.5 / 110.9, M=128 90.9 / 100.3 /
+    # 116.9; TP=2 M=64 218.3 / 240.6 / 321.4. At M=192 (~6 per expert, some past 8, whose
+    # weights two 8-token tiles decode twice) 128x16 is level (whole 567.0 against 572.3,
+    # TP=8 103.0 / 98.9), and at M=256 128x8 loses (724.2 against 590.8). H100 (memory-bound
+    # there; before the multi-kernel router): M=64 64x8 tiles 584 us, 128x16 596, post-scaled
+    # 64x2 / 64x4 674 / 623.
+    (512, FragmentConfig(128, 8, 4, 3, pdl=True)),
+    # ~4 to 8 tokens per expert (M = 129 to 256): 16-token tiles, whose tiles of at most 8
+    # run in a launch of 128x8 tiles (narrow_t; at M=256 over half of them), except on TP=8
+    # shards. H200, 2026-11-28, same run as vLLM's path, graph-timed over 4 layers, µs,
+    # narrow_t 8 / none / vLLM: whole layer M=160 516.3 / 548.6 / 674.7, M=192 531.0 / 559.0
+    # / 680.8, M=224 545.1 / 562.5 / 678.3, M=256 551.4 / 566.7 / 680.5 (3 stages 551.5);
+    # TP=2 (I=1440) M=192 281.5 / 297.1 / 376.9, M=256 282.7 / 303.2 / 379.9; TP=4 (720)
+    # M=192 156.2 / 163.9 / 190.8, M=256 167.8 / 167.8 / 191.3; TP=8 (360) M=192 102.1 /
+    # 100.5 / 118.0, M=256 109.1 / 100.4 / 119.0. The epilogue's operands loaded before the
+    # main loop (as the 8-token tiles do) lost: M=256 572.9 against 563.3, TP=8 102.1 / 100.6
+    # (GEMM2 at 146 registers, three CTAs per SM).
+    (1024, FragmentConfig(128, 16, 4, 4, pdl=True, narrow_t=8, narrow_min_intermediate=768)),
     # Prefill batches up to M=2048: 64-token tiles waste less padding than 128 at up to ~64
     # rows per expert. 8 warps on this tile measured within run-to-run noise of 4. Two chunks
     # per step need ~2x the registers here and lost (M=4096: 3491 us against 2545). H100,
@@ -202,6 +224,15 @@ def scaled_fragments(config: FragmentConfig) -> FragmentConfig:
     """A post-scaled config's scaled-fragment form: 8-token tiles (wgmma's N without the four
     block-diagonal groups), built once per config rather than per call."""
     return dataclasses.replace(config, post_scale=False, block_t=8)
+
+
+@functools.cache
+def for_intermediate(config: FragmentConfig, padded_intermediate: int) -> FragmentConfig:
+    """The config as it runs at `padded_intermediate` channels: without its narrow launch below
+    config.narrow_min_intermediate."""
+    if config.narrow_t and padded_intermediate < config.narrow_min_intermediate:
+        return dataclasses.replace(config, narrow_t=0, narrow_min_intermediate=0)
+    return config
 
 
 @functools.cache

@@ -18,6 +18,7 @@ from .combine import combine
 from .fragment_config_sm90 import (
     CONFIGS,
     FragmentConfig,
+    for_intermediate,
     gemm2_splits,
     grid_wait,
     half_pair_rows,
@@ -81,7 +82,8 @@ def moe_forward_sm90(
         )
     # Post-scaling needs raw shift-decoded halves in both GEMMs.
     post_scalable = prepared["w13_decode"] == "bf16" and f16_intermediate
-    config = pick_config(M * top_k, post_scalable)
+    Ip = prepared["padded_intermediate_size"]
+    config = for_intermediate(pick_config(M * top_k, post_scalable), Ip)
     routing_inputs = dict(routing_inputs, expert_offset=expert_offset)
     fp8 = activation_format == "fp8"
     # With a static intermediate scale GEMM1 quantizes its own SwiGLU rows; per-row scales
@@ -104,7 +106,6 @@ def moe_forward_sm90(
         x, prepared, top_k, config, routing_inputs, quant
     )
     H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
-    Ip = prepared["padded_intermediate_size"]
     rows = routing[4] * config.block_t  # the tile-count bound
     if f16_intermediate:
         act = scratch("act", (rows, Ip), torch.float16, x.device)
