@@ -352,9 +352,9 @@ def test_gpt_oss_120b_shapes(kernel, act):
     ref_prepared = reference.fn.prepare_weights(ref_plan, weights)
     dtype = torch.float8_e4m3fn if activation_format == "fp8" else torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(1)
-    # 1 and 4 take the decode tiles, 64 and 256 the serving ones (sm90), 4096 and 4500 (18000
-    # pairs) the prefill.
-    for m in (1, 4, 64, 256, 4096, 4500):
+    # 1 and 4 take the decode tiles, 16 (tile counters), 64 and 256 the serving ones (sm90),
+    # 4096 and 4500 (18000 pairs) the prefill.
+    for m in (1, 4, 16, 64, 256, 4096, 4500):
         x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
         logits = torch.randn(m, 128, generator=g, device="cuda")
         out = torch.empty_like(x)
