@@ -239,6 +239,7 @@ def test_narrow_launches_only_from_their_intermediate_size():
     config = FragmentConfig(128, 16, 4, 4, pdl=True, narrow_t=8, narrow_min_intermediate=768)
     short = for_intermediate(config, 384)
     assert short == FragmentConfig(128, 16, 4, 4, pdl=True)
+    assert for_intermediate(config, 384) is short  # built once
     assert for_intermediate(config, 768) is config
     assert for_intermediate(config, 2944) is config
     always = FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32)

@@ -226,13 +226,18 @@ def scaled_fragments(config: FragmentConfig) -> FragmentConfig:
     return dataclasses.replace(config, post_scale=False, block_t=8)
 
 
-@functools.cache
 def for_intermediate(config: FragmentConfig, padded_intermediate: int) -> FragmentConfig:
     """The config as it runs at `padded_intermediate` channels: without its narrow launch below
-    config.narrow_min_intermediate."""
+    config.narrow_min_intermediate. Every moe_apply asks: two field reads where nothing
+    changes, the cached form where it does (hashing a config costs more)."""
     if config.narrow_t and padded_intermediate < config.narrow_min_intermediate:
-        return dataclasses.replace(config, narrow_t=0, narrow_min_intermediate=0)
+        return _without_narrow(config)
     return config
+
+
+@functools.cache
+def _without_narrow(config: FragmentConfig) -> FragmentConfig:
+    return dataclasses.replace(config, narrow_t=0, narrow_min_intermediate=0)
 
 
 @functools.cache
