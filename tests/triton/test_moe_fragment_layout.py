@@ -268,8 +268,8 @@ print(json.dumps([l.constexprs[(l.fn.arg_names.index("BLOCK_T"),)] for l in gemm
 def test_tp_shards_launch_the_narrow_tiles_from_their_intermediate_size():
     """At M=256 each GEMM of a TP=4 shard (736 channels, 768 padded) runs its 8-token tiles in
     a launch of their own; a TP=8 shard's (384) runs one launch per GEMM. The launches as
-    moe_apply makes them for sm_90, in a subprocess: this session interprets Triton kernels,
-    which the AOT launch capture cannot take."""
+    moe_apply makes them for sm_90, in a subprocess without TRITON_INTERPRET: the AOT launch
+    capture cannot take the interpreted kernels these tests run."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     widths = {}
     for intermediate in (736, 384):
