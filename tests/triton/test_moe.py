@@ -67,9 +67,10 @@ def _check_grouping(ids, sorted_pairs, tiles, num_tiles, block_m):
     assert sorted(seen) == list(range(flat.numel()))
 
 
-@pytest.mark.parametrize("tokens,experts,top_k", [(5, 8, 2), (70, 16, 4)])
+@pytest.mark.parametrize("tokens,experts,top_k", [(5, 8, 2), (13, 128, 4), (70, 16, 4)])
 def test_routing_matches_reference_with_ties(tokens, experts, top_k):
-    """Integer logits force ties (lower index wins); 70 x 4 pairs take the multi-kernel path."""
+    """Integer logits force ties (lower index wins); 13 x 4 pairs over 128 experts fill the
+    one-program router's four warps, 70 x 4 take the multi-kernel path."""
     gen = generator("moe-routing", tokens, experts, top_k)
     logits = torch.randint(0, 3, (tokens, experts), generator=gen).float().to(DEVICE)
     weights, ids, sorted_pairs, tiles, num_tiles, _ = route(

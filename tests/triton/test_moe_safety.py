@@ -54,7 +54,9 @@ def test_routing_leaves_out_of_range_ids_out(tokens, top_k):
     assert sorted(seen) == torch.nonzero(~bad.reshape(-1)).reshape(-1).tolist()
 
 
-@pytest.mark.parametrize("tokens,top_k,block_m", [(1, 4, 2), (5, 2, 16), (70, 4, 16)])
+@pytest.mark.parametrize(
+    "tokens,top_k,block_m", [(1, 4, 2), (5, 2, 16), (16, 4, 8), (16, 4, 2), (70, 4, 16)]
+)
 def test_routing_writes_every_entry_the_gemms_read(monkeypatch, tokens, top_k, block_m):
     """The GEMMs read a whole tile's table entry and sorted rows before knowing whether the
     tile exists or where it ends: tiles past num_tiles and the padding rows of each tile hold 0,

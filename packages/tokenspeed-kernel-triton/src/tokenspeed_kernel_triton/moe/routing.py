@@ -51,9 +51,12 @@ from .workspace import scratch
 # graph-timed end to end, M = 20 / 48 / 64 took 341 / 554 / 584 us through it against 307 / 477 /
 # 508 through the multi-kernel router.
 FUSED_MAX_PAIRS = 64
-# The one-program router runs in one warp up to this many pairs, then in four. H200, router
-# alone, graph-timed: 4 pairs 2.5 us (four warps 3.1), 8 pairs 3.1 (3.5), 16 pairs 4.6 (3.6).
+# The one-program router runs in one warp up to this many pairs, in four up to the second
+# bound (tokens x top_k padded to powers of two), then in eight. H200, router alone,
+# graph-timed, µs, one / two / four / eight warps: 4 pairs 2.5 / 3.2 / 3.1 / 3.9, 16 pairs
+# 5.1 / 3.7 / 3.1 / 3.6, 32 pairs 9.7 / 5.3 / 3.7 / 3.4, 64 pairs 24.0 / 9.5 / 5.8 / 4.7.
 ONE_WARP_MAX_PAIRS = 8
+FOUR_WARPS_MAX_PAIRS = 16
 _TILE_CHUNK = 128
 # Tile table entries per scatter program (the multi-kernel router).
 _SCATTER_TILE_CHUNK = 32
@@ -200,7 +203,7 @@ def _expert_of_tiles(tile_end, t):
 
 
 @triton.jit
-def _write_tiles(
+def _write_expert_tiles(
     tiles_ptr,
     num_tiles_ptr,
     sorted_ptr,
@@ -210,21 +213,37 @@ def _write_tiles(
     BLOCK_E: tl.constexpr,
     TILE_CHUNK: tl.constexpr,
 ):
-    """Tile table from per-expert counts, in one program (_store_tile_entries); returns each
-    expert's first sorted row."""
+    """Tile table from per-expert counts, in one program: each expert writes its own tiles'
+    entries and its last tile's padding rows, then the tiles past the last are zeroed (every
+    entry written, as _store_tile_entries explains). Returns each expert's first sorted row.
+    O(experts + tiles) work, where the multi-kernel router's [tiles, experts] compares
+    (_expert_of_tiles) and [pairs, experts] counts would cost a decode step's router 8.7 µs
+    against 4.7 (H200, 64 pairs over 128 experts)."""
     experts = tl.arange(0, BLOCK_E)
     ntiles = (counts + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(ntiles, 0)
     tile_begin = tile_end - ntiles
     total = tl.sum(ntiles, 0)
     tl.store(num_tiles_ptr, total)
+    row_begin = tile_begin * BLOCK_M
+    row_end = row_begin + counts
+    for j in range(0, tl.max(ntiles, 0)):
+        t = tile_begin + j
+        mine = j < ntiles
+        tl.store(tiles_ptr + 2 * t, experts, mask=mine)
+        tl.store(tiles_ptr + 2 * t + 1, row_end, mask=mine)
+    pad = row_end[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(
+        sorted_ptr + pad, tl.zeros(pad.shape, tl.int32), mask=pad < (tile_end * BLOCK_M)[:, None]
+    )
     for t0 in range(0, max_tiles, TILE_CHUNK):
         t = t0 + tl.arange(0, TILE_CHUNK)
-        e = _expert_of_tiles(tile_end, t)
-        hit = experts[None, :] == e[:, None]
-        row_end = tl.sum(tl.where(hit, (tile_begin * BLOCK_M + counts)[None, :], 0), axis=1)
-        _store_tile_entries(tiles_ptr, sorted_ptr, t, e, row_end, total, max_tiles, BLOCK_M)
-    return tile_begin * BLOCK_M
+        past = (t >= total) & (t < max_tiles)
+        tl.store(tiles_ptr + 2 * t, tl.zeros([TILE_CHUNK], tl.int32), mask=past)
+        tl.store(tiles_ptr + 2 * t + 1, tl.zeros([TILE_CHUNK], tl.int32), mask=past)
+        rows = t[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(sorted_ptr + rows, tl.zeros(rows.shape, tl.int32), mask=past[:, None])
+    return row_begin
 
 
 @triton.jit
@@ -340,17 +359,16 @@ def _route_small_kernel(
     ids = tl.reshape(ids, [BLOCK_T * BLOCK_K])
     pairs = tl.reshape(offs, [BLOCK_T * BLOCK_K])
     valid = tl.reshape(valid, [BLOCK_T * BLOCK_K])
-    experts = tl.arange(0, BLOCK_EL)
-    hit = (ids[:, None] == experts[None, :]) & valid[:, None]
-    counts = tl.sum(hit.to(tl.int32), axis=0)
-    row_begin = _write_tiles(
+    # Invalid pairs histogram into no bin and gather expert 0's row (their store is masked).
+    local = tl.where(valid, ids, 0)
+    counts = tl.histogram(local, BLOCK_EL, mask=valid)
+    row_begin = _write_expert_tiles(
         tiles_ptr, num_tiles_ptr, sorted_ptr, counts, max_tiles, BLOCK_M, BLOCK_EL, TILE_CHUNK
     )
     # Stable rank within the expert: earlier pairs (lower index) of the same expert come first.
     same = (ids[:, None] == ids[None, :]) & valid[None, :] & (pairs[None, :] < pairs[:, None])
     rank = tl.sum(same.to(tl.int32), axis=1)
-    base = tl.sum(tl.where(hit, row_begin[None, :], 0), axis=1)
-    tl.store(sorted_ptr + base + rank, pairs, mask=valid)
+    tl.store(sorted_ptr + tl.gather(row_begin, local, 0) + rank, pairs, mask=valid)
 
 
 @recordable
@@ -548,16 +566,23 @@ def route(
             BLOCK_H=triton.next_power_of_2(hidden) if prescale is not None else 1,
             QUANT=quant,
             INTERPRETED=interpreting(),
-            # One warp for a decode step's handful of pairs: every reduction stays in
-            # shuffles; more pairs make its [pairs, experts] tiles worth more warps, and so
-            # does quantizing x's rows (an IEEE division per element).
-            num_warps=1 if num_pairs <= ONE_WARP_MAX_PAIRS and not quant else 4,
+            num_warps=_one_program_warps(num_pairs, block_t * block_k, quant),
         )
         return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
     grouping = (sorted_pairs, tiles, num_tiles, n_tiles)
     experts = (num_experts, expert_offset, local)
     _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts)
     return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
+
+
+def _one_program_warps(num_pairs: int, padded_pairs: int, quant: int) -> int:
+    """Warps of the one-program router: one for a decode step's handful of pairs (every
+    reduction stays in shuffles) unless it quantizes x's rows (an IEEE division per element),
+    then four, and eight from 32 padded pairs, where the [pairs, pairs] rank compares and the
+    top-k over [tokens, experts] logits are worth more warps."""
+    if num_pairs <= ONE_WARP_MAX_PAIRS and not quant:
+        return 1
+    return 4 if padded_pairs <= FOUR_WARPS_MAX_PAIRS else 8
 
 
 def _check_one_program_options(num_pairs: int, n_tiles: int, ready, prescale) -> None:

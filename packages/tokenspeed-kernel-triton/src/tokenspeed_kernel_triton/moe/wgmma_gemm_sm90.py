@@ -165,7 +165,7 @@ def _fragment_gemm_kernel(
             gdc_launch_dependents()
     # The routing outputs this CTA reads, all at once rather than one latency after another:
     # the buffers hold max_tiles tiles, so the reads past num_tiles stay in bounds, and the
-    # router writes every entry (routing._write_tiles), so they read initialized memory.
+    # router writes every entry (routing._write_expert_tiles), so they read initialized memory.
     num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
     expert = gl.load(tiles_ptr + 2 * tile, cache_modifier=".cg").to(gl.int64)
     row_end = gl.load(tiles_ptr + 2 * tile + 1, cache_modifier=".cg")
