@@ -8,6 +8,7 @@ that its weight fragments never pass through shared memory)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -232,23 +233,26 @@ def test_fragment_config_refuses_rings_the_kernel_cannot_run():
             FragmentConfig(**tile, warp_specialized=True)
 
 
-def test_narrow_launches_only_from_their_intermediate_size():
-    """A config whose narrow launch pays only on long GEMMs drops it below
-    narrow_min_intermediate (a TP=8 shard's 384 padded channels), keeps it from there on; the
-    serving pick at M=256 is such a config."""
-    config = FragmentConfig(128, 16, 4, 4, pdl=True, narrow_t=8, narrow_min_intermediate=768)
-    short = for_intermediate(config, 384)
-    assert short == FragmentConfig(128, 16, 4, 4, pdl=True)
-    assert for_intermediate(config, 384) is short  # built once
+def test_shards_run_the_config_below_their_intermediate_size():
+    """A config names the one that runs instead below a padded intermediate size, in turn: the
+    serving pick at M=256 drops its narrow launch on a TP=8 shard (384 padded channels), the
+    decode pick at M=16 its fourth ring step on every shard."""
+    short = FragmentConfig(128, 16, 4, 4, pdl=True)
+    config = FragmentConfig(128, 16, 4, 4, pdl=True, narrow_t=8, below_intermediate=(768, short))
+    assert for_intermediate(config, 384) is short
     assert for_intermediate(config, 768) is config
     assert for_intermediate(config, 2944) is config
-    always = FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32)
-    assert for_intermediate(always, 128) is always
+    chained = dataclasses.replace(config, stages=3, below_intermediate=(2048, config))
+    assert [for_intermediate(chained, i) for i in (384, 1536, 2944)] == [short, config, chained]
+    plain = FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32)
+    assert for_intermediate(plain, 128) is plain
     pick = pick_fragment_config(256 * 4)
     assert pick.narrow_t == 8 and for_intermediate(pick, 384).narrow_t == 0
-    for bad in (-1, 768):
-        with pytest.raises(ValueError, match="narrow_min_intermediate"):
-            FragmentConfig(128, 16, 4, 4, narrow_min_intermediate=bad)
+    decode = pick_fragment_config(16 * 4)
+    assert [for_intermediate(decode, i).stages for i in (384, 768, 1536, 2944)] == [3, 3, 3, 4]
+    for bad in ((0, short), (-1, short), (768, "short"), 768, (768,)):
+        with pytest.raises(ValueError, match="below_intermediate"):
+            FragmentConfig(128, 16, 4, 4, below_intermediate=bad)
 
 
 _GEMM_WIDTHS = """

@@ -27,9 +27,10 @@ class FragmentConfig:
     shift-decoded weights with an fp16 intermediate only, else moe_forward_sm90 falls back to
     scaled fragments); narrow_t: each GEMM runs its tiles of at most narrow_t tokens (an
     expert's last, or only, tile) in a second launch of block_w x narrow_t tiles, whose MMAs
-    are that much narrower (the routing tiles stay block_t rows), where the padded
-    intermediate size is at least narrow_min_intermediate (for_intermediate: a TP shard's short
-    GEMMs pay more for a second launch than narrower MMAs save); half_pair_rows: GEMM2 may
+    are that much narrower (the routing tiles stay block_t rows); below_intermediate =
+    (channels, config): the config that runs instead where the padded intermediate size is
+    under `channels` (for_intermediate: a TP shard's short GEMMs pay differently for a second
+    launch or a deeper ring than the whole layer's); half_pair_rows: GEMM2 may
     store its pair rows in fp16 (half the bytes written and read back by the combine), the
     elements not below half_pair_rows_bound() in magnitude exact in float32, where
     half_pair_rows() says; warp_specialized: the full tiles run in the warp-specialized
@@ -48,7 +49,7 @@ class FragmentConfig:
     mma_in_flight: int | None = None
     post_scale: bool = False
     narrow_t: int = 0
-    narrow_min_intermediate: int = 0
+    below_intermediate: tuple[int, FragmentConfig] | None = None
     half_pair_rows: bool = False
     warp_specialized: bool = False
 
@@ -71,10 +72,17 @@ class FragmentConfig:
                 f"FragmentConfig: narrow_t {self.narrow_t} is not a power of two in [8, "
                 f"block_t {self.block_t}) on a scaled-fragment config"
             )
-        if self.narrow_min_intermediate < 0 or (self.narrow_min_intermediate and not self.narrow_t):
+        below = self.below_intermediate
+        if below is not None and not (
+            isinstance(below, tuple)
+            and len(below) == 2
+            and isinstance(below[0], int)
+            and below[0] > 0
+            and isinstance(below[1], FragmentConfig)
+        ):
             raise ValueError(
-                f"FragmentConfig: narrow_min_intermediate {self.narrow_min_intermediate} "
-                f"without a narrow launch (narrow_t {self.narrow_t})"
+                f"FragmentConfig: below_intermediate {below!r} is not "
+                f"(channels > 0, FragmentConfig)"
             )
         if self.warp_specialized and (
             (self.block_w, self.block_t, self.num_warps, self.chunks) != (128, 128, 4, 1)
@@ -147,7 +155,24 @@ CONFIGS = (
     # 173.9, M=12 149.9 / 162.0 / 229.8, M=16 182.4 / 198.8 / 283.2 (GEMM2 in 2 splits 183.8,
     # without tile counters 188.0, post-scaled 128x2 214.7); TP=8 M=8 30.3 / 35.5 / 51.9,
     # M=16 41.5 / 59.0 / 73.6; TP=2 M=16 100.6 / 116.3 / 170.1; TP=4 M=16 60.9 / 74.3 / 102.9.
-    (64, FragmentConfig(128, 8, 4, 3, pdl=True, tile_ready=True)),
+    # A 4-step ring on the whole layer (K = 2880 in both GEMMs), 3 on shards. H200, same run
+    # as vLLM's path, three interleaved rounds, µs, 4 / 3 steps / vLLM: whole M=8 104.8 /
+    # 106.8 / 173.7, M=11 157.4 / 163.3 / 245.9, M=13 165.2 / 170.9 / 249.7, M=16 178.1 / 184.0
+    # / 283.5 (5 steps 1-2% slower; 256x8 tiles on 8 warps 13-18% slower); TP=8 M=11 36.7 /
+    # 35.6 / 56.6, M=16 38.0 / 37.3 / 73.3; with the previous router TP=2 M=8 64.8 / 63.8, M=16
+    # 101.6 / 102.7, TP=4 M=8 40.6 / 40.1, M=16 61.4 / 60.7.
+    (
+        64,
+        FragmentConfig(
+            128,
+            8,
+            4,
+            4,
+            pdl=True,
+            tile_ready=True,
+            below_intermediate=(2048, FragmentConfig(128, 8, 4, 3, pdl=True, tile_ready=True)),
+        ),
+    ),
     # Serving batches, where each selected expert holds a few tokens (M = 64: 256 pairs over
     # ~105 experts): the same 128x8 tile behind the multi-kernel router, which GEMM2's tile
     # counters would need the one-program router for. H200, 2026-11-28, same run as vLLM's
@@ -171,7 +196,18 @@ CONFIGS = (
     # 100.5 / 118.0, M=256 109.1 / 100.4 / 119.0. The epilogue's operands loaded before the
     # main loop (as the 8-token tiles do) lost: M=256 572.9 against 563.3, TP=8 102.1 / 100.6
     # (GEMM2 at 146 registers, three CTAs per SM).
-    (1024, FragmentConfig(128, 16, 4, 4, pdl=True, narrow_t=8, narrow_min_intermediate=768)),
+    (
+        1024,
+        FragmentConfig(
+            128,
+            16,
+            4,
+            4,
+            pdl=True,
+            narrow_t=8,
+            below_intermediate=(768, FragmentConfig(128, 16, 4, 4, pdl=True)),
+        ),
+    ),
     # Prefill batches up to M=2048: 64-token tiles waste less padding than 128 at up to ~64
     # rows per expert. 8 warps on this tile measured within run-to-run noise of 4. Two chunks
     # per step need ~2x the registers here and lost (M=4096: 3491 us against 2545). H100,
@@ -227,17 +263,14 @@ def scaled_fragments(config: FragmentConfig) -> FragmentConfig:
 
 
 def for_intermediate(config: FragmentConfig, padded_intermediate: int) -> FragmentConfig:
-    """The config as it runs at `padded_intermediate` channels: without its narrow launch below
-    config.narrow_min_intermediate. Every moe_apply asks: two field reads where nothing
-    changes, the cached form where it does (hashing a config costs more)."""
-    if config.narrow_t and padded_intermediate < config.narrow_min_intermediate:
-        return _without_narrow(config)
+    """The config as it runs at `padded_intermediate` channels: below_intermediate's where
+    there are fewer (in turn). Every moe_apply asks: a field read where nothing changes."""
+    while config.below_intermediate is not None:
+        channels, other = config.below_intermediate
+        if padded_intermediate >= channels:
+            break
+        config = other
     return config
-
-
-@functools.cache
-def _without_narrow(config: FragmentConfig) -> FragmentConfig:
-    return dataclasses.replace(config, narrow_t=0, narrow_min_intermediate=0)
 
 
 @functools.cache
