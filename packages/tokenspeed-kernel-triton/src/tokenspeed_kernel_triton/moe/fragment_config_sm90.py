@@ -155,24 +155,12 @@ CONFIGS = (
     # 173.9, M=12 149.9 / 162.0 / 229.8, M=16 182.4 / 198.8 / 283.2 (GEMM2 in 2 splits 183.8,
     # without tile counters 188.0, post-scaled 128x2 214.7); TP=8 M=8 30.3 / 35.5 / 51.9,
     # M=16 41.5 / 59.0 / 73.6; TP=2 M=16 100.6 / 116.3 / 170.1; TP=4 M=16 60.9 / 74.3 / 102.9.
-    # A 4-step ring on the whole layer (K = 2880 in both GEMMs), 3 on shards. H200, same run
-    # as vLLM's path, three interleaved rounds, µs, 4 / 3 steps / vLLM: whole M=8 104.8 /
-    # 106.8 / 173.7, M=11 157.4 / 163.3 / 245.9, M=13 165.2 / 170.9 / 249.7, M=16 178.1 / 184.0
-    # / 283.5 (5 steps 1-2% slower; 256x8 tiles on 8 warps 13-18% slower); TP=8 M=11 36.7 /
-    # 35.6 / 56.6, M=16 38.0 / 37.3 / 73.3; with the previous router TP=2 M=8 64.8 / 63.8, M=16
-    # 101.6 / 102.7, TP=4 M=8 40.6 / 40.1, M=16 61.4 / 60.7.
-    (
-        64,
-        FragmentConfig(
-            128,
-            8,
-            4,
-            4,
-            pdl=True,
-            tile_ready=True,
-            below_intermediate=(2048, FragmentConfig(128, 8, 4, 3, pdl=True, tile_ready=True)),
-        ),
-    ),
+    # A 4-step ring split the H200 machines of one day (each in one run beside vLLM's path,
+    # µs, 4 / 3 steps / vLLM): on one the whole layer gained (M=8 104.8 / 106.8 / 173.7, M=13
+    # 165.2 / 170.9 / 249.7, M=16 178.1 / 184.0 / 283.5) and TP=8 lost (M=11 36.7 / 35.6); on
+    # another, which ran our serving tiles ~5% slower at the same configs, the whole layer
+    # lost (M=12 160.1 / 153.2 / 230.8, M=16 197.7 / 189.2 / 284.7). Not taken.
+    (64, FragmentConfig(128, 8, 4, 3, pdl=True, tile_ready=True)),
     # Serving batches, where each selected expert holds a few tokens (M = 64: 256 pairs over
     # ~105 experts): the same 128x8 tile behind the multi-kernel router, which GEMM2's tile
     # counters would need the one-program router for. H200, 2026-11-28, same run as vLLM's
