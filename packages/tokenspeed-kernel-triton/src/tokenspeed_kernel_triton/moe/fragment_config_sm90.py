@@ -29,8 +29,8 @@ class FragmentConfig:
     expert's last, or only, tile) in a second launch of block_w x narrow_t tiles, whose MMAs
     are that much narrower (the routing tiles stay block_t rows); below_intermediate =
     (channels, config): the config that runs instead where the padded intermediate size is
-    under `channels` (for_intermediate: a TP shard's short GEMMs pay differently for a second
-    launch or a deeper ring than the whole layer's); half_pair_rows: GEMM2 may
+    under `channels` (for_intermediate: a TP shard's short GEMMs can pay more for a second
+    launch than its narrower MMAs save); half_pair_rows: GEMM2 may
     store its pair rows in fp16 (half the bytes written and read back by the combine), the
     elements not below half_pair_rows_bound() in magnitude exact in float32, where
     half_pair_rows() says; warp_specialized: the full tiles run in the warp-specialized
