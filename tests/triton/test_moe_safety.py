@@ -1,7 +1,7 @@
 """Triton MoE on bad device values (CPU through the Triton interpreter): a precomputed
 topk_ids entry outside [0, num_experts) (-1 included) makes its (token, slot) pair contribute
 nothing, without a read of any expert's weights for it; NaN router logits never pick an id out
-of range. Both router paths: the one-program decode router (<= 256 pairs) and the multi-kernel
+of range. Both router paths: the one-program decode router (at most 64 pairs) and the multi-kernel
 one beyond."""
 
 from __future__ import annotations
