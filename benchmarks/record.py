@@ -38,6 +38,30 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def gpu_state() -> str | None:
+    """The NVIDIA GPU's UUID, power limit and top SM clock (nvidia-smi, found by the PCI bus id
+    torch reports), or None elsewhere. Machines of one GPU kind differ: our MoE serving sizes
+    ran 4-9% slower on one H200 than on another while the peer's times matched
+    (docs/decisions.md), so a results file says which one it ran on."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    bus_id = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+    query = "uuid,power.limit,clocks.max.sm"
+    command = ["nvidia-smi", "-i", bus_id, f"--query-gpu={query}", "--format=csv,noheader"]
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    fields = [field.strip() for field in run.stdout.strip().split(",")]
+    if len(fields) != 3:
+        return None
+    uuid, power, clock = fields
+    return f"{uuid}, power limit {power}, max SM clock {clock}"
+
+
 def command_line(argv: Sequence[str] | None = None) -> str:
     """The command as run from the repository root: `python3 benchmarks/x.py --flag ...`."""
     argv = list(sys.argv if argv is None else argv)
@@ -91,8 +115,11 @@ def header(title: str, device: str, peers: dict[str, str | None] | None = None) 
         "",
         f"- date: {datetime.date.today().isoformat()}",
         f"- device: {device}",
-        f"- versions: {versions}",
     ]
+    state = gpu_state()
+    if state:
+        lines.append(f"- gpu: {state}")
+    lines.append(f"- versions: {versions}")
     commit = _commit()
     if commit:
         lines.append(f"- commit: {commit}")
