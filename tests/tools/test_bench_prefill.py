@@ -4,22 +4,13 @@ ratio, our median time), the table cell that reports them, and the --rounds chec
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def bench_prefill():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_prefill
-
-        yield bench_prefill
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def bench_prefill(import_benchmark):
+    return import_benchmark("bench_prefill")
 
 
 def test_rounds_alternate_and_keep_each_rounds_ratio(bench_prefill, monkeypatch):

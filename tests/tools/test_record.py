@@ -4,25 +4,15 @@ SM clock) where nvidia-smi answers for torch's device, and leaves the line out e
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def record():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import record
-
-        yield record
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def record(import_benchmark):
+    return import_benchmark("record")
 
 
 def answering(answer):
