@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed_kernel.platform import interpreting
 
@@ -150,7 +150,10 @@ def _topk_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_EL: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ids, weights = _topk_softmax(logits_ptr, rows, M, E, stride_lm, TOPK, BLOCK_E, BLOCK_K)
     kcols = tl.arange(0, BLOCK_K)
@@ -165,9 +168,18 @@ def _topk_kernel(
 @bind_launches
 @triton.jit
 def _count_kernel(
-    ids_ptr, num_pairs, E_OFF, E_LOCAL, counts_ptr, CHUNK: tl.constexpr, BLOCK_EL: tl.constexpr
+    ids_ptr,
+    num_pairs,
+    E_OFF,
+    E_LOCAL,
+    counts_ptr,
+    CHUNK: tl.constexpr,
+    BLOCK_EL: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """_topk_kernel's block counts for precomputed ids, CHUNK pairs per program."""
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     ok = offs < num_pairs
     ids = tl.load(ids_ptr + offs, mask=ok, other=0)
@@ -371,6 +383,18 @@ def _route_small_kernel(
     tl.store(sorted_ptr + tl.gather(row_begin, local, 0) + rank, pairs, mask=valid)
 
 
+@triton.jit
+def _wait_then_launch_dependents(PDL: tl.constexpr):
+    """A router launch after the first under programmatic dependent launch: wait for the
+    launch before it (whose outputs it reads), then let the next one start its CTAs, which
+    wait in turn, so each launch's start leaves the critical path. H200, GPT-OSS-120B, same
+    run, five interleaved rounds, graph-timed over 4 layers, µs, chained / not: TP=8 shard
+    M=1024 172.7 / 174.7, M=3072 287.9 / 289.6; M=32-256 and the whole layer within 0.3%."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 @recordable
 @bind_launches
 @triton.jit
@@ -382,11 +406,14 @@ def _align_kernel(
     BLOCK_E: tl.constexpr,
     EXPERTS: tl.constexpr,
     BLOCKS_PER_LOAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The blocks' pair counts ([num_blocks, BLOCK_E]) of EXPERTS experts per program summed
     down the blocks, BLOCKS_PER_LOAD a load: into block_base_ptr, each block's rank among the
     expert's pairs of its first pair (the counts of the blocks before it), and into
-    counts_ptr the expert's pairs. Experts are independent, so the programs are too."""
+    counts_ptr the expert's pairs. Experts are independent, so the programs are too.
+    PDL: launched with programmatic dependent launch behind the counting kernel."""
+    _wait_then_launch_dependents(PDL)
     experts = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
     counts = tl.zeros([EXPERTS], tl.int32)
     for first in range(0, num_blocks, BLOCKS_PER_LOAD):
@@ -420,6 +447,7 @@ def _scatter_kernel(
     BLOCK_E: tl.constexpr,
     TILE_CHUNK: tl.constexpr,
     SUM_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Per program: one block's pairs (block_pairs of them, at most PAIRS) into their experts'
     sorted rows, each at the expert's first row, plus the block's first rank (the align
@@ -427,7 +455,9 @@ def _scatter_kernel(
     of the tile table (_store_tile_entries). Each program places the experts' rows from their
     counts itself (a cumsum over BLOCK_E), where a launch of its own would cost more.
     SUM_BLOCKS (a power of two at least num_blocks, else 0): no align kernel ran; each
-    program sums the blocks' counts (block_base_ptr) itself, the align kernel's sums."""
+    program sums the blocks' counts (block_base_ptr) itself, the align kernel's sums.
+    PDL: launched with programmatic dependent launch behind the kernel before it."""
+    _wait_then_launch_dependents(PDL)
     pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     if SUM_BLOCKS:
@@ -491,10 +521,10 @@ def route(
     ready: torch.Tensor | None = None,
     prescale: tuple | None = None,
 ):
-    """Route M tokens and group the pairs by expert. For the one-program decode kernel (at most
-    FUSED_MAX_PAIRS pairs), on CUDA sm_90+: launch_dependents lets a kernel launched behind it
-    with programmatic dependent launch start early (beyond it, such a kernel starts when the
-    last of the multi-kernel router's launches ends); ready, int32 [>= max_tiles], is zeroed for
+    """Route M tokens and group the pairs by expert. On CUDA sm_90+, launch_dependents lets a
+    kernel launched behind the router with programmatic dependent launch start its CTAs early
+    (the multi-kernel router chains its own launches so too). For the one-program decode
+    kernel (at most FUSED_MAX_PAIRS pairs): ready, int32 [>= max_tiles], is zeroed for
     the GEMMs' per-tile counters; prescale = (x [M, H] bf16, scaled [M, H] bf16, exponents [M]
     int32) also writes `_prescale_row` of each row of x into scaled and exponents; with a
     fourth entry, (static scale or None, per-row scales [M] float32 or None), of the e4m3
@@ -571,7 +601,9 @@ def route(
         return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
     grouping = (sorted_pairs, tiles, num_tiles, n_tiles)
     experts = (num_experts, expert_offset, local)
-    _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts)
+    _route_large(
+        router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts, launch_dependents
+    )
     return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
 
 
@@ -598,11 +630,15 @@ def _check_one_program_options(num_pairs: int, n_tiles: int, ready, prescale) ->
         raise ValueError(f"route: prescale needs at most {FUSED_MAX_PAIRS} pairs, got {num_pairs}")
 
 
-def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts):
+def _route_large(
+    router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts, pdl=False
+):
     """route beyond FUSED_MAX_PAIRS pairs: top-k over token blocks counting each block's pairs
     per expert (or, for precomputed ids, the count kernel over blocks of pairs), then the
     align kernel (beyond _SCATTER_SUMS_BLOCKS blocks) and the scatter. grouping:
-    (sorted_pairs, tiles, num_tiles, tile-count bound); experts: (E, expert_offset, E_local)."""
+    (sorted_pairs, tiles, num_tiles, tile-count bound); experts: (E, expert_offset, E_local).
+    pdl (route's launch_dependents): each launch after the first, and the kernel after the
+    router, start under programmatic dependent launch."""
     sorted_pairs, tiles, num_tiles, n_tiles = grouping
     num_experts, expert_offset, local = experts
     has_logits = router_logits is not None
@@ -634,11 +670,20 @@ def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m
             BLOCK_E=block_e,
             BLOCK_EL=block_el,
             BLOCK_K=block_k,
+            LAUNCH_DEPENDENTS=pdl,
         )
     else:
         _count_kernel[(num_blocks,)](
-            topk_ids, num_pairs, expert_offset, local, counts, CHUNK=block_pairs, BLOCK_EL=block_el
+            topk_ids,
+            num_pairs,
+            expert_offset,
+            local,
+            counts,
+            CHUNK=block_pairs,
+            BLOCK_EL=block_el,
+            LAUNCH_DEPENDENTS=pdl,
         )
+    chained = {"PDL": pdl, **({"launch_pdl": True} if pdl else {})}
     # Few blocks: the scatter sums their counts itself (one launch fewer).
     sum_blocks = triton.next_power_of_2(num_blocks) if num_blocks <= _SCATTER_SUMS_BLOCKS else 0
     block_base = counts
@@ -658,6 +703,7 @@ def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m
             BLOCK_E=block_el,
             EXPERTS=experts_per_program,
             BLOCKS_PER_LOAD=per_load,
+            **chained,
         )
     programs = max(num_blocks, triton.cdiv(n_tiles, _SCATTER_TILE_CHUNK))
     _scatter_kernel[(programs,)](
@@ -678,4 +724,5 @@ def _route_large(router_logits, topk_weights, topk_ids, grouping, top_k, block_m
         BLOCK_E=block_el,
         TILE_CHUNK=_SCATTER_TILE_CHUNK,
         SUM_BLOCKS=sum_blocks,
+        **chained,
     )
