@@ -235,7 +235,8 @@ def test_fragment_config_refuses_rings_the_kernel_cannot_run():
 
 def test_shards_run_the_config_below_their_intermediate_size():
     """A config names the one that runs instead below a padded intermediate size, in turn: the
-    serving pick at M=256 drops its narrow launch on a TP=8 shard (384 padded channels)."""
+    serving pick at M=256 drops its narrow launch on a TP=8 shard (384 padded channels), and
+    the pick at M=13 runs its 4-step ring on the whole layer and TP=2 only."""
     short = FragmentConfig(128, 16, 4, 4, pdl=True)
     config = FragmentConfig(128, 16, 4, 4, pdl=True, narrow_t=8, below_intermediate=(768, short))
     assert for_intermediate(config, 384) is short
@@ -247,6 +248,8 @@ def test_shards_run_the_config_below_their_intermediate_size():
     assert for_intermediate(plain, 128) is plain
     pick = pick_fragment_config(256 * 4)
     assert pick.narrow_t == 8 and for_intermediate(pick, 384).narrow_t == 0
+    decode = pick_fragment_config(13 * 4)
+    assert [for_intermediate(decode, i).stages for i in (384, 768, 1536, 2944)] == [3, 3, 4, 4]
     for bad in ((0, short), (-1, short), (768, "short"), 768, (768,)):
         with pytest.raises(ValueError, match="below_intermediate"):
             FragmentConfig(128, 16, 4, 4, below_intermediate=bad)

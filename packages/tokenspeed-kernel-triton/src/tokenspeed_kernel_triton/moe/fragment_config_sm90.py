@@ -155,12 +155,29 @@ CONFIGS = (
     # 173.9, M=12 149.9 / 162.0 / 229.8, M=16 182.4 / 198.8 / 283.2 (GEMM2 in 2 splits 183.8,
     # without tile counters 188.0, post-scaled 128x2 214.7); TP=8 M=8 30.3 / 35.5 / 51.9,
     # M=16 41.5 / 59.0 / 73.6; TP=2 M=16 100.6 / 116.3 / 170.1; TP=4 M=16 60.9 / 74.3 / 102.9.
-    # A 4-step ring split the H200 machines of one day (each in one run beside vLLM's path,
-    # µs, 4 / 3 steps / vLLM): on one the whole layer gained (M=8 104.8 / 106.8 / 173.7, M=13
-    # 165.2 / 170.9 / 249.7, M=16 178.1 / 184.0 / 283.5) and TP=8 lost (M=11 36.7 / 35.6); on
-    # another, which ran our serving tiles ~5% slower at the same configs, the whole layer
-    # lost (M=12 160.1 / 153.2 / 230.8, M=16 197.7 / 189.2 / 284.7). Not taken.
-    (64, FragmentConfig(128, 8, 4, 3, pdl=True, tile_ready=True)),
+    # A 4-step ring (more bytes in flight per CTA) where the intermediate is long, 3 steps on
+    # TP=4 and TP=8 shards (short GEMM2s, more CTAs per SM). H200, two machines of 2026-11-28
+    # (UUIDs 9a81a903, ef6c65f7), each one run beside vLLM's path, four interleaved rounds,
+    # graph-timed over 4 layers, µs, 4 / 3 steps / vLLM: whole layer M=8 106.0 / 109.3 / 174.3
+    # and 105.9 / 109.4 / 174.8, M=12 146.5 / 152.9 / 229.8 and 147.5 / 152.6 / 230.3, M=13
+    # 168.2 / 175.5 / 248.4 and 168.4 / 174.4 / 249.3, M=16 181.7 / 188.8 / 283.3 and 181.7 /
+    # 188.0 / 283.9; TP=2 M=13 91.6 / 93.9 / 145.3 and 91.3 / 93.6 / 145.9; TP=4 M=13 52.9 /
+    # 51.8 / 84.5; TP=8 M=8 28.1 / 28.0 / 51.0, M=11 36.1 / 35.4 / 56.5, M=16 37.7 / 37.1 /
+    # 73.3. GEMM2 in 2 splits instead gained as much on the whole layer and lost 7-12% on
+    # TP=8 (M=11 37.9, M=16 40.5); both together no more than either. In an earlier run that
+    # day one machine ran the whole layer's 4-step ring 4-5% slower (docs/decisions.md).
+    (
+        64,
+        FragmentConfig(
+            128,
+            8,
+            4,
+            4,
+            pdl=True,
+            tile_ready=True,
+            below_intermediate=(1024, FragmentConfig(128, 8, 4, 3, pdl=True, tile_ready=True)),
+        ),
+    ),
     # Serving batches, where each selected expert holds a few tokens (M = 64: 256 pairs over
     # ~105 experts): the same 128x8 tile behind the multi-kernel router, which GEMM2's tile
     # counters would need the one-program router for. H200, 2026-11-28, same run as vLLM's
