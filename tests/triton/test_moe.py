@@ -82,6 +82,35 @@ def test_routing_matches_reference_with_ties(tokens, experts, top_k):
     _check_grouping(ids.cpu(), sorted_pairs.cpu(), tiles.cpu(), num_tiles.cpu(), 16)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not ON_GPU or torch.cuda.get_device_capability() < (9, 0),
+    reason="programmatic dependent launch needs sm_90+",
+)
+@pytest.mark.parametrize("tokens", [70, 3072])
+@pytest.mark.parametrize("precomputed", [False, True])
+def test_chained_multi_kernel_router_routes_as_unchained(tokens, precomputed):
+    """launch_dependents chains the multi-kernel router's launches (each waits for the one
+    before it): the same grouping as separate launches, with the scatter summing few blocks
+    (70 tokens) or the align kernel between (3072), from logits or precomputed ids."""
+    experts, top_k = 128, 4
+    gen = generator("moe-chained-router", tokens)
+    logits = torch.randn(tokens, experts, generator=gen).to(DEVICE)
+    ref_w, ref_ids = topk_softmax(logits, top_k)
+    inputs = (None, ref_w.float(), ref_ids.int()) if precomputed else (logits, None, None)
+    outputs = []
+    for chained in (False, True):
+        routed = route(
+            *inputs, top_k=top_k, num_experts=experts, block_m=64, launch_dependents=chained
+        )
+        outputs.append([t.clone() if torch.is_tensor(t) else t for t in routed])
+    for unchained, chained in zip(*outputs, strict=True):
+        assert torch.equal(unchained, chained) if torch.is_tensor(chained) else unchained == chained
+    weights, ids, sorted_pairs, tiles, num_tiles, _ = outputs[1]
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    _check_grouping(ids.cpu(), sorted_pairs.cpu(), tiles.cpu(), num_tiles.cpu(), 64)
+
+
 def test_routing_refuses_ready_counters_it_cannot_clear():
     """Only the one-program router zeroes the GEMMs' per-tile counters, and only as many as
     there can be tiles: anything else is refused before a launch, not left stale."""
