@@ -106,7 +106,7 @@ def test_chained_multi_kernel_router_routes_as_unchained(tokens, precomputed):
         outputs.append([t.clone() if torch.is_tensor(t) else t for t in routed])
     for unchained, chained in zip(*outputs, strict=True):
         assert torch.equal(unchained, chained) if torch.is_tensor(chained) else unchained == chained
-    weights, ids, sorted_pairs, tiles, num_tiles, _ = outputs[1]
+    _, ids, sorted_pairs, tiles, num_tiles, _ = outputs[1]
     assert torch.equal(ids.cpu(), ref_ids.cpu())
     _check_grouping(ids.cpu(), sorted_pairs.cpu(), tiles.cpu(), num_tiles.cpu(), 64)
 
