@@ -164,8 +164,8 @@ CONFIGS = (
     # 188.0 / 283.9; TP=2 M=13 91.6 / 93.9 / 145.3 and 91.3 / 93.6 / 145.9; TP=4 M=13 52.9 /
     # 51.8 / 84.5; TP=8 M=8 28.1 / 28.0 / 51.0, M=11 36.1 / 35.4 / 56.5, M=16 37.7 / 37.1 /
     # 73.3. GEMM2 in 2 splits instead gained as much on the whole layer and lost 7-12% on
-    # TP=8 (M=11 37.9, M=16 40.5); both together no more than either. In an earlier run that
-    # day one machine ran the whole layer's 4-step ring 4-5% slower (docs/decisions.md).
+    # TP=8 (M=11 37.9, M=16 40.5); both together no more than either. One other machine ran
+    # the whole layer's 4-step ring 4-5% slower (docs/decisions.md).
     (
         64,
         FragmentConfig(
