@@ -9,11 +9,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-import os
-
 from . import shift_words_sm90
-
-ZERO_COMPUTE = gl.constexpr(int(os.environ.get("TS_MOE_ZERO", "0")))
 from .mxfp4_words import bf16_scale_factors, decode_word_slots_tables
 
 
@@ -223,8 +219,6 @@ def mma_step(
     as post_scaled_step, with the byte-permute lookup tables (lo, hi) last."""
     ring_words, ring_scales, act, act_lo, lo_table, hi_table = ring
     BLOCK_W: gl.constexpr = ring_words.shape[1]
-    if ZERO_COMPUTE != 0:
-        return zero_step(acc, ring_words, ring_scales, ring_step, words_layout, CHUNKS, BLOCK_W)
     for c in gl.static_range(CHUNKS):
         slot = ring_step * CHUNKS + c
         words = ring_words.index(slot).load(words_layout)
@@ -253,22 +247,3 @@ def mma_step(
             # registers of older fragments are free again (long steps, few registers).
             acc = warpgroup_mma_wait(MMA_IN_FLIGHT * (2 if SPLIT_A else 1), deps=[acc])
     return warpgroup_mma_wait(0, deps=[acc])
-
-
-@gluon.jit
-def zero_step(
-    acc,
-    ring_words,
-    ring_scales,
-    ring_step,
-    words_layout: gl.constexpr,
-    CHUNKS: gl.constexpr,
-    BLOCK_W: gl.constexpr,
-):
-    mix = gl.zeros([BLOCK_W, 16], gl.int32, words_layout)
-    for c in gl.static_range(CHUNKS):
-        slot = ring_step * CHUNKS + c
-        mix = mix ^ ring_words.index(slot).load(words_layout)
-        mix = mix ^ ring_scales.index(slot).load(gl.SliceLayout(1, words_layout))[:, None]
-    hit = gl.convert_layout(gl.xor_sum(mix, axis=1), gl.SliceLayout(1, acc.type.layout))
-    return acc + gl.where(hit == 0x13572468, 1.0, 0.0)[:, None]

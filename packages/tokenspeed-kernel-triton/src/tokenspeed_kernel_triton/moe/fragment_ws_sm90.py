@@ -38,7 +38,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .._launch import bind_launches
 from .fragment_epilogue_sm90 import epilogue_operands, swiglu_store
 from .fragment_layout_sm90 import PANEL_ROWS, kernel_layouts
-from .fragment_steps_sm90 import ZERO_COMPUTE, decode_fragment
+from .fragment_steps_sm90 import decode_fragment
 from .replay import recordable
 
 STAGES = 4
@@ -162,25 +162,12 @@ def _consumer(
                 words = words_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS).load(_WORDS)
                 scales = scales_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS)
                 scales = scales.load(gl.SliceLayout(1, _WORDS))
-                if ZERO_COMPUTE != 0:
-                    mix = gl.xor_sum(words ^ scales[:, None], axis=1)
-                    hit = gl.convert_layout(mix, gl.SliceLayout(1, _MMA))
-                    acc += gl.where(hit == 0x13572468, 1.0, 0.0)[:, None]
-                else:
-                    frag = decode_fragment(
-                        words,
-                        scales,
-                        lo_table,
-                        hi_table,
-                        _DOT_A,
-                        _WG_ROWS,
-                        SHIFT_DECODE,
-                        False,
-                        False,
-                    )
-                    b = x_ring.index(slot).permute((1, 0))
-                    acc = warpgroup_mma(frag, b, acc, is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=[acc])
+                frag = decode_fragment(
+                    words, scales, lo_table, hi_table, _DOT_A, _WG_ROWS, SHIFT_DECODE, False, False
+                )
+                b = x_ring.index(slot).permute((1, 0))
+                acc = warpgroup_mma(frag, b, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
                 # Gluon puts the partition's barrier before the single arrival: every warp of
                 # this consumer is done with the slot.
                 mbarrier.arrive(empty.index(slot))
