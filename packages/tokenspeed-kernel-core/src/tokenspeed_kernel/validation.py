@@ -49,8 +49,11 @@ def dtype_error(op: str, name: str, x: torch.Tensor, dtypes: Collection[torch.dt
     )
 
 
-def device_error(op: str, name: str, x: torch.Tensor, device: torch.device) -> ValueError:
-    return ValueError(f"{op}: {name} is on {x.device}, expected {device} (the device of q)")
+def device_error(
+    op: str, name: str, x: torch.Tensor, device: torch.device, of: str = "the device of q"
+) -> ValueError:
+    """`of` says where the expected device comes from: q for attention, the plan for MoE."""
+    return ValueError(f"{op}: {name} is on {x.device}, expected {device} ({of})")
 
 
 def stride_error(op: str, name: str, x: torch.Tensor) -> ValueError:
@@ -86,8 +89,10 @@ def check_tensor(
     shape: Sequence[int | None] | None = None,
     dtypes: Collection[torch.dtype] | None = None,
     device: torch.device | None = None,
+    device_of: str = "the device of q",
 ) -> torch.Tensor:
-    """Check a tensor argument; `None` entries in `shape` accept any size."""
+    """Check a tensor argument; `None` entries in `shape` accept any size; `device_of` names
+    where `device` comes from in the error."""
     if not isinstance(x, torch.Tensor):
         raise type_error(op, name, x, "a torch.Tensor")
     if shape is not None and not shape_matches(x.shape, shape):
@@ -95,7 +100,7 @@ def check_tensor(
     if dtypes is not None and x.dtype not in dtypes:
         raise dtype_error(op, name, x, dtypes)
     if device is not None and x.device != device:
-        raise device_error(op, name, x, device)
+        raise device_error(op, name, x, device, device_of)
     return x
 
 

@@ -34,6 +34,8 @@ from .types import MoEConfig, MoEPlan, MoEWeights, PreparedMoEWeights
 _BIAS_DTYPES = (torch.float32, torch.bfloat16)
 _ROUTER_DTYPES = (torch.float32, torch.bfloat16)
 _X_DTYPES = (torch.bfloat16,)
+# Where an MoE argument's expected device comes from, for device errors.
+_PLAN_DEVICE = "the plan's device"
 _compiling = torch.compiler.is_compiling
 # Plans and prepared weights by id(), for the custom op; weak, so a dropped layer frees its weights.
 live: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
@@ -144,7 +146,15 @@ def check_weights(op: str, config: MoEConfig, w: MoEWeights, device: torch.devic
                     f"{op}: weights.{name} is None, expected a tensor of shape "
                     f"{list(shape)} for {fmt} weights"
                 )
-            check_tensor(op, f"weights.{name}", value, shape=shape, dtypes=dtypes, device=device)
+            check_tensor(
+                op,
+                f"weights.{name}",
+                value,
+                shape=shape,
+                dtypes=dtypes,
+                device=device,
+                device_of=_PLAN_DEVICE,
+            )
         elif value is not None:
             why = "has_bias=False" if "bias" in name else f"{fmt} weights"
             raise ValueError(f"{op}: weights.{name} is a tensor, expected None with {why}")
@@ -201,7 +211,7 @@ def apply_into(plan, x, weights, routing, out):
     if x.dtype not in _X_DTYPES:
         raise dtype_error(op, "x", x, _X_DTYPES)
     if x.device != device:
-        raise device_error(op, "x", x, device)
+        raise device_error(op, "x", x, device, _PLAN_DEVICE)
     if not (x.is_contiguous() or x.stride(-1) == 1):
         raise stride_error(op, "x", x)
     num_tokens = shape[0]
@@ -224,7 +234,7 @@ def apply_into(plan, x, weights, routing, out):
         if out.dtype not in _X_DTYPES:
             raise dtype_error(op, "out", out, _X_DTYPES)
         if out.device != device:
-            raise device_error(op, "out", out, device)
+            raise device_error(op, "out", out, device, _PLAN_DEVICE)
         if not (out.is_contiguous() or out.stride(-1) == 1):
             raise stride_error(op, "out", out)
     if capture.active():
@@ -274,7 +284,7 @@ def _check_routing(op, config, device, num_tokens, router_logits, topk_weights, 
         if logits.dtype not in _ROUTER_DTYPES:
             raise dtype_error(op, "router_logits", logits, _ROUTER_DTYPES)
         if logits.device != device:
-            raise device_error(op, "router_logits", logits, device)
+            raise device_error(op, "router_logits", logits, device, _PLAN_DEVICE)
         if not (logits.is_contiguous() or logits.stride(-1) == 1):
             raise stride_error(op, "router_logits", logits)
         return
@@ -287,6 +297,8 @@ def _check_routing(op, config, device, num_tokens, router_logits, topk_weights, 
         ("topk_weights", topk_weights, torch.float32),
         ("topk_ids", topk_ids, torch.int32),
     ):
-        check_tensor(op, name, t, shape=shape, dtypes=(dtype,), device=device)
+        check_tensor(
+            op, name, t, shape=shape, dtypes=(dtype,), device=device, device_of=_PLAN_DEVICE
+        )
         if not t.is_contiguous():
             raise ValueError(f"{op}: {name} has strides {list(t.stride())}, expected contiguous")
