@@ -252,7 +252,13 @@ def test_the_argument_checks_raise_what_check_tensor_raises():
         expected_shape, dtypes = rules[name]
         with pytest.raises((TypeError, ValueError)) as expected:
             check_tensor(
-                "moe_apply", name, bad, shape=expected_shape, dtypes=dtypes, device=x.device
+                "moe_apply",
+                name,
+                bad,
+                shape=expected_shape,
+                dtypes=dtypes,
+                device=x.device,
+                device_of="the plan's device",
             )
             check_contiguous_last_dim("moe_apply", name, bad)
         args = dict(good, **{name: bad})
