@@ -267,16 +267,6 @@ def scaled_fragments(config: FragmentConfig) -> FragmentConfig:
     return dataclasses.replace(config, post_scale=False, block_t=8)
 
 
-# e4m3 fragments add each chunk's FP8 sum to a second float32 accumulator, which leaves no
-# registers for 128 x 128 tiles on 4 warps: their e4m3 form is this tile.
-E4M3_PREFILL = FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32, half_pair_rows=True)
-
-
-def e4m3_tiles(config: FragmentConfig) -> FragmentConfig:
-    """The config as it runs on e4m3 fragments: tiles of at most 64 tokens."""
-    return config if config.mma_n <= 64 else E4M3_PREFILL
-
-
 def for_intermediate(config: FragmentConfig, padded_intermediate: int) -> FragmentConfig:
     """The config as it runs at `padded_intermediate` channels: below_intermediate's where
     there are fewer (in turn). Every moe_apply asks: a field read where nothing changes."""
