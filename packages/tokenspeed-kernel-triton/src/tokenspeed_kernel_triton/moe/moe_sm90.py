@@ -73,16 +73,6 @@ def moe_forward_sm90(
     M = x.shape[0]
     if M == 0:
         return out
-    fp8 = activation_format == "fp8"
-    # w2 as e4m3 fragments (prepared for fp8 activations where every w2 row fits): GEMM2's
-    # FP8 MMAs on e4m3 SwiGLU rows written at their MMA positions (e4m3_fragments_sm90).
-    # GEMM1 keeps half-precision operands: its exact sums round the intermediate to e4m3 as
-    # the reference does, where FP8 MMAs' sums would move some of those roundings.
-    e4m3 = prepared["w2_decode"] == "e4m3"
-    if e4m3 and not fp8:
-        raise ValueError(
-            "moe_forward_sm90: w2 was prepared as e4m3 fragments, which take fp8 activations"
-        )
     f16_intermediate = prepared["w2_decode"] == "fp16"
     if f16_intermediate and not swiglu_fits_f16(alpha, limit):
         raise ValueError(
@@ -95,6 +85,7 @@ def moe_forward_sm90(
     Ip = prepared["padded_intermediate_size"]
     config = for_intermediate(pick_config(M * top_k, post_scalable), Ip)
     routing_inputs = dict(routing_inputs, expert_offset=expert_offset)
+    fp8 = activation_format == "fp8"
     # With a static intermediate scale GEMM1 quantizes its own SwiGLU rows; per-row scales
     # need whole rows, which a pass quantizes between the GEMMs (GEMM2 then waits for it,
     # not for GEMM1's tiles).
@@ -116,9 +107,7 @@ def moe_forward_sm90(
     )
     H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
     rows = routing[4] * config.block_t  # the tile-count bound
-    if e4m3:
-        act = scratch("act", (rows, Ip), torch.float8_e4m3fn, x.device)
-    elif f16_intermediate:
+    if f16_intermediate:
         act = scratch("act", (rows, Ip), torch.float16, x.device)
     else:
         act = scratch("act", (rows, 2 * Ip), torch.bfloat16, x.device)
@@ -126,10 +115,6 @@ def moe_forward_sm90(
     act32 = scratch("act32", (rows, Ip), torch.float32, x.device) if act_pass else act
     common = dict(config=config, ready=ready)
     w13 = (prepared["w13"], prepared["w13_scale"], prepared["w13_bias"])
-    # GEMM1 writes channels up to I; with e4m3 rows written in place (a static scale) it
-    # computes the zero padding's rows too, whose zeros GEMM2's e4m3 copies read (a channel's
-    # MMA position is not in a copy's K order).
-    gemm1_rows = 2 * Ip if e4m3 and not act_pass else 2 * I
     fragment_gemm(
         x_in,
         *w13,
@@ -138,7 +123,7 @@ def moe_forward_sm90(
         gemm1=True,
         decode=prepared["w13_decode"],
         k_valid=H,
-        n_valid=gemm1_rows,
+        n_valid=2 * I,
         x_exp=x_exp,
         in_scale=x_scale,
         out_scale=w2_input_scale if fp8 and not act_pass else None,
@@ -152,8 +137,8 @@ def moe_forward_sm90(
         tiles = (routing[2], routing[3], config.block_t)
         lo_offset = 0 if f16_intermediate else Ip
         _, act_scale = quantize_rows(
-            act32[:, :I], w2_input_scale, "act", tiles, into=act,
-            lo_offset=0 if e4m3 else lo_offset, pdl=config.pdl, mma_order=e4m3,
+            act32[:, :I], w2_input_scale, "act", tiles, into=act, lo_offset=lo_offset,
+            pdl=config.pdl,
         )  # fmt: skip
     splits = gemm2_splits(config.gemm2_split_k, Ip)
     y = scratch("y", (M * top_k * splits, H), torch.float32, x.device)
@@ -172,12 +157,11 @@ def moe_forward_sm90(
         routing,
         gemm1=False,
         decode=prepared["w2_decode"],
-        k_valid=Ip if e4m3 else I,
+        k_valid=I,
         n_valid=H,
         split_k=splits,
         in_scale=act_scale,
-        ready_target=-(-gemm1_rows // config.block_w),
-        row_scale=prepared.get("w2_row_scale"),
+        ready_target=-(-2 * I // config.block_w),
         **common,
         **half_rows,
     )
@@ -230,9 +214,6 @@ class TritonMoESm90(PaddedMoEKernel):
     weight_layout = WEIGHT_LAYOUT
     word_order = "fragment"
     forward = staticmethod(moe_forward_sm90)
-
-    def prepare_options(self, config) -> dict:
-        return dict(e4m3_w2=config.activation_format == "fp8")
 
     def forward_options(self, config, tensors: dict) -> dict:
         return dict(
