@@ -355,9 +355,10 @@ def test_gpt_oss_120b_shapes(kernel, act):
     intermediate. bf16-hilo plants a w2 scale byte fp16 cannot hold (bf16 hi + lo, w2 still
     shift-decoded to bf16); bf16-prmt plants one bf16's shift decode cannot hold in each weight
     (byte-permute decode for both). fp8-dynamic-hilo: fp8 activations with the bf16 hi + lo
-    intermediate (its quantization reads hi + lo, writes hi). With static scales GEMM1
-    quantizes its own SwiGLU rows (fp8-static: into fp16; fp8-static-hilo: into hi, lo
-    zero)."""
+    intermediate (its quantization reads hi + lo, writes hi). fp8-dynamic and fp8-static
+    prepare w2 as e4m3 fragments (GEMM2 on FP8 MMAs, its SwiGLU rows in e4m3 at their MMA
+    positions). With static scales GEMM1 quantizes its own SwiGLU rows (fp8-static: into
+    e4m3; fp8-static-hilo: into hi, lo zero)."""
     activation_format = "fp8" if act.startswith("fp8") else "bf16"
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format=activation_format)
     weights = gpt_oss_weights(activation_format, static=act.startswith("fp8-static"))
@@ -375,7 +376,11 @@ def test_gpt_oss_120b_shapes(kernel, act):
     if kernel == HOPPER:
         expected = ("prmt", "prmt") if act.endswith("-prmt") else ("bf16", "fp16")
         if act.endswith("-hilo"):
+            # fp8: the planted block lies 18 binades below its row's top, past the 11 of
+            # e4m3 fragments: w2 stays half precision.
             expected = ("bf16", "bf16")
+        elif activation_format == "fp8":
+            expected = ("bf16", "e4m3")
         assert (prepared.tensors["w13_decode"], prepared.tensors["w2_decode"]) == expected
     reference = get_kernel("moe_apply", "reference.moe_apply")
     ref_plan = moe_plan_for(reference, config, 4096, "cuda")

@@ -101,10 +101,12 @@ def swiglu_store(
     OUT_QUANT: gl.constexpr,
 ):
     """GEMM1's clamped SwiGLU of acc into its rows of out, in out's form: fp16, bf16 [hi | lo]
-    halves, or float32 (for fp8 activations with per-row scales, quantized from it by a pass
-    of their own: the reference rounds the exact value to e4m3, and a half-precision step
-    first would round some ties the other way). OUT_QUANT (fp8 activations, a static scale):
-    the e4m3 values of act / out_scale, exact in either half form (lo is then zero).
+    halves, e4m3 (OUT_QUANT, for GEMM2's e4m3 fragments: each channel at its MMA position,
+    e4m3_fragments_sm90), or float32 (for fp8 activations with per-row scales, quantized
+    from it by a pass of their own: the reference rounds the exact value to e4m3, and a
+    half-precision step first would round some ties the other way). OUT_QUANT (fp8
+    activations, a static scale): the e4m3 values of act / out_scale, exact in either half
+    form (lo is then zero).
     out_rows: (out_ptr, N, stride_om, the weight rows, the token columns, which columns are
     valid)."""
     out_ptr, N, stride_om, rows, cols, col_ok = out_rows
@@ -117,10 +119,16 @@ def swiglu_store(
     g = gl.minimum(g, limit)
     u = gl.minimum(gl.maximum(u, -limit), limit)
     act = g / (1.0 + gl.exp(-alpha * g)) * (u + 1.0)
+    OUT_TYPE: gl.constexpr = out_ptr.dtype.element_ty
+    if OUT_TYPE == gl.float8e4nv:
+        t = channel % 128
+        position = channel - t + t // 8 % 4 * 32 + t // 4 % 2 * 16 + t // 32 * 4 + t % 4
+        ptrs = out_ptr + row.to(gl.int64) * stride_om + position
+        gl.store(ptrs, e4m3_of(act, out_scale, False), mask=ok != 0)
+        return
     if OUT_QUANT:
         act = e4m3_of(act, out_scale, False).to(gl.float32)
     ptrs = out_ptr + row.to(gl.int64) * stride_om + channel
-    OUT_TYPE: gl.constexpr = out_ptr.dtype.element_ty
     if OUT_TYPE == gl.float32:
         gl.store(ptrs, act, mask=ok != 0)
     elif OUT_TYPE == gl.float16:

@@ -77,9 +77,13 @@ def group_gate_up(t: torch.Tensor) -> torch.Tensor:
     return grouped.reshape(t.shape)
 
 
-def kernel_layouts(block_w: int, block_t: int, num_warps: int, chunks: int = 1) -> dict:
+def kernel_layouts(
+    block_w: int, block_t: int, num_warps: int, chunks: int = 1, e4m3: bool = False
+) -> dict:
     """The Gluon layouts the fragment GEMM is compiled with (constexpr arguments); the copy
-    layouts cover a ring step of `chunks` K chunks."""
+    layouts cover a ring step of `chunks` K chunks. e4m3: e4m3 fragments and activations
+    (e4m3_fragments_sm90.py): k32 MMAs, and the words layout is the 4-D [block_w, 4 quads, 4
+    words, 4 bytes] one that fragment_steps_sm90.e4m3_fragment decodes in."""
     from triton.experimental.gluon import language as gl
 
     rows_per_pass = 16 * num_warps
@@ -89,26 +93,42 @@ def kernel_layouts(block_w: int, block_t: int, num_warps: int, chunks: int = 1) 
             f"block_t {block_t} a multiple of 8 in [8, 256]"
         )
     mma = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_t, 16]
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_t, 32 if e4m3 else 16]
     )
     repeats = [[rows_per_pass << i, 0] for i in range((block_w // rows_per_pass).bit_length() - 1)]
-    words = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0], *repeats],
-        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16 << i, 0] for i in range(num_warps.bit_length() - 1)],
-        block_bases=[],
-        shape=[block_w, CHUNK_WORDS],
-    )
+    warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
+    if e4m3:
+        # A thread's 4 words of its lane quad q (words 4q .. 4q + 3: one 16-byte load), the
+        # 4th dimension the 4 e4m3 bytes each word's half decodes to.
+        words = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 0, 2, 0], [8, 0, 0, 0]]
+            + [[r, 0, 0, 0] for r, _ in repeats],
+            lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+            warp_bases=[[r, 0, 0, 0] for r, _ in warps],
+            block_bases=[],
+            shape=[block_w, 4, 4, 4],
+        )
+    else:
+        words = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0], *repeats],
+            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=warps,
+            block_bases=[],
+            shape=[block_w, CHUNK_WORDS],
+        )
+    act_type = gl.float8e4nv if e4m3 else gl.bfloat16
     scale_warps_w = max(1, min(num_warps, block_w // 32))
     scale_warps_c = num_warps // scale_warps_w
     rows_lanes = min(32, block_w // 8)
     return dict(
         mma=mma,
-        dot_a=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+        dot_a=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4 if e4m3 else 2),
         words_layout=words,
         # [block_t, chunks * 128] activations: 16-byte cp.async per thread.
-        copy_layout=gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0]),
-        smem_layout=gl.NVMMASharedLayout.get_default_for([block_t, chunks * CHUNK_K], gl.bfloat16),
+        copy_layout=gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
+        if e4m3
+        else gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0]),
+        smem_layout=gl.NVMMASharedLayout.get_default_for([block_t, chunks * CHUNK_K], act_type),
         # The weight ring: 16-byte cp.async per thread; a warp's 16-byte reads in the words
         # layout cover 8 whole 64-byte rows, so the plain row-major tile has no bank conflicts.
         words_copy=gl.BlockedLayout([1, 1, 4], [1, 8, 4], [1, num_warps, 1], [2, 1, 0]),

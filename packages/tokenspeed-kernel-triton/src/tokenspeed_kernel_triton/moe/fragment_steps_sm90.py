@@ -1,6 +1,7 @@
 """Device-side pieces of the Hopper fragment GEMM (wgmma_gemm_sm90.py): the cp.async ring's copies
 and one ring step of decode + wgmma, with the e8m0 factors multiplied into the weight halves
-(`mma_step`) or applied to fp32 partials after the MMA (`post_scaled_step`, POST_SCALE)."""
+(`mma_step`), applied to fp32 partials after the MMA (`post_scaled_step`, POST_SCALE), or on
+e4m3 fragments (`e4m3_step`, FP8 MMAs)."""
 
 from __future__ import annotations
 
@@ -247,3 +248,84 @@ def mma_step(
             # registers of older fragments are free again (long steps, few registers).
             acc = warpgroup_mma_wait(MMA_IN_FLIGHT * (2 if SPLIT_A else 1), deps=[acc])
     return warpgroup_mma_wait(0, deps=[acc])
+
+
+# One word's 8 elements -> two registers of 4 e4m3 bytes (e4m3_fragments_sm90's word layout):
+# the sign-cleared magnitude nibbles of each half-word select bytes of the block's tables ($6:
+# codes 0-3, $10: codes 4-7), and one lop3 moves the 4 signs of each register onto its bytes'
+# top bits (low half: bits 3, 11, 19, 27 of word << 4; high half: bits 7, 15, 23, 31).
+_E4M3_DECODE = gl.constexpr("""{
+.reg .b32 m, s;
+and.b32 m, $2, 0x7777;
+prmt.b32 $0, $6, $10, m;
+shl.b32 s, $2, 4;
+lop3.b32 $0, s, 0x80808080, $0, 0xEA;
+shr.u32 m, $2, 16;
+and.b32 m, m, 0x7777;
+prmt.b32 $1, $6, $10, m;
+lop3.b32 $1, $2, 0x80808080, $1, 0xEA;
+}""")
+# A block's table: its byte B (byte $2 & 3 of the scale word, or 0 where the selector says 4)
+# into each byte, plus the code's offset from 0.5 * 2^R.
+_E4M3_TABLE = gl.constexpr("{ .reg .b32 r; prmt.b32 r, $1, 0, $2; add.s32 $0, r, $3; }")
+
+
+@gluon.jit
+def e4m3_fragment(words, scale_words, words_layout: gl.constexpr, dot_a: gl.constexpr):
+    """words [BLOCK_W, 4 quads, 4] int32 in Slice(3, words_layout) (word 4q + c of the chunk)
+    and scale_words [BLOCK_W] (the row's four table bytes B_q of this chunk) -> [BLOCK_W, 128]
+    e4m3 in wgmma's A-operand layout, MMA position 32c + 16h + 4q + i from word 4q + c's
+    element 4h + i (e4m3_fragments_sm90)."""
+    L3: gl.constexpr = gl.SliceLayout(3, words_layout)
+    BLOCK_W: gl.constexpr = words.shape[0]
+    quads: gl.constexpr = gl.SliceLayout(2, L3)
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, quads))[None, :]
+    zero = gl.zeros([BLOCK_W, 4], gl.int32, quads)
+    sw = gl.convert_layout(scale_words, gl.SliceLayout(1, quads))[:, None] + zero
+    # Codes 4-7 (2, 3, 4, 6): B + 16, 20, 24, 28; codes 0-3 (0, 0.5, 1, 1.5): 0, B, B + 8, 12.
+    high = gl.inline_asm_elementwise(
+        _E4M3_TABLE, "=r,r,r,r", [sw, q * 0x1111 + zero, zero + 0x1C181410],
+        dtype=gl.int32, is_pure=True, pack=1,
+    )  # fmt: skip
+    low = gl.inline_asm_elementwise(
+        _E4M3_TABLE, "=r,r,r,r", [sw, q * 0x1110 + 4 + zero, zero + 0x0C080000],
+        dtype=gl.int32, is_pure=True, pack=1,
+    )  # fmt: skip
+    zero4 = gl.zeros([BLOCK_W, 4, 4, 4], gl.int32, words_layout)
+    low4 = gl.expand_dims(gl.expand_dims(low, 2), 3) + zero4
+    high4 = gl.expand_dims(gl.expand_dims(high, 2), 3) + zero4
+    half0, half1 = gl.inline_asm_elementwise(
+        _E4M3_DECODE, "=r,=r" + ",r" * 12, [gl.expand_dims(words, 3) + zero4, low4, high4],
+        dtype=(gl.float8e4nv, gl.float8e4nv), is_pure=True, pack=4,
+    )  # fmt: skip
+    frag = gl.join(half0, half1)  # [W, q, c, i, h]
+    frag = gl.permute(frag, (0, 2, 4, 1, 3))  # [W, c, h, q, i]: MMA order
+    frag = gl.reshape(frag, [BLOCK_W, 128])
+    return gl.convert_layout(frag, dot_a, assert_trivial=True)
+
+
+@gluon.jit
+def e4m3_step(acc, ring, ring_step, words_layout: gl.constexpr, dot_a: gl.constexpr,
+              CHUNKS: gl.constexpr):  # fmt: skip
+    """One ring step on e4m3 fragments and activations (FP8 wgmma: GEMM2 only, whose sums
+    are rounded once, into the output; FP8 wgmma's running sums err by up to ~6e-4 of
+    sum |a||b| over K = 2944, which in GEMM1 would move some of the SwiGLU's e4m3
+    roundings). Each chunk's wgmma is waited for before the next chunk decodes: an 8-bit
+    fragment cannot be kept live across a wait (Gluon rejects 8-bit deps), and ptxas reuses
+    its registers under a running wgmma. The SM's other CTAs overlap decode and MMA
+    instead. ring: as mma_step."""
+    ring_words, ring_scales, act, _, _, _ = ring
+    BLOCK_W: gl.constexpr = ring_words.shape[1]
+    L3: gl.constexpr = gl.SliceLayout(3, words_layout)
+    quad_words = ring_words._reinterpret(
+        gl.int32, [ring_words.shape[0], BLOCK_W, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    )  # fmt: skip
+    for c in gl.static_range(CHUNKS):
+        slot = ring_step * CHUNKS + c
+        words = quad_words.index(slot).load(L3)
+        scale_words = ring_scales.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        frag = e4m3_fragment(words, scale_words, words_layout, dot_a)
+        b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
+        acc = warpgroup_mma(frag, b, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    return acc

@@ -19,7 +19,7 @@ import torch
 from tokenspeed_kernel.ops.moe.types import PreparedMoEWeights
 from tokenspeed_kernel.tuning import pinned_config
 
-from . import replay, shift_words_sm90
+from . import e4m3_fragments_sm90, replay, shift_words_sm90
 from ._common import padded_sizes, swiglu_fits_f16
 from .fragment_layout_sm90 import fragment_order, group_gate_up, panel_major
 from .mxfp4_words import encode_words
@@ -55,6 +55,10 @@ class PaddedMoEKernel:
 
     def forward_options(self, config, tensors: dict) -> dict:
         """`forward`'s keywords beyond routing, top_k, out, alpha and limit."""
+        return {}
+
+    def prepare_options(self, config) -> dict:
+        """`prepare_weights`' keywords beyond the checkpoint, sizes, word order and SwiGLU."""
         return {}
 
     def apply(
@@ -100,6 +104,7 @@ class PaddedMoEKernel:
             **checkpoint,
             word_order=self.word_order,
             f16_intermediate=swiglu_fits_f16(config.activation.alpha, config.activation.limit),
+            **self.prepare_options(config),
         )
         for name in ("w13_input_scale", "w2_input_scale"):
             value = getattr(weights, name)
@@ -121,6 +126,7 @@ def prepare_weights(
     word_order: str = "natural",
     f16_intermediate: bool = True,
     shift_decode: bool = True,
+    e4m3_w2: bool = False,
 ) -> dict:
     """Checkpoint tensors (see the MoE contract) -> dict of padded tensors for `moe_forward`
     (word_order "natural") or `moe_forward_sm90` ("fragment").
@@ -131,8 +137,11 @@ def prepare_weights(
     decodes it exactly (recorded as "w13_decode" / "w2_decode"): shift_words' fp16 layout for
     w2 when f16_intermediate (the caller's SwiGLU clamp bounds the intermediate,
     _common.swiglu_fits_f16) and every w2 scale byte allows it, else its bf16 layout, else
-    mxfp4_words' byte-permute words ("prmt"; always, with shift_decode=False). Raises
-    ValueError for MXFP4 scale bytes above 240 (the kernel's exact range)."""
+    mxfp4_words' byte-permute words ("prmt"; always, with shift_decode=False). With e4m3_w2
+    (the Hopper kernel's fp8 activations), w2 as e4m3 fragments where every row fits ("e4m3",
+    e4m3_fragments_sm90.py: words in K order, table bytes for scales, each row's factor in
+    "w2_row_scale", float32 [E, H]). Raises ValueError for MXFP4 scale bytes above 240 (the
+    kernel's exact range)."""
     if word_order not in ("natural", "fragment"):
         raise ValueError(
             f"prepare_weights: word_order is {word_order!r}, expected natural or fragment"
@@ -148,7 +157,7 @@ def prepare_weights(
     w2_kinds = w2_kinds if shift_decode else ()
     if weight_format == "mxfp4":
         scales = (w13_scale, w2_scale)
-        tensors = _prepare_mxfp4(w13, w2, scales, (E, Hp, Ip), word_order, w2_kinds)
+        tensors = _prepare_mxfp4(w13, w2, scales, (E, Hp, Ip), word_order, w2_kinds, e4m3_w2)
     elif weight_format == "fp8":
         tensors = dict(
             w13=_pad_fp8(w13, (E, 2 * Ip, Hp)),
@@ -171,9 +180,12 @@ def prepare_weights(
     return tensors
 
 
-def _prepare_mxfp4(w13, w2, scales, sizes, word_order: str, w2_kinds: tuple) -> dict:
+def _prepare_mxfp4(
+    w13, w2, scales, sizes, word_order: str, w2_kinds: tuple, e4m3_w2: bool = False
+) -> dict:
     """prepare_weights for MXFP4: padded words and scales; w2_kinds: the shift_words_sm90
-    layouts w2 may take in fragment order (w13 takes bf16), cheapest first (none: prmt)."""
+    layouts w2 may take in fragment order (w13 takes bf16), cheapest first (none: prmt);
+    e4m3_w2: w2 as e4m3 fragments where every row fits."""
     E, Hp, Ip = sizes
     for name, s in zip(("w13_scale", "w2_scale"), scales, strict=True):
         top = int(s.max()) if s.numel() else 0
@@ -191,13 +203,20 @@ def _prepare_mxfp4(w13, w2, scales, sizes, word_order: str, w2_kinds: tuple) -> 
     if word_order == "fragment":
         tensors["w13"] = group_gate_up(tensors["w13"])
         tensors["w13_scale"] = group_gate_up(tensors["w13_scale"])
-        w13_kinds = ("bf16",) if w2_kinds else ()
-        for name, kinds in (("w13", w13_kinds), ("w2", w2_kinds)):
+        encodings = {"w13": ("bf16",) if w2_kinds else (), "w2": w2_kinds}
+        if e4m3_w2 and e4m3_fragments_sm90.fits(tensors["w2"], tensors["w2_scale"]):
+            words, table, factors = e4m3_fragments_sm90.encode(tensors["w2"], tensors["w2_scale"])
+            tensors.update(w2=panel_major(words), w2_scale=panel_major(table))
+            tensors.update(w2_row_scale=factors.contiguous(), w2_decode="e4m3")
+            del encodings["w2"]
+        for name, kinds in encodings.items():
             kind = shift_words_sm90.pick(tensors[f"{name}_scale"], kinds)
             tensors[f"{name}_decode"] = kind or "prmt"
             ordered = fragment_order(tensors[name])
             tensors[name] = shift_words_sm90.encode(ordered, kind) if kind else ordered
     for name in ("w13", "w2"):
+        if tensors.get(f"{name}_decode") == "e4m3":
+            continue
         if tensors.get(f"{name}_decode", "prmt") == "prmt":
             tensors[name] = encode_words(tensors[name])
         if word_order == "fragment":

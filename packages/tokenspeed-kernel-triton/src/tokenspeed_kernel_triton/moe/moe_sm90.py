@@ -1,6 +1,7 @@
 """The Hopper Gluon MoE kernel (`triton.moe_apply.sm90`, sm_90 only: Blackwell has no wgmma):
 MXFP4 weights decoded straight into wgmma register fragments (wgmma_gemm_sm90.py), bf16 or fp8
-activations (e4m3 values in bf16 / fp16 operands, their scales on the accumulators). route ->
+activations (GEMM1: e4m3 values in bf16 operands; GEMM2: e4m3 rows against w2 as e4m3
+fragments, FP8 MMAs; their scales on the accumulators). route ->
 GEMM1 + bias + SwiGLU -> GEMM2 + bias, routing weight -> combine, with programmatic dependent
 launch from GEMM1 on (fragment_config_sm90.CONFIGS).
 """
@@ -66,13 +67,24 @@ def moe_forward_sm90(
     Hopper for x [M, H] bf16 and weights prepared in fragment order
     (layout.prepare_weights(..., word_order="fragment")). FP8 activations: x and the SwiGLU
     intermediate are quantized to e4m3 as moe.py's are (static per-tensor scales when given,
-    else per token / per pair row), their values stored exactly in the GEMMs' half types and
-    their scales applied to the accumulators."""
+    else per token / per pair row), x's values stored exactly in GEMM1's bf16 operand, the
+    SwiGLU rows' in e4m3 for GEMM2's FP8 MMAs where w2 was prepared as e4m3 fragments (else in
+    GEMM2's half type), their scales applied to the accumulators."""
     # The SwiGLU intermediate: fp16 where prepare_weights laid w2 out to decode to fp16 (one MMA
     # per K step, and as accurate as bf16 hi + lo); else bf16 [hi | lo] halves.
     M = x.shape[0]
     if M == 0:
         return out
+    fp8 = activation_format == "fp8"
+    # w2 as e4m3 fragments (prepared for fp8 activations where every w2 row fits): GEMM2's
+    # FP8 MMAs on e4m3 SwiGLU rows written at their MMA positions (e4m3_fragments_sm90).
+    # GEMM1 keeps half-precision operands: its exact sums round the intermediate to e4m3 as
+    # the reference does, where FP8 MMAs' sums would move some of those roundings.
+    e4m3 = prepared["w2_decode"] == "e4m3"
+    if e4m3 and not fp8:
+        raise ValueError(
+            "moe_forward_sm90: w2 was prepared as e4m3 fragments, which take fp8 activations"
+        )
     f16_intermediate = prepared["w2_decode"] == "fp16"
     if f16_intermediate and not swiglu_fits_f16(alpha, limit):
         raise ValueError(
@@ -80,12 +92,12 @@ def moe_forward_sm90(
             f"which alpha={alpha}, limit={limit} do not bound; prepare them with "
             f"f16_intermediate=False"
         )
-    # Post-scaling needs raw shift-decoded halves in both GEMMs.
-    post_scalable = prepared["w13_decode"] == "bf16" and f16_intermediate
+    # Post-scaling needs raw shift-decoded halves in both GEMMs, or in GEMM1 beside e4m3 w2
+    # (fragment_gemm runs a post-scaled config's GEMM2 on it as scaled fragments).
+    post_scalable = prepared["w13_decode"] == "bf16" and (f16_intermediate or e4m3)
     Ip = prepared["padded_intermediate_size"]
     config = for_intermediate(pick_config(M * top_k, post_scalable), Ip)
     routing_inputs = dict(routing_inputs, expert_offset=expert_offset)
-    fp8 = activation_format == "fp8"
     # With a static intermediate scale GEMM1 quantizes its own SwiGLU rows; per-row scales
     # need whole rows, which a pass quantizes between the GEMMs (GEMM2 then waits for it,
     # not for GEMM1's tiles).
@@ -107,7 +119,9 @@ def moe_forward_sm90(
     )
     H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
     rows = routing[4] * config.block_t  # the tile-count bound
-    if f16_intermediate:
+    if e4m3:
+        act = scratch("act", (rows, Ip), torch.float8_e4m3fn, x.device)
+    elif f16_intermediate:
         act = scratch("act", (rows, Ip), torch.float16, x.device)
     else:
         act = scratch("act", (rows, 2 * Ip), torch.bfloat16, x.device)
@@ -115,6 +129,10 @@ def moe_forward_sm90(
     act32 = scratch("act32", (rows, Ip), torch.float32, x.device) if act_pass else act
     common = dict(config=config, ready=ready)
     w13 = (prepared["w13"], prepared["w13_scale"], prepared["w13_bias"])
+    # GEMM1 writes channels up to I; with e4m3 rows written in place (a static scale) it
+    # computes the zero padding's rows too, whose zeros GEMM2's e4m3 copies read (a channel's
+    # MMA position is not in a copy's K order).
+    gemm1_rows = 2 * Ip if e4m3 and not act_pass else 2 * I
     fragment_gemm(
         x_in,
         *w13,
@@ -123,7 +141,7 @@ def moe_forward_sm90(
         gemm1=True,
         decode=prepared["w13_decode"],
         k_valid=H,
-        n_valid=2 * I,
+        n_valid=gemm1_rows,
         x_exp=x_exp,
         in_scale=x_scale,
         out_scale=w2_input_scale if fp8 and not act_pass else None,
@@ -137,8 +155,8 @@ def moe_forward_sm90(
         tiles = (routing[2], routing[3], config.block_t)
         lo_offset = 0 if f16_intermediate else Ip
         _, act_scale = quantize_rows(
-            act32[:, :I], w2_input_scale, "act", tiles, into=act, lo_offset=lo_offset,
-            pdl=config.pdl,
+            act32[:, :I], w2_input_scale, "act", tiles, into=act,
+            lo_offset=0 if e4m3 else lo_offset, pdl=config.pdl, mma_order=e4m3,
         )  # fmt: skip
     splits = gemm2_splits(config.gemm2_split_k, Ip)
     y = scratch("y", (M * top_k * splits, H), torch.float32, x.device)
@@ -157,11 +175,12 @@ def moe_forward_sm90(
         routing,
         gemm1=False,
         decode=prepared["w2_decode"],
-        k_valid=I,
+        k_valid=Ip if e4m3 else I,
         n_valid=H,
         split_k=splits,
         in_scale=act_scale,
-        ready_target=-(-2 * I // config.block_w),
+        ready_target=-(-gemm1_rows // config.block_w),
+        row_scale=prepared.get("w2_row_scale"),
         **common,
         **half_rows,
     )
@@ -214,6 +233,9 @@ class TritonMoESm90(PaddedMoEKernel):
     weight_layout = WEIGHT_LAYOUT
     word_order = "fragment"
     forward = staticmethod(moe_forward_sm90)
+
+    def prepare_options(self, config) -> dict:
+        return dict(e4m3_w2=config.activation_format == "fp8")
 
     def forward_options(self, config, tensors: dict) -> dict:
         return dict(

@@ -49,7 +49,13 @@ from .fragment_epilogue_sm90 import (
     token_columns,
 )
 from .fragment_layout_sm90 import PANEL_ROWS, kernel_layouts, panel_view
-from .fragment_steps_sm90 import issue_activations, issue_weights, mma_step, post_scaled_step
+from .fragment_steps_sm90 import (
+    e4m3_step,
+    issue_activations,
+    issue_weights,
+    mma_step,
+    post_scaled_step,
+)
 from .fragment_ws_sm90 import warp_specialized_fits, warp_specialized_gemm1
 from .mxfp4_words import LOOKUP_TABLE_WORDS
 from .replay import recordable
@@ -76,6 +82,7 @@ def _fragment_gemm_kernel(
     x_exp_ptr,
     in_scale_ptr,
     wide_ptr,
+    row_scale_ptr,
     N,
     K,
     K_VALID,
@@ -117,6 +124,7 @@ def _fragment_gemm_kernel(
     IN_SCALE: gl.constexpr,
     OUT_QUANT: gl.constexpr,
     HALF_ROWS: gl.constexpr,
+    E4M3: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
@@ -304,7 +312,9 @@ def _fragment_gemm_kernel(
         # The step's copies (generic proxy) before the wgmmas that read them (async proxy):
         # one fence for all of its chunks.
         fence_async_shared()
-        if POST_SCALE:
+        if E4M3:
+            acc = e4m3_step(acc, ring, slot, words_layout, dot_a, CHUNKS)
+        elif POST_SCALE:
             acc = post_scaled_step(
                 acc, ring, slot, words_layout, dot_a, BLOCK_T, CHUNKS, MMA_IN_FLIGHT
             )
@@ -322,6 +332,11 @@ def _fragment_gemm_kernel(
         )  # fmt: skip
     # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
     rows, cols, col_ok, col_pair, bias, pre_factor, post_factor = operands
+    if E4M3:
+        # Each weight row's power of two (e4m3_fragments_sm90: its blocks decode relative to
+        # its largest).
+        row_factor = gl.load(row_scale_ptr + expert * N + rows, mask=rows < N, other=0.0)
+        acc *= row_factor[:, None]
     if (SWIGLU and POST_SCALE) or IN_SCALE != 0:
         acc *= pre_factor[None, :]
     if HAS_BIAS:
@@ -338,7 +353,8 @@ def _fragment_gemm_kernel(
         acc *= post_factor[None, :]  # the routing weight
         if HALF_ROWS:
             # The output tile's staging buffer over the ring's activations (fp16 or bf16).
-            gl.static_assert(STAGES * MMA_N * CHUNKS * 128 >= BLOCK_W * BLOCK_T)
+            ACT_BYTES: gl.constexpr = a_dtype.primitive_bitwidth // 8
+            gl.static_assert(STAGES * MMA_N * CHUNKS * 128 * ACT_BYTES >= 2 * BLOCK_W * BLOCK_T)
             stage = act._reinterpret(gl.float16, [BLOCK_W, BLOCK_T], stage_layout)
             pair_rows_store(
                 out_ptr, wide_ptr, acc, stage, wide_from_bits, sorted_ptr, (first_row, row_end),
@@ -355,8 +371,8 @@ def _fragment_gemm_kernel(
 
 
 @functools.cache
-def _layouts(block_w: int, block_t: int, num_warps: int, chunks: int) -> dict:
-    return kernel_layouts(block_w, block_t, num_warps, chunks)
+def _layouts(block_w: int, block_t: int, num_warps: int, chunks: int, e4m3: bool) -> dict:
+    return kernel_layouts(block_w, block_t, num_warps, chunks, e4m3)
 
 
 @functools.cache
@@ -388,6 +404,7 @@ def fragment_gemm(
     limit: float = 0.0,
     wide: torch.Tensor | None = None,
     half_bound: float = 0.0,
+    row_scale: torch.Tensor | None = None,
 ) -> None:
     """One grouped GEMM over the tiles of `routing` (routing.route with block_m = block_t).
 
@@ -425,6 +442,14 @@ def fragment_gemm(
             "fragment_gemm: out_scale quantizes GEMM1's SwiGLU rows into fp16 or bf16 [hi | lo]"
         )
     operand = _check_operands(a, w, w_scale, gemm1, decode, split_k, config, routing, ready, x_exp)
+    e4m3 = operand == "e4m3"
+    if e4m3 and (
+        row_scale is None
+        or row_scale.dtype != torch.float32
+        or row_scale.shape != (w.shape[0], w.shape[1] * w.shape[2])
+        or not row_scale.is_contiguous()
+    ):
+        raise ValueError("fragment_gemm: e4m3 weights need row_scale, float32 [E, N] contiguous")
     half_rows = not gemm1 and out.dtype == torch.float16
     if half_rows and (
         split_k != 1
@@ -459,6 +484,7 @@ def fragment_gemm(
         x_exp if x_exp is not None else num_tiles,
         in_scale if isinstance(in_scale, torch.Tensor) else num_tiles,
         wide if half_rows else num_tiles,
+        row_scale if row_scale is not None else num_tiles,
         N,
         K,
         k_valid,
@@ -482,10 +508,11 @@ def fragment_gemm(
         HAS_BIAS=bias is not None,
         SPLIT_K=split_k,
         SHIFT_DECODE=decode != "prmt",
-        SCALE_BIAS=POST_SCALE_BIAS[operand],
+        SCALE_BIAS=POST_SCALE_BIAS.get(operand, 0),
         IN_SCALE=0 if in_scale is None else 1 if isinstance(in_scale, float) else 2,
         OUT_QUANT=out_scale is not None,
         HALF_ROWS=half_rows,
+        E4M3=e4m3,
     )
     # With narrow_t, the tiles of at most narrow_t tokens run in a launch of their own.
     if warp_specialized_fits(config, a, w, gemm1, n_valid):
@@ -495,9 +522,9 @@ def fragment_gemm(
             config=config, constexprs=constexprs,
         )  # fmt: skip
     else:
-        _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, False))
+        _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, False, e4m3))
     if config.narrow_t:
-        _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, True))
+        _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, True, e4m3))
 
 
 @functools.cache
@@ -511,12 +538,18 @@ def fp16_wide_threshold_bits(half_bound: float) -> int:
     return int(torch.tensor(threshold, dtype=torch.float32).view(torch.int32))
 
 
-def _config_constexprs(config, narrow: bool) -> dict:
+def _config_constexprs(config, narrow: bool, e4m3: bool) -> dict:
     """The kernel's compile-time arguments and launch options that come from its
     FragmentConfig alone, for its full-tile launch or (narrow) the launch of its narrow
     tiles."""
     block_t = config.narrow_t if narrow else config.block_t
     mma_n = config.narrow_t if narrow else config.mma_n  # narrow_t excludes post_scale
+    post_scale = config.post_scale
+    if e4m3 and post_scale:
+        # e4m3 fragments are scaled: a post-scaled config's GEMM2 multiplies its few-token
+        # tiles as wgmma's narrowest N, 8 columns (those past a tile's rows masked).
+        block_t = mma_n = 8
+        post_scale = False
     return dict(
         BLOCK_W=config.block_w,
         BLOCK_T=block_t,
@@ -527,10 +560,10 @@ def _config_constexprs(config, narrow: bool) -> dict:
         PDL=config.pdl,
         TILE_READY=config.tile_ready,
         MMA_IN_FLIGHT=config.in_flight,
-        POST_SCALE=config.post_scale,
+        POST_SCALE=post_scale,
         num_warps=config.num_warps,
         launch_pdl=config.pdl,
-        **_layouts(config.block_w, mma_n, config.num_warps, config.chunks),
+        **_layouts(config.block_w, mma_n, config.num_warps, config.chunks, e4m3),
     )
 
 
@@ -541,6 +574,14 @@ def _check_operands(a, w, w_scale, gemm1, decode, split_k, config, routing, read
     K = w.shape[3] * 128
     if split_k != 1 and (gemm1 or split_k != gemm2_splits(split_k, K)):
         raise ValueError(f"fragment_gemm: split_k {split_k} for GEMM{1 if gemm1 else 2}")
+    if decode == "e4m3" or a.dtype == torch.float8_e4m3fn:
+        # e4m3 fragments against e4m3 activations in MMA order, K columns of them.
+        if decode != "e4m3" or a.dtype != torch.float8_e4m3fn or a.shape[1] != K:
+            raise ValueError(
+                f"fragment_gemm: e4m3 weights take float8_e4m3fn activations of {K} columns, "
+                f"got {decode} weights and {a.dtype} x {a.shape[1]}"
+            )
+        return "e4m3"
     # The weights decode to the A operand's type: x's bf16 for GEMM1, a's type for GEMM2.
     operand = "bf16" if gemm1 or a.dtype == torch.bfloat16 else "fp16"
     if decode not in (operand, "prmt") or (decode == "prmt" and operand == "fp16"):
