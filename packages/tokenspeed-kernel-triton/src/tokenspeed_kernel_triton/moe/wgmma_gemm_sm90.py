@@ -11,7 +11,9 @@ word loads.
 
 Weights decode with shift_words_sm90 (a shift and a mask per half pair, the subnormal trick,
 then the e8m0 multiply) where that is exact for their scale bytes, else with mxfp4_words' byte
-permutes ("w13_decode" / "w2_decode" in the prepared weights, chosen by layout.prepare_weights).
+permutes ("w13_decode" / "w2_decode" in the prepared weights, chosen by layout.prepare_weights);
+w2 for fp8 activations as e4m3 fragments (e4m3_fragments_sm90: byte-permute tables per row and
+chunk, FP8 MMAs on e4m3 SwiGLU rows, each row's power of two in the epilogue).
 
 GEMM1 (SWIGLU): B rows are x gathered by token; the prepared w13 puts the gate row of 8
 intermediate channels in rows 0-7 of each 16-row group and their up rows in rows 8-15, which
@@ -409,23 +411,28 @@ def fragment_gemm(
     """One grouped GEMM over the tiles of `routing` (routing.route with block_m = block_t).
 
     a [rows, K]: x (bf16) for GEMM1, gathered by token; for GEMM2 the sorted SwiGLU rows,
-    either bf16 [hi | lo] halves or fp16. GEMM1's `out` dtype (bf16 [rows, 2 Ip], fp16 or
-    float32 [rows, Ip]) picks the form it writes. w [E, N / 64, 64, K / 128, 16] int32 words in
+    either bf16 [hi | lo] halves, fp16, or float8_e4m3fn at their MMA positions (e4m3
+    weights). GEMM1's `out` dtype (bf16 [rows, 2 Ip], fp16, float8_e4m3fn or float32
+    [rows, Ip]) picks the form it writes. w [E, N / 64, 64, K / 128, 16] int32 words in
     fragment order (fragment_layout_sm90.py; prepare_weights stores them panel-major, any strides
     do; row-major [E, N, K / 8] is taken too), encoded as `decode` says (prepared["w13_decode"]
-    / ["w2_decode"]: shift_words' "bf16" or "fp16" layout, or "prmt"); w_scale [E, N / 64, 64,
-    K / 128, 4] uint8 (or [E, N, K / 32] with row-major words), a row's 16 words (4 bytes) of
-    a chunk contiguous; bias [E, N] float32 or None. Outputs as grouped_gemm.grouped_gemm,
-    except that GEMM2 with split_k > 1 (gemm2_splits) writes split_k partial rows per pair: row
-    pair * split_k + split of `out` [pairs * split_k, H], for the combine to sum. Only row
-    blocks below n_valid are computed (GEMM1 skips its zero-padded rows past 2I; GEMM2 then
-    takes k_valid = I, its copies zero-filling the columns GEMM1 did not write).
+    / ["w2_decode"]: shift_words' "bf16" or "fp16" layout, "prmt", or "e4m3": words in K
+    order, table bytes for scales, row_scale [E, N] float32 the rows' factors); w_scale [E,
+    N / 64, 64, K / 128, 4] uint8 (or [E, N, K / 32] with row-major words), a row's 16 words
+    (4 bytes) of a chunk contiguous; bias [E, N] float32 or None. Outputs as
+    grouped_gemm.grouped_gemm, except that GEMM2 with split_k > 1 (gemm2_splits) writes
+    split_k partial rows per pair: row pair * split_k + split of `out` [pairs * split_k, H],
+    for the combine to sum. Only row blocks below n_valid are computed (GEMM1 skips its
+    zero-padded rows past 2I; GEMM2 then takes k_valid = I, its copies zero-filling the
+    columns GEMM1 did not write; with e4m3 rows GEMM1 computes the padding's zero rows and
+    GEMM2 reads all Ip, since a channel's MMA position is not in a copy's K order).
 
     in_scale, with fp8 activations: the scale of a's rows (their e4m3 values stored as a's
-    half type), a float for all or float32 per row (GEMM1: [tokens]; GEMM2: [sorted rows]),
-    applied to the accumulator before the bias. out_scale (GEMM1, fp8 activations with a
-    static intermediate scale): write the e4m3 values of the SwiGLU rows / out_scale into out
-    (fp16 or bf16 [hi | lo]), as quant.quantize_rows would from float32 rows.
+    half type, or as e4m3), a float for all or float32 per row (GEMM1: [tokens]; GEMM2:
+    [sorted rows]), applied to the accumulator before the bias. out_scale (GEMM1, fp8
+    activations with a static intermediate scale): write the e4m3 values of the SwiGLU rows /
+    out_scale into out (fp16, bf16 [hi | lo] or e4m3), as quant.quantize_rows would from
+    float32 rows.
 
     With config.tile_ready, ready [tile-count bound] int32, zero before GEMM1 (the router
     clears it): GEMM1's CTAs count themselves in per tile when their rows are stored, and
