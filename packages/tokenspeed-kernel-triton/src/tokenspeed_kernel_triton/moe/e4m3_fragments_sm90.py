@@ -1,4 +1,6 @@
-"""MXFP4 weights as e4m3 wgmma fragments, for the Hopper kernel's FP8 MMAs (fp8 activations).
+"""MXFP4 weights as e4m3 wgmma fragments, for the Hopper kernel's FP8 MMAs: w2 with fp8
+activations (GEMM1 keeps exact half-precision sums, which round the SwiGLU intermediate to
+e4m3 as the reference does; docs/decisions.md has why GEMM1's FP8 MMAs were not taken).
 
 wgmma's e4m3 A operand in registers (k_width 4) gives lane l of each k32 step c the MMA-K
 positions 32c + 4(l % 4) + i and 32c + 16 + 4(l % 4) + i (i < 4). Within each 128-element K
@@ -8,16 +10,16 @@ chunk the kernel multiplies a permuted K order: MMA position
 
 so lane quad q holds only scale block q of the chunk, and its word c (8 consecutive elements
 32q + 8c ..) is the chunk's word 4q + c: words stay in the checkpoint's K order. The
-activations are written in the permuted order by our own quantizers (quant.py, the SwiGLU
-store), so the product is unchanged.
+activations are written in the permuted order by our own writers (quant.py's pass, GEMM1's
+SwiGLU store), so the product is unchanged.
 
 A row's blocks become e4m3 relative to its largest block exponent T (e8m0 byte, over the blocks
 holding a non-zero code): block b with byte S_b decodes to e2m1 * 2^R_b, R_b = S_b - T + 6 in
 [-5, 6], exact in e4m3 (6 * 2^6 = 384 <= 448; 0.5 * 2^-5 normal), and the row's factor
 2^(T - 133) goes on the accumulator. A row whose non-zero blocks span more than 11 binades
-does not fit (`fits`); its layer keeps the bf16-operand path. The kernel builds each block's
-two 4-entry tables from one byte B_b = (R_b + 6) * 8, the e4m3 of 0.5 * 2^R_b, which replaces
-the e8m0 byte in the prepared scales.
+does not fit (`fits`); the weight then stays half precision (layout.prepare_weights). The
+kernel builds each block's two 4-entry tables from one byte B_b = (R_b + 6) * 8, the e4m3 of
+0.5 * 2^R_b, which replaces the e8m0 byte in the prepared scales.
 
 Within a word, element n = 4h + i keeps its magnitude code at bits 16h + 4i and its sign at
 bit 8i + 4h + 3: the decode's prmt lookups take 4 magnitudes per selector half-word, and one
