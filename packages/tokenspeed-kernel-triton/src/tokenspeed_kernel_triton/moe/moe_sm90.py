@@ -265,9 +265,9 @@ def supports(request, platform) -> Support:
 # each weight's decode: gain 1 shift-decodes w13 to bf16 and
 # w2 to fp16 (fp16 intermediate, post-scaled decode tiles); 2^17 puts w13's bytes above bf16's
 # shift range (prmt) and w2's below fp16's (bf16 hi + lo intermediate); 2^-10 puts w2's above
-# bf16's (prmt). FP8 activations at a decode tile (post-scaled) and the prefill tile, per-row
-# and static scales (GEMM1 quantizes its own rows), with the fp16 and the bf16 [hi | lo]
-# intermediates.
+# bf16's (prmt). FP8 activations (w2 as e4m3 fragments, GEMM2 on FP8 MMAs) at a decode tile
+# (post-scaled GEMM1) and the prefill tile, per-row and static scales (GEMM1 quantizes its
+# own rows), and with 2^17 beside w13's prmt decode.
 _GPT_OSS = dict(num_experts=8, top_k=4, hidden_size=2880, intermediate_size=2880)
 AOT_CASES = (
     dict(_GPT_OSS, num_tokens=1),
