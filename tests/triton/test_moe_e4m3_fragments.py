@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenspeed_kernel.formats import dequantize_mxfp4
 from tokenspeed_kernel.testing.inputs import generator
 from tokenspeed_kernel_triton.moe import e4m3_fragments_sm90 as e4m3
 from tokenspeed_kernel_triton.moe.layout import prepare_weights
@@ -16,15 +17,6 @@ from tokenspeed_kernel_triton.moe.quant import quantize_rows
 from tokenspeed_kernel_triton.moe.wgmma_gemm_sm90 import fragment_gemm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _mxfp4_values(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[..., K / 2] codes (low nibble first) and [..., K / 32] e8m0 -> [..., K] float64."""
-    wide = packed.to(torch.int64)
-    codes = torch.stack((wide & 0xF, wide >> 4), dim=-1).flatten(-2)
-    magnitude = torch.tensor(e4m3.E2M1, dtype=torch.float64)[codes & 7]
-    values = torch.where(codes >= 8, -magnitude, magnitude)
-    return values * torch.exp2(scales.double() - 127).repeat_interleave(32, dim=-1)
 
 
 def _weights(rows: int, K: int, low: int, high: int, name: str):
@@ -50,7 +42,7 @@ def test_encode_decodes_to_the_mxfp4_values():
     assert table.dtype == torch.uint8 and table.shape == (2, 16, 8)
     assert int(table.min()) >= 8 and int(table.max()) <= 96
     decoded = e4m3.decode(words, table, factors)
-    assert torch.equal(decoded, _mxfp4_values(packed, scales))
+    assert torch.equal(decoded, dequantize_mxfp4(packed, scales, dtype=torch.float64))
 
 
 def test_rows_past_eleven_binades_do_not_fit():
@@ -122,7 +114,9 @@ def test_prepare_takes_e4m3_w2_where_every_row_fits():
     decoded = e4m3.decode(
         w2.reshape(2, 256, 16), table.reshape(2, 256, 4), prepared["w2_row_scale"]
     )
-    assert torch.equal(decoded, _mxfp4_values(weights["w2"], weights["w2_scale"]))
+    assert torch.equal(
+        decoded, dequantize_mxfp4(weights["w2"], weights["w2_scale"], dtype=torch.float64)
+    )
     without = prepare_weights("mxfp4", 256, 128, **weights, word_order="fragment")
     assert without["w2_decode"] == "fp16" and "w2_row_scale" not in without
     assert torch.equal(prepared["w13"], without["w13"])

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import torch
 
+from tokenspeed_kernel.formats import E2M1_VALUES
+
 CHUNK_K = 128
 # e4m3 exponent fields of a block's 0.5 * 2^R: 1 (normal, R = -5) to 12 (R = 6, 6 * 2^6 = 384).
 SPAN = 11
 _ROW_BIAS = 133  # factor 2^(T - 133): the top block's R = 6 on 2^(T - 127)
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def mma_positions(K: int, device=None) -> torch.Tensor:
@@ -106,8 +107,8 @@ def decode(words: torch.Tensor, table: torch.Tensor, factors: torch.Tensor) -> t
     h, i = n // 4, n % 4
     magnitude = (w[..., None] >> (16 * h + 4 * i)) & 7
     sign = (w[..., None] >> (8 * i + 4 * h + 3)) & 1
-    values = torch.tensor(E2M1, dtype=torch.float64, device=w.device)[magnitude]
-    values = torch.where(sign == 1, -values, values).flatten(-2)  # [..., K]
+    e2m1 = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=w.device)
+    values = e2m1[magnitude | sign << 3].flatten(-2)  # [..., K]
     r = table.to(torch.int64) // 8 - 6
     scale = torch.exp2(r.to(torch.float64)).repeat_interleave(32, dim=-1)
     return values * scale * factors.to(torch.float64)[..., None]
