@@ -578,7 +578,8 @@ def test_wgmma_warp_specialized_gemm1_changes_nothing():
     consumer's rows half real, half padding), an expert-parallel rank (local experts 32-63) and
     fp8 activations with a static scale (GEMM1 quantizes its own rows) and per-row scales
     (float32 rows for the pass); M=5 leaves most persistent CTAs without work, M=300 with
-    narrow_t 32 leaves every tile to the narrow launch."""
+    narrow_t 32 leaves every tile to the narrow launch. With fit_widths its tiles of up to 64
+    and 96 tokens (33, 64, 65 here) multiply 64 and 64 + 32 columns, bit for bit the same."""
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
     spec = get_kernel("moe_apply", HOPPER)
     if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
@@ -612,19 +613,21 @@ def test_wgmma_warp_specialized_gemm1_changes_nothing():
             for narrow_t in narrows:
                 for pdl in (False, True):
                     results = []
-                    for warp_specialized in (False, True):
+                    for warp_specialized, fit_widths in ((False, False), (True, False),
+                                                         (True, True)):  # fmt: skip
                         tile = FragmentConfig(
                             128, 128, 4, 2, pdl=pdl, narrow_t=narrow_t,
-                            warp_specialized=warp_specialized,
+                            warp_specialized=warp_specialized, fit_widths=fit_widths,
                         )  # fmt: skip
                         outs = [torch.empty_like(x) for x in xs]
                         with pin_config(HOPPER, tile):
                             for x, lg, out in zip(xs, logits, outs, strict=True):
                                 spec.fn.apply(plan, x, prepared, router_logits=lg, out=out)
                         results.append(outs)
-                    for i, (plain, specialized) in enumerate(zip(*results, strict=True)):
+                    for i, (plain, *specialized) in enumerate(zip(*results, strict=True)):
                         case = f"{name} M={m} narrow_t={narrow_t} pdl={pdl} call {i}"
-                        assert torch.equal(plain, specialized), case
+                        assert torch.equal(plain, specialized[0]), case
+                        assert torch.equal(plain, specialized[1]), f"{case}, fit_widths"
         del prepared
 
 

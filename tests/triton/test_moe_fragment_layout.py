@@ -231,6 +231,10 @@ def test_fragment_config_refuses_rings_the_kernel_cannot_run():
         tile = {**dict(block_w=128, block_t=128, num_warps=4, stages=2), **other}
         with pytest.raises(ValueError, match="warp_specialized"):
             FragmentConfig(**tile, warp_specialized=True)
+    # Fitting MMA widths to a tile's tokens is the warp-specialized kernel's.
+    assert FragmentConfig(128, 128, 4, 2, warp_specialized=True, fit_widths=True).fit_widths
+    with pytest.raises(ValueError, match="fit_widths"):
+        FragmentConfig(128, 128, 4, 2, fit_widths=True)
 
 
 def test_shards_run_the_config_below_their_intermediate_size():
@@ -248,6 +252,12 @@ def test_shards_run_the_config_below_their_intermediate_size():
     assert for_intermediate(plain, 128) is plain
     pick = pick_fragment_config(256 * 4)
     assert pick.narrow_t == 8 and for_intermediate(pick, 384).narrow_t == 0
+    prefill = pick_fragment_config(8192 * 4)  # whole layer only (H200 measurements)
+    assert [for_intermediate(prefill, i).fit_widths for i in (384, 1536, 2944)] == [
+        False,
+        False,
+        True,
+    ]
     decode = pick_fragment_config(13 * 4)
     assert [for_intermediate(decode, i).stages for i in (384, 768, 1536, 2944)] == [3, 3, 4, 4]
     for bad in ((0, short), (-1, short), (768, "short"), 768, (768,)):

@@ -36,7 +36,8 @@ class FragmentConfig:
     half_pair_rows() says; warp_specialized: the full tiles run in the warp-specialized
     persistent kernel (fragment_ws_sm90: a producer warpgroup and two consumers on 256 rows,
     its own 4-step ring) where the call allows it, else, and for the narrow tiles, in this
-    config's fragment kernel with `stages`."""
+    config's fragment kernel with `stages`; fit_widths: that kernel multiplies a tile of at
+    most 64 (96) tokens with MMAs 64 (64 + 32) columns wide instead of 128."""
 
     block_w: int
     block_t: int
@@ -52,6 +53,7 @@ class FragmentConfig:
     below_intermediate: tuple[int, FragmentConfig] | None = None
     half_pair_rows: bool = False
     warp_specialized: bool = False
+    fit_widths: bool = False
 
     def __post_init__(self) -> None:
         # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
@@ -94,6 +96,8 @@ class FragmentConfig:
                 "FragmentConfig: warp_specialized takes 128 x 128 tiles of 4 warps, one chunk "
                 "per step, no post_scale, tile_ready or GEMM2 splits"
             )
+        if self.fit_widths and not self.warp_specialized:
+            raise ValueError("FragmentConfig: fit_widths is the warp-specialized kernel's")
         if not 1 <= self.in_flight <= self.chunks:
             raise ValueError(
                 f"FragmentConfig: mma_in_flight {self.mma_in_flight} not in [1, chunks]"
@@ -109,6 +113,11 @@ class FragmentConfig:
         """Chunks whose wgmmas may run while the next chunk decodes (all of a step's: None)."""
         return self.chunks if self.mma_in_flight is None else self.mma_in_flight
 
+
+# GEMM1's full tiles warp-specialized, the prefill sizes' tile (CONFIGS, last entry).
+_PREFILL_WS = FragmentConfig(
+    128, 128, 4, 2, pdl=True, narrow_t=32, half_pair_rows=True, warp_specialized=True
+)
 
 # (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, shift decode,
 # fp16 SwiGLU intermediate, CUDA-graph timed end to end over 4 layers' weights (L2-cold) for
@@ -251,11 +260,17 @@ CONFIGS = (
     # 1709.7 / 1696.7, M=6144 3108.9 / 3241.7 / 3263.7, M=8192 3709.4 / 3810.3 / 4060.0; TP=8
     # shard M=3072 315.6 / 349.3 / 291.0, M=6144 581.0 / 624.4 / 558.9, M=8192 720.7 / 719.3 /
     # 712.9. Not at M <= 2048 (above): TP=8 M=1536 222.7 against 216.9.
+    # Its tiles of at most 64 / 96 tokens multiplied 64 / 64 + 32 columns wide (fit_widths)
+    # where the intermediate is the whole layer's; TP shards keep 128. H200, 2026-11-28, same
+    # run as vLLM's path, graph-timed over 4 layers, three interleaved rounds, outputs bit for
+    # bit the same, µs, 128 / fit_widths / 64 alone / vLLM: whole layer M=3072 1622.6 / 1597.2
+    # / 1633.0 / 1708.6, M=6144 3085.8 / 3017.5 / 3042.0 / 3257.5 (another run: M=4096 2058.4
+    # / 2063.3, M=8192 3691.2 / 3683.5); TP=8 shard M=3072 287.5 / 292.9 / 295.1 / 291.4,
+    # M=4096 393.5 / 398.1 / 401.5 / 430.7, M=6144 547.2 / 567.4 / 543.2 / 552.7; TP=2 M=4096
+    # 1120.3 / 1121.1 (another run).
     (
         None,
-        FragmentConfig(
-            128, 128, 4, 2, pdl=True, narrow_t=32, half_pair_rows=True, warp_specialized=True
-        ),
+        dataclasses.replace(_PREFILL_WS, fit_widths=True, below_intermediate=(2048, _PREFILL_WS)),
     ),
 )
 

@@ -9,7 +9,8 @@ wgmma fragments, multiply them by the shared x rows and release the slot on its 
 mbarrier. So the copies leave the consumers' instruction stream, no CTA barrier joins the two
 consumers (one decodes while the other's wgmmas run), one copy of the x rows serves 256 weight
 rows, and the producer fills the ring with the next work item while the consumers run their
-SwiGLU epilogues.
+SwiGLU epilogues. With FIT_WIDTHS a tile of at most 64 (96) tokens, most often an expert's
+last, multiplies 64 (64 + 32) x rows rather than 128: its MMAs and epilogue shrink with it.
 
 The decode, MMA and epilogue are the fragment kernel's (fragment_steps_sm90,
 fragment_epilogue_sm90): its outputs bit for bit. Registers (setmaxnreg): the producer runs
@@ -59,6 +60,10 @@ _SECOND = gl.constexpr(1)
 _BASE = kernel_layouts(WG_ROWS, 128, 4)
 _MMA = gl.constexpr(_BASE["mma"])
 _DOT_A = gl.constexpr(_BASE["dot_a"])
+_MMA_64 = gl.constexpr(kernel_layouts(WG_ROWS, 64, 4)["mma"])
+_DOT_A_64 = gl.constexpr(kernel_layouts(WG_ROWS, 64, 4)["dot_a"])
+_MMA_32 = gl.constexpr(kernel_layouts(WG_ROWS, 32, 4)["mma"])
+_DOT_A_32 = gl.constexpr(kernel_layouts(WG_ROWS, 32, 4)["dot_a"])
 _WORDS = gl.constexpr(_BASE["words_layout"])
 _X_SMEM = gl.constexpr(_BASE["smem_layout"])
 _X_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
@@ -76,7 +81,7 @@ def _work_item(work, num_w, tiles_ptr):
 
 
 @gluon.jit
-def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, SKIP_AT_MOST: gl.constexpr):
+def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.constexpr):
     x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr = pointers
     x_ring, words_ring, scales_ring, full, empty = ring
     N, K, K_VALID, N_VALID, grid = sizes
@@ -94,7 +99,7 @@ def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, SKIP_AT_MOST: 
     for work in range(gl.program_id(0), num_tiles * num_w, grid):
         tile, pid_w, expert, row_end = _work_item(work, num_w, tiles_ptr)
         first_row = tile * _TOKENS
-        if row_end - first_row > SKIP_AT_MOST:
+        if row_end - first_row > NARROW_T:
             # Loop-invariant 32-bit offsets (the host checks their range) from per-step scalar
             # bases keep the producer within its registers.
             offs_t = first_row + t_local
@@ -129,14 +134,110 @@ def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, SKIP_AT_MOST: 
 
 
 @gluon.jit
+def _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE: gl.constexpr, WG: gl.constexpr,
+              dot_a: gl.constexpr):  # fmt: skip
+    """This consumer's decoded [128 rows, 128 K] fragment of the ring's slot, once it is full."""
+    x_ring, words_ring, scales_ring, full, empty = ring
+    words = words_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS).load(_WORDS)
+    scales = scales_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS)
+    scales = scales.load(gl.SliceLayout(1, _WORDS))
+    return decode_fragment(
+        words, scales, lo_table, hi_table, dot_a, _WG_ROWS, SHIFT_DECODE, False, False
+    )
+
+
+@gluon.jit
+def _swiglu_epilogue(acc, epilogue, out_rows, swiglu_args, TOPK: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
+                     COLS: gl.constexpr, mma: gl.constexpr):  # fmt: skip
+    alpha, limit, out_scale = swiglu_args
+    operands = epilogue_operands(
+        epilogue, TOPK, True, HAS_BIAS, False, 0, IN_SCALE, _WG_ROWS, COLS, mma
+    )
+    rows, cols, col_ok, _, bias, pre_factor, _ = operands
+    if IN_SCALE != 0:
+        acc *= pre_factor[None, :]
+    if HAS_BIAS:
+        acc += bias[:, None]
+    out_ptr, N, stride_om = out_rows
+    swiglu_store(
+        (out_ptr, N, stride_om, rows, cols, col_ok), acc, alpha, limit, out_scale, _WG_ROWS,
+        COLS, OUT_QUANT,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _tile(ring, count, epilogue, stores, lo_table, hi_table, out_rows, swiglu_args, K,
+          TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, SHIFT_DECODE: gl.constexpr,
+          IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr, WG: gl.constexpr,
+          COLS: gl.constexpr, mma: gl.constexpr, dot_a: gl.constexpr):  # fmt: skip
+    """One consumer's work item: its 128 rows' product with the ring's first COLS x rows over
+    K, then bias and SwiGLU where it `stores`; returns the ring count past its steps."""
+    x_ring, words_ring, scales_ring, full, empty = ring
+    acc = gl.zeros([_WG_ROWS, COLS], gl.float32, layout=mma)
+    for _step in range(K // 128):
+        slot = count % _STAGES
+        mbarrier.wait(full.index(slot), (count // _STAGES) & 1)
+        # The producer's copies (generic proxy) before the wgmma reads them (async).
+        fence_async_shared()
+        frag = _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE, WG, dot_a)
+        b = x_ring.index(slot).slice(0, COLS).permute((1, 0))
+        acc = warpgroup_mma(frag, b, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        # Gluon puts the partition's barrier before the single arrival: every warp of this
+        # consumer is done with the slot.
+        mbarrier.arrive(empty.index(slot))
+        count += 1
+    if stores:
+        _swiglu_epilogue(
+            acc, epilogue, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, COLS, mma
+        )
+    return count
+
+
+@gluon.jit
+def _tile_96(ring, count, epilogue, stores, lo_table, hi_table, out_rows, swiglu_args, K,
+             TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, SHIFT_DECODE: gl.constexpr,
+             IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+    """_tile over 96 tokens, as 64 and 32 columns (tensor shapes are powers of two): each
+    fragment multiplies both."""
+    x_ring, words_ring, scales_ring, full, empty = ring
+    acc_a = gl.zeros([_WG_ROWS, 64], gl.float32, layout=_MMA_64)
+    acc_b = gl.zeros([_WG_ROWS, 32], gl.float32, layout=_MMA_32)
+    for _step in range(K // 128):
+        slot = count % _STAGES
+        mbarrier.wait(full.index(slot), (count // _STAGES) & 1)
+        fence_async_shared()
+        frag = _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE, WG, _DOT_A_64)
+        x_rows = x_ring.index(slot)
+        acc_a = warpgroup_mma(frag, x_rows.slice(0, 64).permute((1, 0)), acc_a, is_async=True)
+        frag_b = gl.convert_layout(frag, _DOT_A_32, assert_trivial=True)
+        acc_b = warpgroup_mma(frag_b, x_rows.slice(64, 32).permute((1, 0)), acc_b, is_async=True)
+        acc_a, acc_b = warpgroup_mma_wait(0, deps=[acc_a, acc_b])
+        mbarrier.arrive(empty.index(slot))
+        count += 1
+    if stores:
+        _swiglu_epilogue(
+            acc_a, epilogue, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, 64,
+            _MMA_64,
+        )  # fmt: skip
+        pointers, expert, first_row, row_block, row_end, n_valid = epilogue
+        second = (pointers, expert, first_row + 64, row_block, row_end, n_valid)
+        _swiglu_epilogue(
+            acc_b, second, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, 32,
+            _MMA_32,
+        )  # fmt: skip
+    return count
+
+
+@gluon.jit
 def _consumer(
     pointers, ring, sizes, epilogue_args,
-    TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, SKIP_AT_MOST: gl.constexpr,
+    TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, NARROW_T: gl.constexpr, FIT_WIDTHS: gl.constexpr,
     SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
     WG: gl.constexpr,
 ):  # fmt: skip
     bias_ptr, out_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr, in_scale_ptr = pointers
-    x_ring, words_ring, scales_ring, full, empty = ring
     N, K, K_VALID, N_VALID, grid = sizes
     stride_be, stride_om, alpha, limit, in_scale, out_scale = epilogue_args
     num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
@@ -147,44 +248,33 @@ def _consumer(
     epilogue_ptrs = (
         sorted_ptr, sorted_ptr, bias_ptr, sorted_ptr, stride_be, in_scale_ptr, in_scale
     )  # fmt: skip
+    out_rows = (out_ptr, N, stride_om)
+    swiglu_args = (alpha, limit, out_scale)
     count = 0
     for work in range(gl.program_id(0), num_tiles * num_w, grid):
         tile, pid_w, expert, row_end = _work_item(work, num_w, tiles_ptr)
         first_row = tile * _TOKENS
-        if row_end - first_row > SKIP_AT_MOST:
-            row_block = 2 * pid_w + WG
-            acc = gl.zeros([_WG_ROWS, _TOKENS], gl.float32, layout=_MMA)
-            for _step in range(K // 128):
-                slot = count % _STAGES
-                mbarrier.wait(full.index(slot), (count // _STAGES) & 1)
-                # The producer's copies (generic proxy) before the wgmma reads them (async).
-                fence_async_shared()
-                words = words_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS).load(_WORDS)
-                scales = scales_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS)
-                scales = scales.load(gl.SliceLayout(1, _WORDS))
-                frag = decode_fragment(
-                    words, scales, lo_table, hi_table, _DOT_A, _WG_ROWS, SHIFT_DECODE, False, False
-                )
-                b = x_ring.index(slot).permute((1, 0))
-                acc = warpgroup_mma(frag, b, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                # Gluon puts the partition's barrier before the single arrival: every warp of
-                # this consumer is done with the slot.
-                mbarrier.arrive(empty.index(slot))
-                count += 1
-            # A consumer wholly in the zero padding past the real rows stores nothing.
-            if row_block * _WG_ROWS < N_VALID:
-                epilogue = (epilogue_ptrs, expert, first_row, row_block, row_end, N_VALID)
-                operands = epilogue_operands(
-                    epilogue, TOPK, True, HAS_BIAS, False, 0, IN_SCALE, _WG_ROWS, _TOKENS, _MMA
-                )
-                rows, cols, col_ok, _, bias, pre_factor, _ = operands
-                if IN_SCALE != 0:
-                    acc *= pre_factor[None, :]
-                if HAS_BIAS:
-                    acc += bias[:, None]
-                out_rows = (out_ptr, N, stride_om, rows, cols, col_ok)
-                swiglu_store(out_rows, acc, alpha, limit, out_scale, _WG_ROWS, _TOKENS, OUT_QUANT)
+        row_block = 2 * pid_w + WG
+        epilogue = (epilogue_ptrs, expert, first_row, row_block, row_end, N_VALID)
+        # A consumer wholly in the zero padding past the real rows stores nothing.
+        stores = row_block * _WG_ROWS < N_VALID
+        n = row_end - first_row
+        if n > NARROW_T:
+            if not FIT_WIDTHS or n > 96:
+                count = _tile(
+                    ring, count, epilogue, stores, lo_table, hi_table, out_rows, swiglu_args, K,
+                    TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, _TOKENS, _MMA, _DOT_A,
+                )  # fmt: skip
+            elif n > 64:
+                count = _tile_96(
+                    ring, count, epilogue, stores, lo_table, hi_table, out_rows, swiglu_args, K,
+                    TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG,
+                )  # fmt: skip
+            else:
+                count = _tile(
+                    ring, count, epilogue, stores, lo_table, hi_table, out_rows, swiglu_args, K,
+                    TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, 64, _MMA_64, _DOT_A_64,
+                )  # fmt: skip
 
 
 @recordable
@@ -197,7 +287,7 @@ def _warp_specialized_gemm1_kernel(
     stride_xm, stride_we, stride_wp, stride_wn, stride_wc, stride_se, stride_sp, stride_sn,
     stride_sc, stride_be, stride_om,
     alpha, limit, in_scale, out_scale,
-    TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, SKIP_AT_MOST: gl.constexpr,
+    TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, NARROW_T: gl.constexpr, FIT_WIDTHS: gl.constexpr,
     SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
     PDL: gl.constexpr,
 ):  # fmt: skip
@@ -233,10 +323,10 @@ def _warp_specialized_gemm1_kernel(
     gl.warp_specialize(
         [
             (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, HAS_BIAS,
-                         SKIP_AT_MOST, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _FIRST)),
+                         NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _FIRST)),
             (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, HAS_BIAS,
-                         SKIP_AT_MOST, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _SECOND)),
-            (_producer, (producer_pointers, ring, sizes, strides, TOPK, SKIP_AT_MOST)),
+                         NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _SECOND)),
+            (_producer, (producer_pointers, ring, sizes, strides, TOPK, NARROW_T)),
         ],
         [4, 4],
         [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -289,7 +379,8 @@ def warp_specialized_gemm1(
         bias.stride(0) if bias is not None else 0, out.stride(0),
         alpha, limit, in_scale if isinstance(in_scale, float) else 1.0,
         out_scale if out_scale is not None else 1.0,
-        TOPK=top_k, HAS_BIAS=bias is not None, SKIP_AT_MOST=config.narrow_t,
+        TOPK=top_k, HAS_BIAS=bias is not None, NARROW_T=config.narrow_t,
+        FIT_WIDTHS=config.fit_widths,
         SHIFT_DECODE=constexprs["SHIFT_DECODE"], IN_SCALE=constexprs["IN_SCALE"],
         OUT_QUANT=constexprs["OUT_QUANT"], PDL=config.pdl, num_warps=4, launch_pdl=config.pdl,
     )  # fmt: skip
