@@ -1,0 +1,116 @@
+"""Hopper MoE tile configs pinned against the heuristic's pick, beside vLLM's GPT-OSS MoE.
+
+    python3 benchmarks/ab_moe_configs.py --shards whole,tp8 --sizes 3072,6144 \
+        --config "FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=32, warp_specialized=True)"
+
+GPT-OSS-120B weights as bench_moe.py builds them (a TP shard: rank 0's). Each round times
+vLLM's path (OpenAI triton_kernels on PYTHONPATH, as bench_moe.py), the pick and each --config
+in turn, CUDA-graph replayed over --layers distinct weight copies (bench_moe.time_layers), so
+that a machine's drift during the run falls on all of them alike. Prints per config its median
+and range over the rounds, its time over the pick's, vLLM's time over it, and its largest
+difference from the pick's output (0 where it computes the pick's function bit for bit; the
+pick's own accuracy is what bench_moe.py checks). --config takes a Python expression over
+FragmentConfig and dataclasses (e.g. `dataclasses.replace(CONFIGS[-1][1], fit_widths=False)`);
+none leaves the pick against vLLM alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+
+import bench_moe as bench
+import torch
+
+from tokenspeed_kernel import moe_plan, moe_prepare_weights, tensor_parallel_shard
+from tokenspeed_kernel.tools import peers
+from tokenspeed_kernel.tuning import pin_config
+from tokenspeed_kernel_triton.moe import moe_sm90
+from tokenspeed_kernel_triton.moe.fragment_config_sm90 import CONFIGS, FragmentConfig
+
+
+def layer(shard: str, weights):
+    """(config, weights) of `shard`: "whole" or "tpN" (rank 0 of N)."""
+    if shard == "whole":
+        return bench.CONFIG, weights
+    if not shard.startswith("tp") or not shard[2:].isdigit():
+        raise SystemExit(f"--shards: {shard!r} is neither 'whole' nor 'tpN'")
+    return tensor_parallel_shard(bench.CONFIG, weights, rank=0, world_size=int(shard[2:]))
+
+
+def compare(shard: str, m: int, configs: list, plan, ours: list, peer: list, rounds: int):
+    x, logits, out = bench.token_inputs(m)
+
+    def apply(prepared, into):
+        plan.impl.apply(
+            plan, x, prepared, router_logits=logits, topk_weights=None, topk_ids=None, out=into
+        )
+
+    def timed(config) -> float:
+        def forward():
+            for prepared in ours:
+                apply(prepared, out)
+
+        if config is None:
+            return bench.time_layers(forward, len(ours))
+        with pin_config(moe_sm90.KERNEL_NAME, config):
+            return bench.time_layers(forward, len(ours))
+
+    picked = torch.empty_like(out)
+    apply(ours[0], picked)
+    differences = []
+    for config in configs[1:]:
+        tiled = torch.empty_like(out)
+        with pin_config(moe_sm90.KERNEL_NAME, config):
+            apply(ours[0], tiled)
+        differences.append((tiled.float() - picked.float()).abs().max().item())
+
+    times = [[] for _ in configs]
+    vllm = []
+    for _ in range(rounds):
+        vllm.append(bench.time_layers(lambda: [p(x, logits, out) for p in peer], len(peer)))
+        for i, config in enumerate(configs):
+            times[i].append(timed(config))
+    v = statistics.median(vllm)
+    base = statistics.median(times[0])
+    print(f"{shard} M={m}: vLLM {v:.1f} µs [{min(vllm):.1f}-{max(vllm):.1f}]", flush=True)
+    for i, config in enumerate(configs):
+        t = statistics.median(times[i])
+        diff = "" if i == 0 else f", max |config - pick| {differences[i - 1]:.3e}"
+        print(
+            f"  {'pick' if config is None else config}: {t:.1f} µs "
+            f"[{min(times[i]):.1f}-{max(times[i]):.1f}], x{t / base:.3f} the pick's, "
+            f"vLLM / it {v / t:.2f}{diff}",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", default="whole", help="comma-separated: whole, tp2, tp8, ...")
+    parser.add_argument("--sizes", required=True, help="comma-separated M")
+    parser.add_argument("--config", action="append", default=[], help="a FragmentConfig")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
+    args = parser.parse_args()
+    names = dict(FragmentConfig=FragmentConfig, CONFIGS=CONFIGS, dataclasses=dataclasses)
+    configs = [None] + [eval(text, names) for text in args.config]  # noqa: S307 - a dev tool
+    for config in configs[1:]:
+        if not isinstance(config, FragmentConfig):
+            raise SystemExit(f"--config: {config!r} is not a FragmentConfig")
+    sizes = [int(m) for m in args.sizes.split(",")]
+    weights = bench.checkpoint_weights()
+    for shard in args.shards.split(","):
+        config, shard_weights = layer(shard, weights)
+        plan = moe_plan(config, device="cuda", max_num_tokens=max(*sizes, 1024))
+        ours = [moe_prepare_weights(plan, shard_weights) for _ in range(args.layers)]
+        peer = [peers.TritonKernelsMoE(config, shard_weights) for _ in range(args.layers)]
+        for m in sizes:
+            compare(shard, m, configs, plan, ours, peer, args.rounds)
+        del ours, peer
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
