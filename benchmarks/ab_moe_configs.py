@@ -39,6 +39,16 @@ def layer(shard: str, weights):
     return tensor_parallel_shard(bench.CONFIG, weights, rank=0, world_size=int(shard[2:]))
 
 
+def parse_configs(texts: list[str]) -> list[FragmentConfig]:
+    """--config expressions, over FragmentConfig, CONFIGS and dataclasses -> the configs."""
+    names = dict(FragmentConfig=FragmentConfig, CONFIGS=CONFIGS, dataclasses=dataclasses)
+    configs = [eval(text, names) for text in texts]  # a developer's own expressions
+    for config in configs:
+        if not isinstance(config, FragmentConfig):
+            raise SystemExit(f"--config: {config!r} is not a FragmentConfig")
+    return configs
+
+
 def compare(shard: str, m: int, configs: list, plan, ours: list, peer: list, rounds: int):
     x, logits, out = bench.token_inputs(m)
 
@@ -94,11 +104,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
-    names = dict(FragmentConfig=FragmentConfig, CONFIGS=CONFIGS, dataclasses=dataclasses)
-    configs = [None] + [eval(text, names) for text in args.config]  # noqa: S307 - a dev tool
-    for config in configs[1:]:
-        if not isinstance(config, FragmentConfig):
-            raise SystemExit(f"--config: {config!r} is not a FragmentConfig")
+    configs = [None] + parse_configs(args.config)
     sizes = [int(m) for m in args.sizes.split(",")]
     weights = bench.checkpoint_weights()
     for shard in args.shards.split(","):

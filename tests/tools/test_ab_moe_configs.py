@@ -1,0 +1,76 @@
+"""benchmarks/ab_moe_configs.py on the CPU: the --config and --shards checks, and the rounds
+(vLLM's path, the pick, each config in turn) reported as medians, ratios and each config's
+difference from the pick's output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenspeed_kernel.tuning import pinned_config as pinned
+from tokenspeed_kernel_triton.moe import moe_sm90
+from tokenspeed_kernel_triton.moe.fragment_config_sm90 import CONFIGS, FragmentConfig
+
+
+@pytest.fixture(scope="module")
+def ab(import_benchmark):
+    return import_benchmark("ab_moe_configs")
+
+
+def test_configs_are_fragment_config_expressions(ab):
+    plain, changed = ab.parse_configs(
+        [
+            "FragmentConfig(128, 128, 4, 2, pdl=True, warp_specialized=True)",
+            "dataclasses.replace(CONFIGS[-1][1], fit_widths=False)",
+        ]
+    )
+    assert plain == FragmentConfig(128, 128, 4, 2, pdl=True, warp_specialized=True)
+    assert not changed.fit_widths and CONFIGS[-1][1].fit_widths
+    for bad in ("1", "CONFIGS[-1]"):
+        with pytest.raises(SystemExit, match="not a FragmentConfig"):
+            ab.parse_configs([bad])
+
+
+def test_shards_are_whole_or_tp_n(ab):
+    assert ab.layer("whole", "weights") == (ab.bench.CONFIG, "weights")
+    for bad in ("tp", "ep4", "tpx"):
+        with pytest.raises(SystemExit, match="--shards"):
+            ab.layer(bad, None)
+
+
+def test_rounds_interleave_and_report_medians_ratios_and_differences(ab, monkeypatch, capsys):
+    slower = FragmentConfig(128, 64, 4, 4)
+    other = FragmentConfig(128, 8, 4, 3)
+    order = []
+    # Per round: vLLM, the pick, `slower`, `other` (µs).
+    times = iter([300.0, 200.0, 220.0, 180.0] + [310.0, 210.0, 230.0, 190.0] * 2)
+
+    def time_layers(fn, layers):
+        fn()
+        order.append(pinned(moe_sm90.KERNEL_NAME))
+        return next(times)
+
+    def token_inputs(m):
+        return torch.zeros(m, 4), torch.zeros(m, 8), torch.zeros(m, 4)
+
+    class Impl:
+        @staticmethod
+        def apply(plan, x, prepared, out, **routing):
+            # `other` computes something else: its output differs from the pick's by 0.5.
+            out.fill_(0.5 if pinned(moe_sm90.KERNEL_NAME) == other else 0.0)
+
+    class Plan:
+        impl = Impl
+
+    monkeypatch.setattr(ab.bench, "time_layers", time_layers)
+    monkeypatch.setattr(ab.bench, "token_inputs", token_inputs)
+    peer = [lambda x, logits, out: None]
+    ab.compare("whole", 3, [None, slower, other], Plan(), ["layer"], peer, rounds=3)
+    assert order == [None, None, slower, other] * 3
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "whole M=3: vLLM 310.0 µs [300.0-310.0]"
+    assert lines[1] == "  pick: 210.0 µs [200.0-210.0], x1.000 the pick's, vLLM / it 1.48"
+    assert lines[2].endswith(
+        ": 230.0 µs [220.0-230.0], x1.095 the pick's, vLLM / it 1.35, max |config - pick| 0.000e+00"
+    )
+    assert lines[3].endswith("vLLM / it 1.63, max |config - pick| 5.000e-01")
