@@ -522,13 +522,14 @@ def test_wgmma_narrow_tiles_change_nothing():
     runs): bit for bit the output of one launch, with plain and dependent launches, for calls
     back to back. Skewed routing gives experts with one token, a few, exactly narrow_t,
     just over it, a whole tile and more than one; even routing at M=300 leaves every tile
-    narrow, and at M=2048 (each expert exactly one 64-token tile) none."""
+    narrow, and at M=2048 (each expert exactly one 64-token tile) none. The narrow launch on
+    a ring of its own depth (narrow_stages) too."""
     spec, plan, prepared = _wgmma_gpt_oss_layer()
     g = torch.Generator(device="cuda").manual_seed(6)
     cases = (
         (256, (128, 16, 4, 4), (8,), "skewed"),
         (300, (128, 64, 4, 4), (32, 16), "skewed"),
-        (1100, (128, 128, 4, 2), (64, 32), "skewed"),
+        (1100, (128, 128, 4, 2), (64, 32, (64, 4)), "skewed"),
         (300, (128, 64, 4, 4), (32,), "even"),
         (2048, (128, 64, 4, 4), (32,), "whole tiles"),
     )
@@ -553,17 +554,21 @@ def test_wgmma_narrow_tiles_change_nothing():
                 lg.scatter_add_(1, picks, torch.full((m, 4), 30.0, device="cuda"))
         for pdl in (False, True):
             results = []
-            for narrow_t in (0, *narrows):
+            for narrow in (0, *narrows):
+                # narrow_t, or (narrow_t, narrow_stages)
+                narrow_t, narrow_stages = narrow if isinstance(narrow, tuple) else (narrow, 0)
                 outs = [torch.empty_like(x) for x in xs]
-                config = FragmentConfig(*tile, pdl=pdl, narrow_t=narrow_t)
+                config = FragmentConfig(
+                    *tile, pdl=pdl, narrow_t=narrow_t, narrow_stages=narrow_stages
+                )
                 with pin_config(HOPPER, config):
                     for x, lg, out in zip(xs, logits, outs, strict=True):
                         spec.fn.apply(plan, x, prepared, router_logits=lg, out=out)
                 results.append(outs)
-            for narrow_t, variant in zip(narrows, results[1:], strict=True):
+            for narrow, variant in zip(narrows, results[1:], strict=True):
                 for i, (one, split) in enumerate(zip(results[0], variant, strict=True)):
                     assert torch.equal(one, split), (
-                        f"M={m} ({routing}), narrow_t={narrow_t}, pdl={pdl}, call {i}"
+                        f"M={m} ({routing}), narrow {narrow}, pdl={pdl}, call {i}"
                     )
 
 

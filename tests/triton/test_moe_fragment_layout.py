@@ -212,6 +212,10 @@ def test_fragment_config_refuses_rings_the_kernel_cannot_run():
             FragmentConfig(128, 64, 4, 4, narrow_t=narrow_t)
     with pytest.raises(ValueError, match="narrow_t"):
         FragmentConfig(64, 16, 4, 2, chunks=4, mma_in_flight=1, post_scale=True, narrow_t=8)
+    assert FragmentConfig(128, 128, 4, 2, narrow_t=64, narrow_stages=4).narrow_stages == 4
+    for stages, narrow_t in ((1, 64), (4, 0)):  # a ring of one step, no narrow launch
+        with pytest.raises(ValueError, match="narrow_stages"):
+            FragmentConfig(128, 128, 4, 2, narrow_t=narrow_t, narrow_stages=stages)
     assert FragmentConfig(64, 8, 4, 2, chunks=4).in_flight == 4
     assert FragmentConfig(64, 8, 4, 2, chunks=4, mma_in_flight=1).in_flight == 1
     with pytest.raises(ValueError, match="tile_ready needs pdl"):
@@ -258,6 +262,23 @@ def test_shards_run_the_config_below_their_intermediate_size():
         False,
         True,
     ]
+    # M = 1025 to 2048: the narrow launch to M=1280 on the long intermediates, then one
+    # launch of 64-token tiles to M=1664, then 128-token tiles whose 64-token narrow tiles
+    # have a 4-step ring (H200 measurements).
+    shapes = {}
+    for m in (1024, 1152, 1280, 1536, 1664, 1792, 2048):
+        picked = [for_intermediate(pick_fragment_config(m * 4), i) for i in (384, 768, 1536, 2944)]
+        shapes[m] = [(c.block_t, c.stages, c.narrow_t, c.narrow_stages) for c in picked]
+    narrow_32, tile_64, tile_128 = (64, 4, 32, 0), (64, 4, 0, 0), (128, 2, 64, 4)
+    assert shapes == {
+        1024: [narrow_32] * 4,
+        1152: [tile_64, tile_64, narrow_32, narrow_32],
+        1280: [tile_64, tile_64, narrow_32, narrow_32],
+        1536: [tile_64] * 4,
+        1664: [tile_64] * 4,
+        1792: [tile_128] * 4,
+        2048: [tile_128] * 4,
+    }
     decode = pick_fragment_config(13 * 4)
     assert [for_intermediate(decode, i).stages for i in (384, 768, 1536, 2944)] == [3, 3, 4, 4]
     for bad in ((0, short), (-1, short), (768, "short"), 768, (768,)):

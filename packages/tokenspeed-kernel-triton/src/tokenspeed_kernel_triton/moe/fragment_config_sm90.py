@@ -27,7 +27,9 @@ class FragmentConfig:
     shift-decoded weights with an fp16 intermediate only, else moe_forward_sm90 falls back to
     scaled fragments); narrow_t: each GEMM runs its tiles of at most narrow_t tokens (an
     expert's last, or only, tile) in a second launch of block_w x narrow_t tiles, whose MMAs
-    are that much narrower (the routing tiles stay block_t rows); below_intermediate =
+    are that much narrower (the routing tiles stay block_t rows), with a ring of narrow_stages
+    steps (0: `stages`; a narrow tile's ring takes less shared memory, so it affords more
+    steps at the same CTAs per SM); below_intermediate =
     (channels, config): the config that runs instead where the padded intermediate size is
     under `channels` (for_intermediate: a TP shard's short GEMMs can pay more for a second
     launch than its narrower MMAs save); half_pair_rows: GEMM2 may
@@ -50,6 +52,7 @@ class FragmentConfig:
     mma_in_flight: int | None = None
     post_scale: bool = False
     narrow_t: int = 0
+    narrow_stages: int = 0
     below_intermediate: tuple[int, FragmentConfig] | None = None
     half_pair_rows: bool = False
     warp_specialized: bool = False
@@ -73,6 +76,11 @@ class FragmentConfig:
             raise ValueError(
                 f"FragmentConfig: narrow_t {self.narrow_t} is not a power of two in [8, "
                 f"block_t {self.block_t}) on a scaled-fragment config"
+            )
+        if self.narrow_stages and (self.narrow_stages < 2 or not self.narrow_t):
+            raise ValueError(
+                f"FragmentConfig: narrow_stages {self.narrow_stages} needs narrow_t and at "
+                f"least 2 steps"
             )
         below = self.below_intermediate
         if below is not None and not (
@@ -113,6 +121,9 @@ class FragmentConfig:
         """Chunks whose wgmmas may run while the next chunk decodes (all of a step's: None)."""
         return self.chunks if self.mma_in_flight is None else self.mma_in_flight
 
+
+_TILE_64 = FragmentConfig(128, 64, 4, 4, pdl=True, half_pair_rows=True)
+_TILE_64_NARROW_32 = dataclasses.replace(_TILE_64, narrow_t=32)
 
 # GEMM1's full tiles warp-specialized, the prefill sizes' tile (CONFIGS, last entry).
 _PREFILL_WS = FragmentConfig(
@@ -222,7 +233,7 @@ CONFIGS = (
             below_intermediate=(768, FragmentConfig(128, 16, 4, 4, pdl=True)),
         ),
     ),
-    # Prefill batches up to M=2048: 64-token tiles waste less padding than 128 at up to ~64
+    # Prefill batches up to M=1024: 64-token tiles waste less padding than 128 at up to ~64
     # rows per expert. 8 warps on this tile measured within run-to-run noise of 4. Two chunks
     # per step need ~2x the registers here and lost (M=4096: 3491 us against 2545). H100,
     # M=1024, one run: 1033.5 us (no PDL 1042.0, 3 stages 1070.6, GEMM2 in 2 splits 1078.0,
@@ -233,13 +244,28 @@ CONFIGS = (
     # decoded once per expert. H100, same run as vLLM's path, whole layer, µs, narrow_t 32 /
     # none / 16 / vLLM: M=1024 916.1 / 1027.1 / 1033.8 / 1281.0 (3 stages 929.6), M=2048
     # 1450.3 / 1507.8 / 1423.3 / 1622.5 (8: 1440.0; the 128-token tile with 64: 1412.1).
-    (4096, FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32, half_pair_rows=True)),
-    # M = 1025 to 2048, ~32 to 64 rows per expert: 128-token tiles whose experts of at most
-    # 64 rows run as 128x64 tiles in the narrow launch, and those of 65 to 128 as one 128-token
-    # tile rather than two 64-token ones. H200, same run as vLLM's path, µs, this / the
-    # 64-token tile above / vLLM: whole layer M=1536 1131.4 / 1121.1 / 1160.7, M=2048 1396.1 /
-    # 1457.4 / 1612.5; TP=8 shard M=1536 227.8 / 238.3 / 204.1, M=2048 282.8 / 287.6 / 293.1.
-    (8192, FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=64, half_pair_rows=True)),
+    (4096, _TILE_64_NARROW_32),
+    # M = 1025 to 1664 (~32 to 52 rows per expert): the narrow launch pays while enough
+    # experts fit it, on the long intermediates longer (whole layer, TP=2: to M=1280); past
+    # that, one launch of 64-token tiles beats both it and the 128-token tile below, whose
+    # narrow launch and short shards pay a second launch for few tiles. H200, 2026-11-28,
+    # in runs beside vLLM's path, three interleaved rounds, graph-timed over 4
+    # layers, outputs bit for bit the same (TP=2, TP=4 and M=1664 on a second machine), µs,
+    # 64-token tiles / with narrow_t 32 / the
+    # 128-token tile with narrow_stages 4 (below) / vLLM: whole layer M=1152 1006.3 / 957.4 /
+    # - / 1101.5, M=1280 1017.9 / 982.8 / - / 1123.0, M=1536 1057.5 / 1070.1 / - / 1127.5,
+    # M=1664 1078.7 / - / 1080.4 / 1126.6; TP=2 M=1152 544.1 / 513.5 / 552.9 / 590.1, M=1280
+    # 554.2 / 539.0 / 554.9 / 589.9, M=1536 573.0 / 584.3 / 571.8 / 598.6, M=1664 585.9 /
+    # 593.9 / 581.9 / 603.4; TP=4 M=1152 294.6 / 292.8 / 302.7 / 323.2, M=1280 297.0 / 307.1 /
+    # 303.8 / 323.4, M=1536 311.0 / 327.6 / 313.5 / 331.4, M=1664 318.0 / 334.3 / 317.5 /
+    # 335.1; TP=8 M=1152 175.2 / 183.2 / - / 198.0, M=1280 177.4 / 192.1 / - / 199.9, M=1536
+    # 182.9 / 208.4 / - / 203.7, M=1664 185.8 / - / 194.2 / 207.0.
+    (5120, dataclasses.replace(_TILE_64_NARROW_32, below_intermediate=(1024, _TILE_64))),
+    (6656, _TILE_64),
+    (
+        8192,
+        FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=64, narrow_stages=4, half_pair_rows=True),
+    ),
     # From ~128 rows per expert: 128 tokens per tile halve the weight decode per MMA, and a
     # two-step ring keeps shared memory for two independent 4-warp CTAs per SM (255
     # registers), which interleave one's decode with the other's wgmmas. One 8-warp CTA of two

@@ -259,7 +259,8 @@ def supports(request, platform) -> Support:
 
 
 # GPT-OSS-120B's H = I = 2880, top-4, 8 experts (no config depends on the count). M = 1, 4 and
-# 16 take the decode tiles (grid wait; tile by tile), 64 and 256 the serving tiles, 4096 the
+# 16 take the decode tiles (grid wait; tile by tile), 64 and 256 the serving tiles, 1536 the
+# 64-token tiles, 2048 the 128-token ones with a 4-step narrow ring, 4096 the
 # prefill tile (also at a TP=8 shard's I = 384, with fp16 pair rows). The weight gain moves
 # the e8m0 scales (centre 127 + log2(gain) - 7 for w13, - log2(gain) for w2), which picks
 # each weight's decode: gain 1 shift-decodes w13 to bf16 and
@@ -275,6 +276,8 @@ AOT_CASES = (
     dict(_GPT_OSS, num_tokens=16),
     dict(_GPT_OSS, num_tokens=64),
     dict(_GPT_OSS, num_tokens=256),
+    dict(_GPT_OSS, num_tokens=1536),
+    dict(_GPT_OSS, num_tokens=2048),
     dict(_GPT_OSS, num_tokens=4096),
     dict(_GPT_OSS, num_tokens=4096, intermediate_size=384),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**17),

@@ -562,7 +562,7 @@ def _config_constexprs(config, narrow: bool, e4m3: bool) -> dict:
         BLOCK_T=block_t,
         TILE_ROWS=config.block_t,
         SKIP_AT_MOST=0 if narrow else config.narrow_t,
-        STAGES=config.stages,
+        STAGES=(config.narrow_stages or config.stages) if narrow else config.stages,
         CHUNKS=config.chunks,
         PDL=config.pdl,
         TILE_READY=config.tile_ready,
