@@ -125,16 +125,6 @@ def test_routing_refuses_ready_counters_it_cannot_clear():
         route(logits[:2], None, None, top_k=4, num_experts=16, block_m=8, ready=ready.float())
 
 
-def test_routing_refuses_narrow_tiles_it_cannot_write():
-    """The narrow tiles' buffer holds an int32 per local expert, and narrow_t is below the
-    tile: anything else is refused before a launch."""
-    logits = torch.randn(70, 16, generator=generator("moe-narrow", 70)).to(DEVICE)
-    fits = torch.empty(16, dtype=torch.int32, device=DEVICE)
-    for narrow in ((fits[:15], 4), (fits.float(), 4), (fits, 0), (fits, 8)):
-        with pytest.raises(ValueError, match="narrow"):
-            route(logits, None, None, top_k=4, num_experts=16, block_m=8, narrow=narrow)
-
-
 def test_router_prescales_rows_exactly():
     """The one-program router's prescale programs (the post-scaled Hopper GEMM1's x): each row
     times 2^(126 - E), E = floor(log2 max|row|) clamped to [0, 126], exact; rows beyond the
