@@ -6,7 +6,10 @@
 GPT-OSS-120B weights as bench_moe.py builds them (a TP shard: rank 0's). Each round times
 vLLM's path (OpenAI triton_kernels on PYTHONPATH, as bench_moe.py), the pick and each --config
 in turn, CUDA-graph replayed over --layers distinct weight copies (bench_moe.time_layers), so
-that a machine's drift during the run falls on all of them alike. Prints per config its median
+that a machine's drift during the run falls on all of them alike; the order turns by one each
+round, since a layer timed right after vLLM's path ran slower than the same layer timed later
+in the round (H200, 2026-11-28, the pick against the same config pinned, M = 1152-1792 on
+the whole layer and TP=2/4/8 shards: -0.4% to 2.3%, median 0.6%). Prints per config its median
 and range over the rounds, its time over the pick's, vLLM's time over it, and its largest
 difference from the pick's output (0 where it computes the pick's function bit for bit; the
 pick's own accuracy is what bench_moe.py checks). --config takes a Python expression over
@@ -76,12 +79,20 @@ def compare(shard: str, m: int, configs: list, plan, ours: list, peer: list, rou
             apply(ours[0], tiled)
         differences.append((tiled.float() - picked.float()).abs().max().item())
 
+    def peer_forward():
+        for p in peer:
+            p(x, logits, out)
+
     times = [[] for _ in configs]
     vllm = []
-    for _ in range(rounds):
-        vllm.append(bench.time_layers(lambda: [p(x, logits, out) for p in peer], len(peer)))
-        for i, config in enumerate(configs):
-            times[i].append(timed(config))
+    runners = [None, *range(len(configs))]  # None: vLLM's path
+    for r in range(rounds):
+        turn = r % len(runners)
+        for i in runners[turn:] + runners[:turn]:
+            if i is None:
+                vllm.append(bench.time_layers(peer_forward, len(peer)))
+            else:
+                times[i].append(timed(configs[i]))
     v = statistics.median(vllm)
     base = statistics.median(times[0])
     print(f"{shard} M={m}: vLLM {v:.1f} µs [{min(vllm):.1f}-{max(vllm):.1f}]", flush=True)

@@ -1,6 +1,6 @@
 """benchmarks/ab_moe_configs.py on the CPU: the --config and --shards checks, and the rounds
-(vLLM's path, the pick, each config in turn) reported as medians, ratios and each config's
-difference from the pick's output."""
+(vLLM's path, the pick, each config in turn, the order turned by one each round) reported as
+medians, ratios and each config's difference from the pick's output."""
 
 from __future__ import annotations
 
@@ -42,13 +42,17 @@ def test_rounds_interleave_and_report_medians_ratios_and_differences(ab, monkeyp
     slower = FragmentConfig(128, 64, 4, 4)
     other = FragmentConfig(128, 8, 4, 3)
     order = []
-    # Per round: vLLM, the pick, `slower`, `other` (µs).
-    times = iter([300.0, 200.0, 220.0, 180.0] + [310.0, 210.0, 230.0, 190.0] * 2)
+    peer_ran = []
+    # Per runner (vLLM, the pick, `slower`, `other`), µs: its first round, then later ones.
+    times = {"vLLM": (300.0, 310.0), None: (200.0, 210.0), slower: (220.0, 230.0)}
+    times[other] = (180.0, 190.0)
 
     def time_layers(fn, layers):
         fn()
-        order.append(pinned(moe_sm90.KERNEL_NAME))
-        return next(times)
+        who = "vLLM" if peer_ran and peer_ran.pop() else pinned(moe_sm90.KERNEL_NAME)
+        later = who in order
+        order.append(who)
+        return times[who][later]
 
     def token_inputs(m):
         return torch.zeros(m, 4), torch.zeros(m, 8), torch.zeros(m, 4)
@@ -64,9 +68,13 @@ def test_rounds_interleave_and_report_medians_ratios_and_differences(ab, monkeyp
 
     monkeypatch.setattr(ab.bench, "time_layers", time_layers)
     monkeypatch.setattr(ab.bench, "token_inputs", token_inputs)
-    peer = [lambda x, logits, out: None]
+    peer = [lambda x, logits, out: peer_ran.append(True)]
     ab.compare("whole", 3, [None, slower, other], Plan(), ["layer"], peer, rounds=3)
-    assert order == [None, None, slower, other] * 3
+    assert order == [
+        *("vLLM", None, slower, other),
+        *(None, slower, other, "vLLM"),
+        *(slower, other, "vLLM", None),
+    ]
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "whole M=3: vLLM 310.0 µs [300.0-310.0]"
     assert lines[1] == "  pick: 210.0 µs [200.0-210.0], x1.000 the pick's, vLLM / it 1.48"
