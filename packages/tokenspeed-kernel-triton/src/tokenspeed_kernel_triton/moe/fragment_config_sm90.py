@@ -237,8 +237,7 @@ CONFIGS = (
     # rows per expert. 8 warps on this tile measured within run-to-run noise of 4. Two chunks
     # per step need ~2x the registers here and lost (M=4096: 3491 us against 2545). H100,
     # M=1024, one run: 1033.5 us (no PDL 1042.0, 3 stages 1070.6, GEMM2 in 2 splits 1078.0,
-    # 128x32 1052.5 / 3 stages 1070.3, 64x64 1267.5 / 3 stages 1197.4, 64x32 1152.5). H200,
-    # M=2048: 1451 us against 1554 for the 128-token tile below.
+    # 128x32 1052.5 / 3 stages 1070.3, 64x64 1267.5 / 3 stages 1197.4, 64x32 1152.5).
     # Tiles of at most 32 tokens (at M=1024, ~32 per expert: every expert's tile about half
     # the time) in a launch of 128x32 tiles of their own: MMAs half as wide, the weights still
     # decoded once per expert. H100, same run as vLLM's path, whole layer, µs, narrow_t 32 /
@@ -248,11 +247,10 @@ CONFIGS = (
     # M = 1025 to 1664 (~32 to 52 rows per expert): the narrow launch pays while enough
     # experts fit it, on the long intermediates longer (whole layer, TP=2: to M=1280); past
     # that, one launch of 64-token tiles beats both it and the 128-token tile below, whose
-    # narrow launch and short shards pay a second launch for few tiles. H200, 2026-11-28,
-    # in runs beside vLLM's path, three interleaved rounds, graph-timed over 4
-    # layers, outputs bit for bit the same (TP=2, TP=4 and M=1664 on a second machine), µs,
-    # 64-token tiles / with narrow_t 32 / the
-    # 128-token tile with narrow_stages 4 (below) / vLLM: whole layer M=1152 1006.3 / 957.4 /
+    # narrow launch and short shards pay a second launch for few tiles. H200, 2026-11-28, in
+    # runs beside vLLM's path, three interleaved rounds, graph-timed over 4 layers, outputs
+    # bit for bit the same (TP=2, TP=4 and M=1664 on a second machine), µs, 64-token tiles /
+    # with narrow_t 32 / the 128-token tile below / vLLM: whole layer M=1152 1006.3 / 957.4 /
     # - / 1101.5, M=1280 1017.9 / 982.8 / - / 1123.0, M=1536 1057.5 / 1070.1 / - / 1127.5,
     # M=1664 1078.7 / - / 1080.4 / 1126.6; TP=2 M=1152 544.1 / 513.5 / 552.9 / 590.1, M=1280
     # 554.2 / 539.0 / 554.9 / 589.9, M=1536 573.0 / 584.3 / 571.8 / 598.6, M=1664 585.9 /
@@ -262,6 +260,16 @@ CONFIGS = (
     # 182.9 / 208.4 / - / 203.7, M=1664 185.8 / - / 194.2 / 207.0.
     (5120, dataclasses.replace(_TILE_64_NARROW_32, below_intermediate=(1024, _TILE_64))),
     (6656, _TILE_64),
+    # M = 1665 to 2048, ~52 to 64 rows per expert: 128-token tiles whose experts of at most
+    # 64 rows run as 128x64 tiles in the narrow launch, and those of 65 to 128 as one
+    # 128-token tile rather than two 64-token ones (H200, µs, this with a 2-step narrow
+    # ring / 64-token tiles / vLLM:
+    # whole layer M=2048 1359.6 / 1459.6 / 1550.5, TP=8 246.3 / 262.7 / 293.5). The narrow
+    # tiles on a 4-step ring of their own (narrow_stages): the 128-token tiles' 2 steps keep
+    # two CTAs an SM, which the narrow tiles' smaller ring keeps at 4. H200, same method, µs,
+    # 4 / 2 steps / vLLM: whole layer M=1792 1174.3 / 1193.5 / 1255.5, M=2048 1337.6 / 1335.0
+    # / 1585.2; TP=2 M=1792 622.3 / 639.0 / 686.2; TP=4 M=1792 345.4 / 354.5 / 375.8; TP=8
+    # M=1792 215.0 / 221.7 / 243.0, M=2048 242.1 / 246.2 / 293.9 (3 steps 215.2 and 242.6).
     (
         8192,
         FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=64, narrow_stages=4, half_pair_rows=True),
