@@ -125,6 +125,16 @@ def test_routing_refuses_ready_counters_it_cannot_clear():
         route(logits[:2], None, None, top_k=4, num_experts=16, block_m=8, ready=ready.float())
 
 
+def test_routing_refuses_narrow_tiles_it_cannot_write():
+    """The narrow tiles' buffer holds an int32 per local expert, and narrow_t is below the
+    tile: anything else is refused before a launch."""
+    logits = torch.randn(70, 16, generator=generator("moe-narrow", 70)).to(DEVICE)
+    fits = torch.empty(16, dtype=torch.int32, device=DEVICE)
+    for narrow in ((fits[:15], 4), (fits.float(), 4), (fits, 0), (fits, 8)):
+        with pytest.raises(ValueError, match="narrow"):
+            route(logits, None, None, top_k=4, num_experts=16, block_m=8, narrow=narrow)
+
+
 def test_router_prescales_rows_exactly():
     """The one-program router's prescale programs (the post-scaled Hopper GEMM1's x): each row
     times 2^(126 - E), E = floor(log2 max|row|) clamped to [0, 126], exact; rows beyond the
@@ -522,8 +532,9 @@ def test_wgmma_narrow_tiles_change_nothing():
     runs): bit for bit the output of one launch, with plain and dependent launches, for calls
     back to back. Skewed routing gives experts with one token, a few, exactly narrow_t,
     just over it, a whole tile and more than one; even routing at M=300 leaves every tile
-    narrow, and at M=2048 (each expert exactly one 64-token tile) none. The narrow launch on
-    a ring of its own depth (narrow_stages) too."""
+    narrow, and at M=2048 (each expert exactly one 64-token tile) none. Skewed routing gives
+    expert 0 one token: the narrow launch's first CTA has a tile, and under dependent launch
+    its last only waits. The narrow launch on a ring of its own depth (narrow_stages) too."""
     spec, plan, prepared = _wgmma_gpt_oss_layer()
     g = torch.Generator(device="cuda").manual_seed(6)
     cases = (

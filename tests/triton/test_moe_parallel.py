@@ -131,7 +131,8 @@ def test_routing_groups_only_the_local_experts(
     kernel) and at 8 pairs (35 and 375 blocks), 4 experts an align program and 4 blocks a
     step (many programs, many steps). Every entry of the tile table and every sorted row is
     written on each call, the unused ones with 0 (the GEMMs read whole tiles): a second call
-    into the same buffers, filled with -7 in between, leaves none of it."""
+    into the same buffers, filled with -7 in between, leaves none of it. Each local expert's
+    narrow tile (its last, if it holds at most 2 of the 4 rows; else -1) is written too."""
     if small_blocks:
         monkeypatch.setattr(triton_routing, "_BLOCK_PAIRS", 8)
         monkeypatch.setattr(triton_routing, "_COUNTS_PER_LOAD", 16)
@@ -146,16 +147,24 @@ def test_routing_groups_only_the_local_experts(
         given_ids[1::7, -1] = 16
         given, logits = (given_w, given_ids), None
 
+    narrow_tiles = torch.empty(6, dtype=torch.int32, device=DEVICE)
+
     def routed():
         return route(
             logits, *given, top_k=top_k, num_experts=16, block_m=4, expert_offset=5,
-            num_local_experts=6,
+            num_local_experts=6, narrow=(narrow_tiles, 2),
         )  # fmt: skip
 
-    for buffer in routed()[2:4]:  # sorted pairs, tiles
+    for buffer in (*routed()[2:4], narrow_tiles):  # sorted pairs, tiles, narrow tiles
         buffer.fill_(-7)
     weights, ids, sorted_pairs, tiles, num_tiles, bound = routed()
     assert (sorted_pairs != -7).all() and (tiles != -7).all()
+    last_tiles = {}
+    for t in range(int(num_tiles)):
+        expert, row_end = (int(v) for v in tiles[t].cpu())
+        last_tiles[expert] = (t, row_end - 4 * t)
+    narrow = [last_tiles[e][0] if last_tiles.get(e, (0, 4))[1] <= 2 else -1 for e in range(6)]
+    assert narrow_tiles.cpu().tolist() == narrow
     flat = ids.reshape(-1).long().cpu() - 5
     local = torch.nonzero((flat >= 0) & (flat < 6)).reshape(-1).tolist()
     seen, last = [], -1

@@ -83,7 +83,7 @@ def route_for_gemms(
     expert_offset + prepared["num_experts"] - 1 (all E, unless expert-parallel). Ids the router
     picks are in range when it holds every expert (None to check); otherwise the ids go to
     the combine, which skips the pairs routing left out. options: route's launch_dependents,
-    ready and prescale."""
+    ready, prescale and narrow."""
     local = prepared["num_experts"]
     # A router's width is the global expert count; precomputed ids only need the local range.
     num_experts = router_logits.shape[1] if router_logits is not None else expert_offset + local

@@ -114,7 +114,7 @@ def moe_forward_sm90(
         else:
             x, x_scale = quantize_rows(x, w13_input_scale, "x", values_as=torch.bfloat16)
     quant = (w13_input_scale, None if w13_input_scale is not None else x_scale) if fp8 else None
-    routing, ids_to_check, ready, x_exp, x_in = _route(
+    routing, ids_to_check, ready, narrow_tiles, x_exp, x_in = _route(
         x, prepared, top_k, config, routing_inputs, quant
     )
     H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
@@ -127,7 +127,7 @@ def moe_forward_sm90(
         act = scratch("act", (rows, 2 * Ip), torch.bfloat16, x.device)
     # For the pass GEMM1 writes float32 rows, quantized into act below.
     act32 = scratch("act32", (rows, Ip), torch.float32, x.device) if act_pass else act
-    common = dict(config=config, ready=ready)
+    common = dict(config=config, ready=ready, narrow_tiles=narrow_tiles)
     w13 = (prepared["w13"], prepared["w13_scale"], prepared["w13_bias"])
     # GEMM1 writes channels up to I; with e4m3 rows written in place (a static scale) it
     # computes the zero padding's rows too, whose zeros GEMM2's e4m3 copies read (a channel's
@@ -194,12 +194,14 @@ def moe_forward_sm90(
 
 
 def _route(x, prepared, top_k, config, routing_inputs: dict, quant=None):
-    """Routing for the fragment GEMMs: (routing, ids the combine checks, ready, x exponents,
-    GEMM1's x). With config.post_scale the router also writes x's rows scaled up by powers
-    of two (GEMM1's x) and their exponents, with quant = (static scale, per-row scales) of
-    their e4m3 values (routing.route's prescale); with config.tile_ready it zeroes the
-    per-tile counters `ready` that GEMM2 waits on (programmatic dependent launch: each kernel
-    after the router starts its CTAs while the previous one finishes)."""
+    """Routing for the fragment GEMMs: (routing, ids the combine checks, ready, narrow
+    tiles, x exponents, GEMM1's x). With config.narrow_t the router also writes each
+    expert's narrow tile (routing.route's narrow), which the narrow launches take. With
+    config.post_scale the router also writes x's rows scaled up by powers of two (GEMM1's x)
+    and their exponents, with quant = (static scale, per-row scales) of their e4m3 values
+    (routing.route's prescale); with config.tile_ready it zeroes the per-tile counters
+    `ready` that GEMM2 waits on (programmatic dependent launch: each kernel after the router
+    starts its CTAs while the previous one finishes)."""
     M = x.shape[0]
     prescale = None
     if config.post_scale:
@@ -211,6 +213,10 @@ def _route(x, prepared, top_k, config, routing_inputs: dict, quant=None):
     if config.tile_ready:
         bound = max_tiles(M * top_k, prepared["num_experts"], config.block_t)
         ready = scratch("ready", (bound,), torch.int32, x.device)
+    narrow_tiles = narrow = None
+    if config.narrow_t:
+        narrow_tiles = scratch("narrow_tiles", (prepared["num_experts"],), torch.int32, x.device)
+        narrow = (narrow_tiles, config.narrow_t)
     routing, ids_to_check = route_for_gemms(
         prepared,
         top_k,
@@ -219,10 +225,11 @@ def _route(x, prepared, top_k, config, routing_inputs: dict, quant=None):
         launch_dependents=config.pdl,
         ready=ready,
         prescale=prescale,
+        narrow=narrow,
     )
     if prescale is None:
-        return routing, ids_to_check, ready, None, x
-    return routing, ids_to_check, ready, prescale[2], prescale[1]
+        return routing, ids_to_check, ready, narrow_tiles, None, x
+    return routing, ids_to_check, ready, narrow_tiles, prescale[2], prescale[1]
 
 
 class TritonMoESm90(PaddedMoEKernel):

@@ -19,6 +19,13 @@ on a cursor per expert): M=64 11.2 / 11.1, M=256 11.7 / 15.2, M=1024 12.5 / 17.0
 13.1 / 19.1, M=8192 14.7 / 25.7. One align program that also stored each block's prefix
 took 19 µs at M=8192.
 
+Narrow tiles: for the GEMMs' launch of narrow tiles (an expert's last tile when it holds at
+most narrow_t rows), either router also writes `narrow_tiles[e]`, local expert e's tile index
+if its last tile is one, else -1, so that the launch's grid covers the experts rather than every
+tile slot: CTAs of slots that hold no narrow tile start only as the full-tile launch's CTAs
+drain, and load and exit (H200, TP=8 shard at M=3072, where no tile is narrow: 285.4 against
+287.9 µs for a grid of 224 tile slots x 23 row blocks in GEMM2; docs/decisions.md).
+
 Expert parallelism: the layer holds experts expert_offset .. expert_offset + E_local - 1 of the E
 the router ranks (ids stay global); tiles name the local expert (id - expert_offset), and the
 counts, the tile table and its bound are sized for E_local.
@@ -209,6 +216,17 @@ def _store_tile_entries(
 
 
 @triton.jit
+def _store_narrow_tiles(narrow_ptr, counts, ntiles, tile_end, E_LOCAL, BLOCK_M: tl.constexpr,
+                        NARROW_T: tl.constexpr):  # fmt: skip
+    """narrow_tiles[e] for the local experts e < E_LOCAL (module doc); NARROW_T 0: none."""
+    if NARROW_T:
+        experts = tl.arange(0, counts.shape[0])
+        last_rows = counts - (ntiles - 1) * BLOCK_M
+        narrow = (ntiles > 0) & (last_rows <= NARROW_T)
+        tl.store(narrow_ptr + experts, tl.where(narrow, tile_end - 1, -1), mask=experts < E_LOCAL)
+
+
+@triton.jit
 def _expert_of_tiles(tile_end, t):
     """Expert of each tile t: how many experts' tile ranges end at or before it."""
     return tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), axis=1)
@@ -221,13 +239,16 @@ def _write_expert_tiles(
     sorted_ptr,
     counts,
     max_tiles,
+    narrow,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     TILE_CHUNK: tl.constexpr,
+    NARROW_T: tl.constexpr,
 ):
     """Tile table from per-expert counts, in one program: each expert writes its own tiles'
     entries and its last tile's padding rows, then the tiles past the last are zeroed (every
-    entry written, as _store_tile_entries explains). Returns each expert's first sorted row.
+    entry written, as _store_tile_entries explains), and narrow_tiles (narrow: its pointer and
+    E_LOCAL). Returns each expert's first sorted row.
     O(experts + tiles) work, where the multi-kernel router's [tiles, experts] compares
     (_expert_of_tiles) and [pairs, experts] counts would cost a decode step's router 8.7 µs
     against 4.7 (H200, 64 pairs over 128 experts)."""
@@ -237,6 +258,7 @@ def _write_expert_tiles(
     tile_begin = tile_end - ntiles
     total = tl.sum(ntiles, 0)
     tl.store(num_tiles_ptr, total)
+    _store_narrow_tiles(narrow[0], counts, ntiles, tile_end, narrow[1], BLOCK_M, NARROW_T)
     row_begin = tile_begin * BLOCK_M
     row_end = row_begin + counts
     for j in range(0, tl.max(ntiles, 0)):
@@ -307,6 +329,7 @@ def _route_small_kernel(
     tiles_ptr,
     num_tiles_ptr,
     ready_ptr,
+    narrow_ptr,
     x_ptr,
     scaled_ptr,
     exp_ptr,
@@ -329,6 +352,7 @@ def _route_small_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_CHUNK: tl.constexpr,
+    NARROW_T: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
     CLEAR_READY: tl.constexpr,
     PRESCALE: tl.constexpr,
@@ -375,8 +399,9 @@ def _route_small_kernel(
     local = tl.where(valid, ids, 0)
     counts = tl.histogram(local, BLOCK_EL, mask=valid)
     row_begin = _write_expert_tiles(
-        tiles_ptr, num_tiles_ptr, sorted_ptr, counts, max_tiles, BLOCK_M, BLOCK_EL, TILE_CHUNK
-    )
+        tiles_ptr, num_tiles_ptr, sorted_ptr, counts, max_tiles, (narrow_ptr, E_LOCAL), BLOCK_M,
+        BLOCK_EL, TILE_CHUNK, NARROW_T,
+    )  # fmt: skip
     # Stable rank within the expert: earlier pairs (lower index) of the same expert come first.
     same = (ids[:, None] == ids[None, :]) & valid[None, :] & (pairs[None, :] < pairs[:, None])
     rank = tl.sum(same.to(tl.int32), axis=1)
@@ -442,11 +467,13 @@ def _scatter_kernel(
     tiles_ptr,
     num_tiles_ptr,
     max_tiles,
+    narrow_ptr,
     PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     TILE_CHUNK: tl.constexpr,
     SUM_BLOCKS: tl.constexpr,
+    NARROW_T: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Per program: one block's pairs (block_pairs of them, at most PAIRS) into their experts'
@@ -456,6 +483,7 @@ def _scatter_kernel(
     counts itself (a cumsum over BLOCK_E), where a launch of its own would cost more.
     SUM_BLOCKS (a power of two at least num_blocks, else 0): no align kernel ran; each
     program sums the blocks' counts (block_base_ptr) itself, the align kernel's sums.
+    NARROW_T: program 0 also writes narrow_tiles (module doc).
     PDL: launched with programmatic dependent launch behind the kernel before it."""
     _wait_then_launch_dependents(PDL)
     pid = tl.program_id(0)
@@ -474,6 +502,7 @@ def _scatter_kernel(
     total = tl.sum(ntiles, 0)
     if pid == 0:
         tl.store(num_tiles_ptr, total)
+        _store_narrow_tiles(narrow_ptr, counts, ntiles, tile_end, E, BLOCK_M, NARROW_T)
     if pid < num_blocks:
         lane = tl.arange(0, PAIRS)
         offs = pid * block_pairs + lane
@@ -520,6 +549,7 @@ def route(
     launch_dependents: bool = False,
     ready: torch.Tensor | None = None,
     prescale: tuple | None = None,
+    narrow: tuple | None = None,
 ):
     """Route M tokens and group the pairs by expert. On CUDA sm_90+, launch_dependents lets a
     kernel launched behind the router with programmatic dependent launch start its CTAs early
@@ -531,7 +561,9 @@ def route(
     values of x's rows (FP8 activations: static, or dynamic with each row's scale written).
     router_logits [M, E] (or None with precomputed topk_weights [M, k] float32 and topk_ids [M, k]
     int32); num_experts = E (the logits' width), num_local_experts (None: E) of them from
-    expert_offset on held here: only their pairs are grouped. Returns (topk_weights, topk_ids,
+    expert_offset on held here: only their pairs are grouped. narrow = (narrow_tiles int32
+    [num_local_experts], narrow_t): also write each local expert's narrow tile (module doc).
+    Returns (topk_weights, topk_ids,
     sorted_pairs [max_tiles * block_m] int32, tiles [max_tiles, 2] int32 (expert, row_end),
     num_tiles [1] int32, max_tiles)."""
     has_logits = router_logits is not None
@@ -554,6 +586,7 @@ def route(
     # than the table itself (a decode step has a handful of tiles).
     tile_chunk = min(_TILE_CHUNK, triton.next_power_of_2(n_tiles))
     _check_one_program_options(num_pairs, n_tiles, ready, prescale)
+    narrow_tiles, narrow_t = _checked_narrow(narrow, local, block_m, num_tiles)
     if num_pairs <= FUSED_MAX_PAIRS:
         block_t = triton.next_power_of_2(M)
         x, scaled, exponents = prescale[:3] if prescale is not None else (logits, logits, num_tiles)
@@ -568,6 +601,7 @@ def route(
             tiles,
             num_tiles,
             ready if ready is not None else num_tiles,
+            narrow_tiles,
             x,
             scaled,
             exponents,
@@ -590,6 +624,7 @@ def route(
             BLOCK_K=block_k,
             BLOCK_M=block_m,
             TILE_CHUNK=tile_chunk,
+            NARROW_T=narrow_t,
             LAUNCH_DEPENDENTS=launch_dependents,
             CLEAR_READY=ready is not None,
             PRESCALE=prescale is not None,
@@ -599,7 +634,7 @@ def route(
             num_warps=_one_program_warps(num_pairs, block_t * block_k, quant),
         )
         return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
-    grouping = (sorted_pairs, tiles, num_tiles, n_tiles)
+    grouping = (sorted_pairs, tiles, num_tiles, n_tiles, narrow_tiles, narrow_t)
     experts = (num_experts, expert_offset, local)
     _route_large(
         router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts, launch_dependents
@@ -630,16 +665,36 @@ def _check_one_program_options(num_pairs: int, n_tiles: int, ready, prescale) ->
         raise ValueError(f"route: prescale needs at most {FUSED_MAX_PAIRS} pairs, got {num_pairs}")
 
 
+def _checked_narrow(narrow, local: int, block_m: int, placeholder: torch.Tensor):
+    """route's narrow option -> (narrow_tiles or a placeholder, narrow_t or 0), checked."""
+    if narrow is None:
+        return placeholder, 0
+    narrow_tiles, narrow_t = narrow
+    if (
+        narrow_tiles.dtype != torch.int32
+        or narrow_tiles.numel() < local
+        or not narrow_tiles.is_contiguous()
+        or not 1 <= narrow_t < block_m
+    ):
+        raise ValueError(
+            f"route: narrow needs int32 narrow_tiles of {local} local experts, contiguous, and "
+            f"narrow_t in [1, {block_m}); got {narrow_tiles.dtype} x {narrow_tiles.numel()}, "
+            f"narrow_t {narrow_t}"
+        )
+    return narrow_tiles, narrow_t
+
+
 def _route_large(
     router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts, pdl=False
 ):
     """route beyond FUSED_MAX_PAIRS pairs: top-k over token blocks counting each block's pairs
     per expert (or, for precomputed ids, the count kernel over blocks of pairs), then the
     align kernel (beyond _SCATTER_SUMS_BLOCKS blocks) and the scatter. grouping:
-    (sorted_pairs, tiles, num_tiles, tile-count bound); experts: (E, expert_offset, E_local).
+    (sorted_pairs, tiles, num_tiles, tile-count bound, narrow_tiles, narrow_t); experts: (E,
+    expert_offset, E_local).
     pdl (route's launch_dependents): each launch after the first, and the kernel after the
     router, start under programmatic dependent launch."""
-    sorted_pairs, tiles, num_tiles, n_tiles = grouping
+    sorted_pairs, tiles, num_tiles, n_tiles, narrow_tiles, narrow_t = grouping
     num_experts, expert_offset, local = experts
     has_logits = router_logits is not None
     M, num_pairs = topk_ids.shape[0], topk_ids.shape[0] * top_k
@@ -719,10 +774,12 @@ def _route_large(
         tiles,
         num_tiles,
         n_tiles,
+        narrow_tiles,
         PAIRS=triton.next_power_of_2(block_pairs),
         BLOCK_M=block_m,
         BLOCK_E=block_el,
         TILE_CHUNK=_SCATTER_TILE_CHUNK,
         SUM_BLOCKS=sum_blocks,
+        NARROW_T=narrow_t,
         **chained,
     )
