@@ -397,9 +397,9 @@ def test_gpt_oss_120b_shapes(kernel, act):
     ref_prepared = reference.fn.prepare_weights(ref_plan, weights)
     dtype = torch.float8_e4m3fn if activation_format == "fp8" else torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(1)
-    # 1 and 4 take the decode tiles, 16 (tile counters), 64 and 256 the serving ones (sm90),
-    # 4096 and 4500 (18000 pairs) the prefill.
-    for m in (1, 4, 16, 64, 256, 4096, 4500):
+    # 1 and 4 take the decode tiles, 16 (tile counters), 64, 256 and 384 the serving ones
+    # (sm90), 4096 and 4500 (18000 pairs) the prefill.
+    for m in (1, 4, 16, 64, 256, 384, 4096, 4500):
         x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
         logits = torch.randn(m, 128, generator=g, device="cuda")
         out = torch.empty_like(x)
@@ -539,6 +539,7 @@ def test_wgmma_narrow_tiles_change_nothing():
     g = torch.Generator(device="cuda").manual_seed(6)
     cases = (
         (256, (128, 16, 4, 4), (8,), "skewed"),
+        (400, (128, 32, 4, 4), (16,), "skewed"),
         (300, (128, 64, 4, 4), (32, 16), "skewed"),
         (1100, (128, 128, 4, 2), (64, 32, (64, 4)), "skewed"),
         (300, (128, 64, 4, 4), (32,), "even"),

@@ -279,6 +279,20 @@ def test_shards_run_the_config_below_their_intermediate_size():
         1792: [tile_128] * 4,
         2048: [tile_128] * 4,
     }
+    # M = 257 to 512: 32-token tiles with a 16-token narrow launch; TP=8 shards one launch
+    # of 16-token tiles to M=384, of 32-token ones beyond (H200 measurements).
+    shapes = {}
+    for m in (256, 257, 384, 385, 512, 513):
+        picked = [for_intermediate(pick_fragment_config(m * 4), i) for i in (384, 768, 2944)]
+        shapes[m] = [(c.block_t, c.narrow_t) for c in picked]
+    assert shapes == {
+        256: [(16, 0), (16, 8), (16, 8)],
+        257: [(16, 0), (32, 16), (32, 16)],
+        384: [(16, 0), (32, 16), (32, 16)],
+        385: [(32, 0), (32, 16), (32, 16)],
+        512: [(32, 0), (32, 16), (32, 16)],
+        513: [(64, 32)] * 3,
+    }
     decode = pick_fragment_config(13 * 4)
     assert [for_intermediate(decode, i).stages for i in (384, 768, 1536, 2944)] == [3, 3, 4, 4]
     for bad in ((0, short), (-1, short), (768, "short"), 768, (768,)):

@@ -124,6 +124,7 @@ class FragmentConfig:
 
 _TILE_64 = FragmentConfig(128, 64, 4, 4, pdl=True, half_pair_rows=True)
 _TILE_64_NARROW_32 = dataclasses.replace(_TILE_64, narrow_t=32)
+_TILE_32_NARROW_16 = FragmentConfig(128, 32, 4, 4, pdl=True, narrow_t=16, half_pair_rows=True)
 
 # GEMM1's full tiles warp-specialized, the prefill sizes' tile (CONFIGS, last entry).
 _PREFILL_WS = FragmentConfig(
@@ -233,7 +234,40 @@ CONFIGS = (
             below_intermediate=(768, FragmentConfig(128, 16, 4, 4, pdl=True)),
         ),
     ),
-    # Prefill batches up to M=1024: 64-token tiles waste less padding than 128 at up to ~64
+    # ~8 to 16 tokens per expert (M = 257 to 512): 32-token tiles, whose tiles of at most 16
+    # run in a launch of 128x16 tiles; on TP=8 shards one launch of 16-token tiles to M=384
+    # (~12 an expert), of 32-token ones beyond. The 64-token tile with its 32-token narrow
+    # launch (below) ran these sizes as 128x32 MMAs for every expert, and lost to vLLM's path
+    # on the TP=8 shard at M=320. H200 (GPU-fb18fe09), 2026-11-28, pinned configs in one
+    # process, three rounds in turned order, graph-timed over 4 layers, outputs bit for bit
+    # the same, µs, 64-token tiles narrow_t 32 / 32-token narrow_t 16 / 16-token narrow_t 8 /
+    # 32-token alone / 16-token alone / vLLM: whole layer M=320 666.1 / 576.2 / 580.0 / 650.5
+    # / 568.7 / 679.6, M=384 675.8 / 590.4 / 629.5 / 658.1 / 598.9 / 730.8, M=448 680.9 /
+    # 613.5 / 713.2 / 673.1 / 695.6 / 844.8, M=512 693.6 / 638.4 / 805.1 / 677.0 / 761.0 /
+    # 939.2; TP=8 (384) M=320 128.8 / 111.9 / 115.4 / 119.7 / 107.4 / 121.4, M=384 129.3 /
+    # 115.2 / 125.8 / 120.2 / 111.2 / 139.1, M=448 130.6 / 123.7 / 133.0 / 121.0 / 123.2 /
+    # 146.2, M=512 131.4 / 126.9 / 146.4 / 122.2 / 135.8 / 167.8. Another H200 (GPU-010ecc4d),
+    # same method, µs, 64-token narrow_t 32 / 32-token narrow_t 16 / 32-token alone / vLLM:
+    # M=384 whole 698.3 / 618.8 / 706.8 / 763.4, TP=2 373.3 / 324.1 / 377.1 / 416.4, TP=4
+    # 208.2 / 183.2 / 201.6 / 217.1; at M=256 the 16-token tile stays (whole 589.2 against
+    # 600.9 for 32-token narrow_t 16, TP=2 317.1 / 313.8, TP=4 176.9 / 175.9), and at M=768
+    # the 64-token one (whole 783.1 against 776.6 for 32-token tiles alone, TP=2 418.6 /
+    # 413.6, TP=4 229.3 / 227.9: within 1.2%).
+    (
+        1536,
+        dataclasses.replace(
+            _TILE_32_NARROW_16,
+            below_intermediate=(768, FragmentConfig(128, 16, 4, 4, pdl=True, half_pair_rows=True)),
+        ),
+    ),
+    (
+        2048,
+        dataclasses.replace(
+            _TILE_32_NARROW_16,
+            below_intermediate=(768, FragmentConfig(128, 32, 4, 4, pdl=True, half_pair_rows=True)),
+        ),
+    ),
+    # Prefill batches from M=513 to 1024: 64-token tiles waste less padding than 128 at up to ~64
     # rows per expert. 8 warps on this tile measured within run-to-run noise of 4. Two chunks
     # per step need ~2x the registers here and lost (M=4096: 3491 us against 2545). H100,
     # M=1024, one run: 1033.5 us (no PDL 1042.0, 3 stages 1070.6, GEMM2 in 2 splits 1078.0,

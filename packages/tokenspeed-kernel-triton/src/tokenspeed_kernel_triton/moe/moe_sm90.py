@@ -283,6 +283,8 @@ AOT_CASES = (
     dict(_GPT_OSS, num_tokens=16),
     dict(_GPT_OSS, num_tokens=64),
     dict(_GPT_OSS, num_tokens=256),
+    dict(_GPT_OSS, num_tokens=384),
+    dict(_GPT_OSS, num_tokens=512, intermediate_size=384),
     dict(_GPT_OSS, num_tokens=1536),
     dict(_GPT_OSS, num_tokens=2048),
     dict(_GPT_OSS, num_tokens=4096),
