@@ -256,10 +256,11 @@ def test_shards_run_the_config_below_their_intermediate_size():
     assert for_intermediate(plain, 128) is plain
     pick = pick_fragment_config(256 * 4)
     assert pick.narrow_t == 8 and for_intermediate(pick, 384).narrow_t == 0
-    prefill = pick_fragment_config(8192 * 4)  # whole layer only (H200 measurements)
-    assert [for_intermediate(prefill, i).fit_widths for i in (384, 1536, 2944)] == [
+    prefill = pick_fragment_config(8192 * 4)  # whole layer and TP=2 (H200 measurements)
+    assert [for_intermediate(prefill, i).fit_widths for i in (384, 768, 1536, 2944)] == [
         False,
         False,
+        True,
         True,
     ]
     # M = 1025 to 2048: the narrow launch to M=1280 on the long intermediates, then one
