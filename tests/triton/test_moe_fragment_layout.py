@@ -256,13 +256,20 @@ def test_shards_run_the_config_below_their_intermediate_size():
     assert for_intermediate(plain, 128) is plain
     pick = pick_fragment_config(256 * 4)
     assert pick.narrow_t == 8 and for_intermediate(pick, 384).narrow_t == 0
-    prefill = pick_fragment_config(8192 * 4)  # whole layer and TP=2 (H200 measurements)
-    assert [for_intermediate(prefill, i).fit_widths for i in (384, 768, 1536, 2944)] == [
-        False,
-        False,
-        True,
-        True,
-    ]
+    # Fitted MMA widths on the whole layer and TP=2 shards, TP=4 to M=3072 (H200 measurements).
+    fitted = {
+        m: [
+            for_intermediate(pick_fragment_config(m * 4), i).fit_widths
+            for i in (384, 768, 1536, 2944)
+        ]
+        for m in (2049, 3072, 3073, 8192)
+    }
+    assert fitted == {
+        2049: [False, True, True, True],
+        3072: [False, True, True, True],
+        3073: [False, False, True, True],
+        8192: [False, False, True, True],
+    }
     # M = 1025 to 2048: the narrow launch to M=1280 on the long intermediates, then one
     # launch of 64-token tiles to M=1664, then 128-token tiles whose 64-token narrow tiles
     # have a 4-step ring (H200 measurements).
