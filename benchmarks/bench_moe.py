@@ -176,10 +176,10 @@ def run_case(layers, m, act, scales, *, graph: bool, config=None):
 
 # ---------------------------------------------------------------- side by side with the peer
 
-# Powers of two and sizes between them (8 and 12 at decode, from 1024 at prefill): tile picks
-# and the peer's own heuristics change with the rows per expert and its token count, so a
-# table of powers of two alone flatters.
-PEER_SIZES = (1, 4, 8, 12, 16, 64, 256, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+# Powers of two and sizes between them (8 and 12 at decode, 384, and from 1024 at prefill):
+# tile picks and the peer's own heuristics change with the rows per expert and its token
+# count, so a table of powers of two alone flatters.
+PEER_SIZES = (1, 4, 8, 12, 16, 64, 256, 384, 1024, 1536, 2048, 3072, 4096, 6144, 7168, 8192)
 CHECK_SIZES = (1, 64, 256, 1024)
 CONFIG = MoEConfig(E, TOP_K, H, I, weight_format="mxfp4", activation_format="bf16")
 PEER_COLUMNS = ["M", "distinct experts", "floor µs", "ours µs", "vLLM µs", "vLLM / ours"]
