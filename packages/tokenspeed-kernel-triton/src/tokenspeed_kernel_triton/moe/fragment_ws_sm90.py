@@ -334,7 +334,7 @@ def _warp_specialized_gemm1_kernel(
 
 
 @functools.cache
-def sm_count(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the AOT check compiles on the CPU: an H100's count
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -370,7 +370,7 @@ def warp_specialized_gemm1(
     kernel's call-dependent ones)."""
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
     _, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
-    grid = min(sm_count(x.device), max_tiles * -(-n_valid // CTA_ROWS))
+    grid = min(_sm_count(x.device), max_tiles * -(-n_valid // CTA_ROWS))
     _warp_specialized_gemm1_kernel[(grid,)](
         x, w, scale_words, bias if bias is not None else scale_words, out, sorted_pairs, tiles,
         num_tiles, table, in_scale if isinstance(in_scale, torch.Tensor) else num_tiles,

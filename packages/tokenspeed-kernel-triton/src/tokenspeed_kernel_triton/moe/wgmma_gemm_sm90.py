@@ -58,17 +58,12 @@ from .fragment_steps_sm90 import (
     mma_step,
     post_scaled_step,
 )
-from .fragment_ws_sm90 import sm_count, warp_specialized_fits, warp_specialized_gemm1
+from .fragment_ws_sm90 import warp_specialized_fits, warp_specialized_gemm1
 from .mxfp4_words import LOOKUP_TABLE_WORDS
 from .replay import recordable
 from .shift_words_sm90 import POST_SCALE_BIAS
 
 _PANEL_ROWS = gl.constexpr(PANEL_ROWS)
-
-
-@gluon.jit
-def _add(a, b):
-    return a + b
 
 
 @recordable
@@ -91,7 +86,6 @@ def _fragment_gemm_kernel(
     wide_ptr,
     row_scale_ptr,
     narrow_tiles_ptr,
-    num_local_experts,
     N,
     K,
     K_VALID,
@@ -134,7 +128,6 @@ def _fragment_gemm_kernel(
     OUT_QUANT: gl.constexpr,
     HALF_ROWS: gl.constexpr,
     E4M3: gl.constexpr,
-    EXPERTS_P2: gl.constexpr,
     mma: gl.constexpr,
     dot_a: gl.constexpr,
     words_layout: gl.constexpr,
@@ -153,6 +146,9 @@ def _fragment_gemm_kernel(
     # Row blocks of the real rows only: GEMM1's rows past 2I are zero padding (their SwiGLU
     # columns are zero-filled by GEMM2's copies, never written).
     num_w = gl.cdiv(N_VALID, BLOCK_W)
+    split = pid % SPLIT_K
+    tile = pid // SPLIT_K // num_w
+    pid_w = pid // SPLIT_K % num_w
     # A launch narrower than the routing tiles (BLOCK_T < TILE_ROWS) takes the tiles of at
     # most BLOCK_T tokens, which the launch before it, of full tiles, left to it (SKIP_AT_MOST):
     # their MMAs need only BLOCK_T columns (fragment_config_sm90.FragmentConfig.narrow_t).
@@ -167,7 +163,7 @@ def _fragment_gemm_kernel(
         # A narrow launch follows the full-tile launch of the same GEMM, whose outputs it does
         # not read: its CTAs start once every full-tile CTA triggered or exited, past that
         # launch's wait for the kernel before it, so they need no wait of their own. One CTA
-        # more than its workers (the last, fragment_gemm) waits for the full-tile launch and
+        # more than its work (the last, fragment_gemm) waits for the full-tile launch and
         # exits, so that the kernel after, waiting for this grid, also waits for that launch;
         # a working CTA that waited would run its tile after every full tile (H200, TP=8 shard
         # at M=4096: 413.9 against 393.9 us). GEMM2's full-tile CTAs trigger after their wait
@@ -184,7 +180,44 @@ def _fragment_gemm_kernel(
             gdc_wait()
         if not WIDE_GEMM2:
             gdc_launch_dependents()
+    if NARROW:
+        # Its grid covers the local experts: each one's narrow tile, or -1 (routing's
+        # narrow_tiles, written before the full-tile launch started).
+        tile = gl.load(narrow_tiles_ptr + tile, cache_modifier=".cg")
+        if tile < 0:
+            return
+    # The routing outputs this CTA reads, all at once rather than one latency after another:
+    # the buffers hold max_tiles tiles, so the reads past num_tiles stay in bounds, and the
+    # router writes every entry (routing._write_expert_tiles), so they read initialized memory.
+    num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
+    expert = gl.load(tiles_ptr + 2 * tile, cache_modifier=".cg").to(gl.int64)
+    row_end = gl.load(tiles_ptr + 2 * tile + 1, cache_modifier=".cg")
+    # Activation rows of this tile (B operand), in the copy layout: the MMA's columns, one per
+    # token, or with POST_SCALE four groups of the tile's tokens (post_scaled_step).
     MMA_N: gl.constexpr = 4 * BLOCK_T if POST_SCALE else BLOCK_T
+    mma_col = gl.arange(0, MMA_N, layout=gl.SliceLayout(1, copy_layout))
+    first_row = tile * TILE_ROWS
+    offs_t = first_row + mma_col % BLOCK_T
+    if SWIGLU:
+        pair = gl.load(sorted_ptr + offs_t, cache_modifier=".cg")
+    if tile >= num_tiles:
+        return
+    if NARROW:
+        if row_end - first_row > BLOCK_T:
+            return
+    if SKIP_AT_MOST != 0:
+        if row_end - first_row <= SKIP_AT_MOST:
+            return
+    t_ok = offs_t < row_end
+    if SWIGLU:
+        a_rows = (gl.where(t_ok, pair, 0) // TOPK).to(gl.int64)
+    else:
+        a_rows = offs_t.to(gl.int64)
+    # This CTA's K chunks: split SPLIT_K ways (GEMM2 only: its epilogue is linear, and the
+    # partial rows are summed by the combine).
+    per_split = gl.cdiv(K // 128, SPLIT_K)
+    k_first = split * per_split
+    num_k = gl.minimum(per_split, K // 128 - k_first)
     a_dtype: gl.constexpr = a_ptr.dtype.element_ty
     # The ring: STAGES steps of CHUNKS K chunks (128 columns) each. A step's activations are
     # one [BLOCK_T, CHUNKS * 128] tile; its chunk c of words and scales is buffer s * CHUNKS + c
@@ -199,262 +232,154 @@ def _fragment_gemm_kernel(
     ring_scales = gl.allocate_shared_memory(
         gl.int32, [STAGES * CHUNKS, BLOCK_W], scales_smem_layout
     )
-    if NARROW:
-        # A few persistent CTAs walk the narrow tiles that exist, each tile's row blocks (and
-        # splits) in turn: routing's narrow_tiles holds each local expert's, or -1, and is
-        # ranked here. One CTA per expert and row block, most of which loaded an entry and
-        # exited, cost the layer 8-9 us where no tile is narrow (H200, TP=4 and TP=8 shards at
-        # M=7168, against no narrow launch).
-        scan: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        experts = gl.arange(0, EXPERTS_P2, layout=scan)
-        narrow = gl.load(
-            narrow_tiles_ptr + experts,
-            mask=experts < num_local_experts,
-            other=-1,
-            cache_modifier=".cg",
-        )
-        has_tile = (narrow >= 0).to(gl.int32)
-        rank = gl.associative_scan(has_tile, 0, _add)
-        items_per_tile = num_w * SPLIT_K
-        first_item = pid
-        end_item = gl.sum(has_tile, 0) * items_per_tile
-        item_step = gl.num_programs(0) - PDL
-    else:
-        first_item = 0
-        end_item = 1
-        item_step = 1
-    for item in range(first_item, end_item, item_step):
-        if NARROW:
-            # The previous item's epilogue read the ring (its staging) before this one's
-            # copies refill it.
-            gl.thread_barrier()
-            k = item // items_per_tile
-            tile = gl.sum(gl.where((rank == k + 1) & (has_tile != 0), narrow, 0), 0)
-            split = item % SPLIT_K
-            pid_w = item // SPLIT_K % num_w
+
+    # This CTA's weight rows: 16 words (one K chunk) and one scale word (its four e8m0 bytes)
+    # per row and chunk (row r at panel r // 64, row r % 64 of it: strides _wp / _sp, _wn / _sn;
+    # chunks: _wc / _sc), through the cp.async ring with the activations. The ring keeps
+    # STAGES - 1 steps of HBM reads in flight, which small batches need: each CTA has little
+    # else to overlap (M=1: 46.3 us against 51.5 loading them into registers one step ahead).
+    # A row block may overhang the padded rows (256-row blocks over rows padded to 128): its
+    # rows past N reread row N - 1, and the epilogue stores only rows below N_VALID.
+    wc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_copy)))
+    wr = pid_w * BLOCK_W + gl.arange(
+        0, BLOCK_W, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_copy))
+    )
+    wr = gl.minimum(wr, N - 1)
+    wj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_copy)))
+    w_rows = wr // _PANEL_ROWS * stride_wp + wr % _PANEL_ROWS * stride_wn
+    w_copy_ptrs = (
+        w_ptr
+        + expert * stride_we
+        + w_rows[None, :, None]
+        + ((k_first + wc) * stride_wc)[:, None, None]
+        + wj[None, None, :]
+    )
+    sc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, scales_copy))
+    sr = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, scales_copy))
+    sr = gl.minimum(sr, N - 1)
+    s_rows = sr // _PANEL_ROWS * stride_sp + sr % _PANEL_ROWS * stride_sn
+    s_copy_ptrs = (
+        ws_ptr + expert * stride_se + s_rows[None, :] + ((k_first + sc) * stride_sc)[:, None]
+    )
+
+    # Loaded, not immediates: ptxas would re-materialize an immediate table word into a register
+    # before every lookup.
+    lo_table = gl.load(table_ptr)
+    hi_table = gl.load(table_ptr + 1)
+
+    # What the ring copies read (fragment_steps_sm90.issue_weights, issue_activations) and
+    # what its steps multiply (mma_step, post_scaled_step).
+    weights_src = (ring_words, ring_scales, w_copy_ptrs, s_copy_ptrs, stride_wc, stride_sc, num_k)
+    acts_src = (a_ptr, a_rows, t_ok, k_first, num_k, K, K_VALID, stride_am, mma_col // BLOCK_T)
+    ring = (ring_words, ring_scales, act, act_lo, lo_table, hi_table)
+    # Prologue: the first STAGES - 1 steps into the ring, weights first. They depend on nothing
+    # the previous kernel writes, so under PDL GEMM2 streams them while GEMM1 finishes.
+    num_steps = gl.cdiv(num_k, CHUNKS)
+    for p in gl.static_range(STAGES - 1):
+        if p < num_steps:
+            issue_weights(weights_src, p, words_step_layout, scales_step_layout, CHUNKS)
+    if PDL:
+        if not SWIGLU:
+            if TILE_READY:
+                # GEMM1's CTAs of this tile all stored their SwiGLU rows (each counted itself
+                # in with release semantics after a CTA barrier; this acquires them).
+                while gl.atomic_add(ready_ptr + tile, 0, sem="acquire", scope="gpu") < ready_target:
+                    pass
+            elif not NARROW:
+                gdc_wait()  # all of GEMM1
+                if WIDE_GEMM2:
+                    gdc_launch_dependents()
+    for p in gl.static_range(STAGES - 1):
+        if p < num_steps:
+            issue_activations(act, act_lo, acts_src, p, copy_layout, CHUNKS, SPLIT_A, POST_SCALE)
+        async_copy.commit_group()
+
+    acc = gl.zeros([BLOCK_W, MMA_N], gl.float32, layout=mma)
+    # The epilogue's layout: the accumulator's, or with POST_SCALE its sum over the groups.
+    out_layout: gl.constexpr = token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T).type.layout
+    # Small tiles load what the epilogue reads now: its latency hides behind the main loop
+    # instead of following it (a few registers; 64-token tiles would hold 32 per thread).
+    PRELOAD: gl.constexpr = BLOCK_T <= 8
+    epilogue_ptrs = (
+        sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale
+    )  # fmt: skip
+    epilogue = (epilogue_ptrs, expert, first_row, pid_w, row_end, N_VALID)
+    if PRELOAD:
+        operands = epilogue_operands(
+            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, BLOCK_W, BLOCK_T,
+            out_layout,
+        )  # fmt: skip
+
+    # Iteration `it` copies step `it` into the ring and computes step it - (STAGES - 1). A
+    # step's chunks past num_k are zeros (which decode to zeros) rather than branches around
+    # the MMA chain.
+    for it in range(STAGES - 1, num_steps + STAGES - 1):
+        # The step computed below landed (this thread's copies, then everyone's). Past this
+        # barrier every warp is done with the previous iteration (its ring reads, and its
+        # wgmmas, which are waited on), whose slot step `it` reuses.
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        if it < num_steps:
+            issue_weights(weights_src, it, words_step_layout, scales_step_layout, CHUNKS)
+            issue_activations(act, act_lo, acts_src, it, copy_layout, CHUNKS, SPLIT_A, POST_SCALE)
+        async_copy.commit_group()
+        slot = (it - (STAGES - 1)) % STAGES
+        # The step's copies (generic proxy) before the wgmmas that read them (async proxy):
+        # one fence for all of its chunks.
+        fence_async_shared()
+        if E4M3:
+            acc = e4m3_step(acc, ring, slot, words_layout, dot_a, CHUNKS)
+        elif POST_SCALE:
+            acc = post_scaled_step(
+                acc, ring, slot, words_layout, dot_a, BLOCK_T, CHUNKS, MMA_IN_FLIGHT
+            )
         else:
-            split = pid % SPLIT_K
-            tile = pid // SPLIT_K // num_w
-            pid_w = pid // SPLIT_K % num_w
-        # The routing outputs this CTA reads, all at once rather than one latency after another:
-        # the buffers hold max_tiles tiles, so the reads past num_tiles stay in bounds, and the
-        # router writes every entry (routing._write_expert_tiles), so they read initialized memory.
-        num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
-        expert = gl.load(tiles_ptr + 2 * tile, cache_modifier=".cg").to(gl.int64)
-        row_end = gl.load(tiles_ptr + 2 * tile + 1, cache_modifier=".cg")
-        # Activation rows of this tile (B operand), in the copy layout: the MMA's columns, one per
-        # token, or with POST_SCALE four groups of the tile's tokens (post_scaled_step).
-        mma_col = gl.arange(0, MMA_N, layout=gl.SliceLayout(1, copy_layout))
-        first_row = tile * TILE_ROWS
-        offs_t = first_row + mma_col % BLOCK_T
-        if SWIGLU:
-            pair = gl.load(sorted_ptr + offs_t, cache_modifier=".cg")
-        # A full-tile launch's CTAs past num_tiles, or on tiles the narrow launch takes, do nothing.
-        work = tile < num_tiles
-        if NARROW:
-            work = work & (row_end - first_row <= BLOCK_T)
-        if SKIP_AT_MOST != 0:
-            work = work & (row_end - first_row > SKIP_AT_MOST)
-        if work:
-            t_ok = offs_t < row_end
-            if SWIGLU:
-                a_rows = (gl.where(t_ok, pair, 0) // TOPK).to(gl.int64)
-            else:
-                a_rows = offs_t.to(gl.int64)
-            # This CTA's K chunks: split SPLIT_K ways (GEMM2 only: its epilogue is linear, and the
-            # partial rows are summed by the combine).
-            per_split = gl.cdiv(K // 128, SPLIT_K)
-            k_first = split * per_split
-            num_k = gl.minimum(per_split, K // 128 - k_first)
+            acc = mma_step(
+                acc, ring, slot, words_layout, dot_a, CHUNKS, SHIFT_DECODE, SPLIT_A, MMA_IN_FLIGHT
+            )
+    async_copy.wait_group(0)
 
-            # This CTA's weight rows: 16 words (one K chunk) and one scale word (its four e8m0
-            # bytes) per row and chunk (row r at panel r // 64, row r % 64 of it: strides _wp / _sp,
-            # _wn / _sn; chunks: _wc / _sc), through the cp.async ring with the activations. The
-            # ring keeps STAGES - 1 steps of HBM reads in flight, which small batches need: each CTA
-            # has little else to overlap (M=1: 46.3 us against 51.5 loading them into registers one
-            # step ahead). A row block may overhang the padded rows (256-row blocks over rows padded
-            # to 128): its rows past N reread row N - 1, and the epilogue stores only rows below
-            # N_VALID.
-            wc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_copy)))
-            wr = pid_w * BLOCK_W + gl.arange(
-                0, BLOCK_W, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_copy))
-            )
-            wr = gl.minimum(wr, N - 1)
-            wj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_copy)))
-            w_rows = wr // _PANEL_ROWS * stride_wp + wr % _PANEL_ROWS * stride_wn
-            w_copy_ptrs = (
-                w_ptr
-                + expert * stride_we
-                + w_rows[None, :, None]
-                + ((k_first + wc) * stride_wc)[:, None, None]
-                + wj[None, None, :]
-            )
-            sc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, scales_copy))
-            sr = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, scales_copy))
-            sr = gl.minimum(sr, N - 1)
-            s_rows = sr // _PANEL_ROWS * stride_sp + sr % _PANEL_ROWS * stride_sn
-            s_copy_ptrs = (
-                ws_ptr
-                + expert * stride_se
-                + s_rows[None, :]
-                + ((k_first + sc) * stride_sc)[:, None]
-            )
-
-            # Loaded, not immediates: ptxas would re-materialize an immediate table word into a
-            # register before every lookup.
-            lo_table = gl.load(table_ptr)
-            hi_table = gl.load(table_ptr + 1)
-
-            # What the ring copies read (fragment_steps_sm90.issue_weights, issue_activations) and
-            # what its steps multiply (mma_step, post_scaled_step).
-            weights_src = (
-                ring_words,
-                ring_scales,
-                w_copy_ptrs,
-                s_copy_ptrs,
-                stride_wc,
-                stride_sc,
-                num_k,
-            )
-            acts_src = (
-                a_ptr,
-                a_rows,
-                t_ok,
-                k_first,
-                num_k,
-                K,
-                K_VALID,
-                stride_am,
-                mma_col // BLOCK_T,
-            )
-            ring = (ring_words, ring_scales, act, act_lo, lo_table, hi_table)
-            # Prologue: the first STAGES - 1 steps into the ring, weights first. They depend on
-            # nothing the previous kernel writes, so under PDL GEMM2 streams them while GEMM1
-            # finishes.
-            num_steps = gl.cdiv(num_k, CHUNKS)
-            for p in gl.static_range(STAGES - 1):
-                if p < num_steps:
-                    issue_weights(weights_src, p, words_step_layout, scales_step_layout, CHUNKS)
-            if PDL:
-                if not SWIGLU:
-                    if TILE_READY:
-                        # GEMM1's CTAs of this tile all stored their SwiGLU rows (each counted
-                        # itself in with release semantics after a CTA barrier; this acquires them).
-                        while (
-                            gl.atomic_add(ready_ptr + tile, 0, sem="acquire", scope="gpu")
-                            < ready_target
-                        ):
-                            pass
-                    elif not NARROW:
-                        gdc_wait()  # all of GEMM1
-                        if WIDE_GEMM2:
-                            gdc_launch_dependents()
-            for p in gl.static_range(STAGES - 1):
-                if p < num_steps:
-                    issue_activations(
-                        act, act_lo, acts_src, p, copy_layout, CHUNKS, SPLIT_A, POST_SCALE
-                    )
-                async_copy.commit_group()
-
-            acc = gl.zeros([BLOCK_W, MMA_N], gl.float32, layout=mma)
-            # The epilogue's layout: the accumulator's, or with POST_SCALE its sum over the groups.
-            out_layout: gl.constexpr = token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T).type.layout
-            # Small tiles load what the epilogue reads now: its latency hides behind the main loop
-            # instead of following it (a few registers; 64-token tiles would hold 32 per thread).
-            PRELOAD: gl.constexpr = BLOCK_T <= 8
-            epilogue_ptrs = (
-                sorted_ptr, route_w_ptr, bias_ptr, x_exp_ptr, stride_be, in_scale_ptr, in_scale
+    acc = token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T)
+    if not PRELOAD:
+        operands = epilogue_operands(
+            epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, BLOCK_W, BLOCK_T,
+            out_layout,
+        )  # fmt: skip
+    # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
+    rows, cols, col_ok, col_pair, bias, pre_factor, post_factor = operands
+    if E4M3:
+        # Each weight row's power of two (e4m3_fragments_sm90: its blocks decode relative to
+        # its largest).
+        row_factor = gl.load(row_scale_ptr + expert * N + rows, mask=rows < N, other=0.0)
+        acc *= row_factor[:, None]
+    if (SWIGLU and POST_SCALE) or IN_SCALE != 0:
+        acc *= pre_factor[None, :]
+    if HAS_BIAS:
+        if split == 0:  # one split adds the bias
+            acc += bias[:, None]
+    if SWIGLU:
+        out_rows = (out_ptr, N, stride_om, rows, cols, col_ok)
+        swiglu_store(out_rows, acc, alpha, limit, out_scale, BLOCK_W, BLOCK_T, OUT_QUANT)
+        if TILE_READY:
+            # Every thread's rows are stored (the barrier), then one release increment.
+            gl.thread_barrier()
+            gl.atomic_add(ready_ptr + tile, 1, sem="release", scope="gpu")
+    else:
+        acc *= post_factor[None, :]  # the routing weight
+        if HALF_ROWS:
+            # The output tile's staging buffer over the ring's activations (fp16 or bf16).
+            ACT_BYTES: gl.constexpr = a_dtype.primitive_bitwidth // 8
+            gl.static_assert(STAGES * MMA_N * CHUNKS * 128 * ACT_BYTES >= 2 * BLOCK_W * BLOCK_T)
+            stage = act._reinterpret(gl.float16, [BLOCK_W, BLOCK_T], stage_layout)
+            pair_rows_store(
+                out_ptr, wide_ptr, acc, stage, wide_from_bits, sorted_ptr, (first_row, row_end),
+                pid_w, N_VALID, stride_om, BLOCK_W, BLOCK_T, pair_rows_layout,
             )  # fmt: skip
-            epilogue = (epilogue_ptrs, expert, first_row, pid_w, row_end, N_VALID)
-            if PRELOAD:
-                operands = epilogue_operands(
-                    epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, BLOCK_W,
-                    BLOCK_T, out_layout,
-                )  # fmt: skip
-
-            # Iteration `it` copies step `it` into the ring and computes step it - (STAGES - 1). A
-            # step's chunks past num_k are zeros (which decode to zeros) rather than branches around
-            # the MMA chain.
-            for it in range(STAGES - 1, num_steps + STAGES - 1):
-                # The step computed below landed (this thread's copies, then everyone's). Past this
-                # barrier every warp is done with the previous iteration (its ring reads, and its
-                # wgmmas, which are waited on), whose slot step `it` reuses.
-                async_copy.wait_group(STAGES - 2)
-                gl.thread_barrier()
-                if it < num_steps:
-                    issue_weights(weights_src, it, words_step_layout, scales_step_layout, CHUNKS)
-                    issue_activations(
-                        act, act_lo, acts_src, it, copy_layout, CHUNKS, SPLIT_A, POST_SCALE
-                    )
-                async_copy.commit_group()
-                slot = (it - (STAGES - 1)) % STAGES
-                # The step's copies (generic proxy) before the wgmmas that read them (async proxy):
-                # one fence for all of its chunks.
-                fence_async_shared()
-                if E4M3:
-                    acc = e4m3_step(acc, ring, slot, words_layout, dot_a, CHUNKS)
-                elif POST_SCALE:
-                    acc = post_scaled_step(
-                        acc, ring, slot, words_layout, dot_a, BLOCK_T, CHUNKS, MMA_IN_FLIGHT
-                    )
-                else:
-                    acc = mma_step(
-                        acc,
-                        ring,
-                        slot,
-                        words_layout,
-                        dot_a,
-                        CHUNKS,
-                        SHIFT_DECODE,
-                        SPLIT_A,
-                        MMA_IN_FLIGHT,
-                    )
-            async_copy.wait_group(0)
-
-            acc = token_columns(acc, POST_SCALE, BLOCK_W, BLOCK_T)
-            if not PRELOAD:
-                operands = epilogue_operands(
-                    epilogue, TOPK, SWIGLU, HAS_BIAS, POST_SCALE, SCALE_BIAS, IN_SCALE, BLOCK_W,
-                    BLOCK_T, out_layout,
-                )  # fmt: skip
-            # Epilogue in the accumulator layout: rows are weight rows, columns tokens.
-            rows, cols, col_ok, col_pair, bias, pre_factor, post_factor = operands
-            if E4M3:
-                # Each weight row's power of two (e4m3_fragments_sm90: its blocks decode relative to
-                # its largest).
-                row_factor = gl.load(row_scale_ptr + expert * N + rows, mask=rows < N, other=0.0)
-                acc *= row_factor[:, None]
-            if (SWIGLU and POST_SCALE) or IN_SCALE != 0:
-                acc *= pre_factor[None, :]
-            if HAS_BIAS:
-                if split == 0:  # one split adds the bias
-                    acc += bias[:, None]
-            if SWIGLU:
-                out_rows = (out_ptr, N, stride_om, rows, cols, col_ok)
-                swiglu_store(out_rows, acc, alpha, limit, out_scale, BLOCK_W, BLOCK_T, OUT_QUANT)
-                if TILE_READY:
-                    # Every thread's rows are stored (the barrier), then one release increment.
-                    gl.thread_barrier()
-                    gl.atomic_add(ready_ptr + tile, 1, sem="release", scope="gpu")
-            else:
-                acc *= post_factor[None, :]  # the routing weight
-                if HALF_ROWS:
-                    # The output tile's staging buffer over the ring's activations (fp16 or bf16).
-                    ACT_BYTES: gl.constexpr = a_dtype.primitive_bitwidth // 8
-                    gl.static_assert(
-                        STAGES * MMA_N * CHUNKS * 128 * ACT_BYTES >= 2 * BLOCK_W * BLOCK_T
-                    )
-                    stage = act._reinterpret(gl.float16, [BLOCK_W, BLOCK_T], stage_layout)
-                    pair_rows_store(
-                        out_ptr, wide_ptr, acc, stage, wide_from_bits, sorted_ptr,
-                        (first_row, row_end), pid_w, N_VALID, stride_om, BLOCK_W, BLOCK_T,
-                        pair_rows_layout,
-                    )  # fmt: skip
-                else:
-                    # Row pair * SPLIT_K + split: the combine sums a token's top_k * SPLIT_K rows.
-                    out_row = col_pair.to(gl.int64) * SPLIT_K + split
-                    ptrs = out_ptr + out_row[None, :] * stride_om + rows[:, None]
-                    gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < N_VALID)[:, None])
+        else:
+            # Row pair * SPLIT_K + split: the combine sums a token's top_k * SPLIT_K rows.
+            out_row = col_pair.to(gl.int64) * SPLIT_K + split
+            ptrs = out_ptr + out_row[None, :] * stride_om + rows[:, None]
+            gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < N_VALID)[:, None])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -589,7 +514,6 @@ def fragment_gemm(
         wide if half_rows else num_tiles,
         row_scale if row_scale is not None else num_tiles,
         narrow_tiles if narrow_tiles is not None else num_tiles,
-        narrow_tiles.numel() if narrow_tiles is not None else 0,
         N,
         K,
         k_valid,
@@ -627,16 +551,12 @@ def fragment_gemm(
             config=config, constexprs=constexprs,
         )  # fmt: skip
     else:
-        full = _config_constexprs(config, False, e4m3)
-        _fragment_gemm_kernel[grid](*args, **constexprs, **full, EXPERTS_P2=1)
+        _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, False, e4m3))
     if config.narrow_t:
-        # Persistent CTAs over the narrow tiles' row blocks (two an SM at most), and under PDL
-        # one that only waits.
-        items = narrow_tiles.numel() * -(-n_valid // config.block_w) * split_k
-        narrow_grid = (min(items, 2 * sm_count(a.device)) + config.pdl,)
+        # One CTA per local expert and row block, and under PDL one that only waits.
+        narrow_grid = (narrow_tiles.numel() * -(-n_valid // config.block_w) * split_k + config.pdl,)
         narrow = _config_constexprs(config, True, e4m3)
-        experts_p2 = 1 << (narrow_tiles.numel() - 1).bit_length()
-        _fragment_gemm_kernel[narrow_grid](*args, **constexprs, **narrow, EXPERTS_P2=experts_p2)
+        _fragment_gemm_kernel[narrow_grid](*args, **constexprs, **narrow)
 
 
 @functools.cache
