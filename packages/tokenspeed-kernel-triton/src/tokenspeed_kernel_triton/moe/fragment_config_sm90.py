@@ -328,21 +328,20 @@ CONFIGS = (
     # 1709.7 / 1696.7, M=6144 3108.9 / 3241.7 / 3263.7, M=8192 3709.4 / 3810.3 / 4060.0; TP=8
     # shard M=3072 315.6 / 349.3 / 291.0, M=6144 581.0 / 624.4 / 558.9, M=8192 720.7 / 719.3 /
     # 712.9. Not at M <= 2048 (above): TP=8 M=1536 222.7 against 216.9.
-    # Its tiles of at most 64 / 96 tokens multiplied 64 / 64 + 32 columns wide (fit_widths)
-    # where the intermediate is the whole layer's or a TP=2 shard's, and a TP=4 shard's to
-    # M=3072; TP=8 shards keep 128. H200, 2026-11-28, same
-    # run as vLLM's path, graph-timed over 4 layers, three interleaved rounds, outputs bit for
-    # bit the same, µs, 128 / fit_widths / 64 alone / vLLM: whole layer M=3072 1622.6 / 1597.2
-    # / 1633.0 / 1708.6, M=6144 3085.8 / 3017.5 / 3042.0 / 3257.5 (another run: M=4096 2058.4
-    # / 2063.3, M=8192 3691.2 / 3683.5); TP=8 shard M=3072 287.5 / 292.9 / 295.1 / 291.4,
-    # M=4096 393.5 / 398.1 / 401.5 / 430.7, M=6144 547.2 / 567.4 / 543.2 / 552.7. Another
-    # machine, same method, µs, 128 / fitted / vLLM: TP=2 M=3072 889.5 / 886.0 / 898.6, M=5120
-    # 1492.9 / 1445.3 / 1752.3, M=6144 1695.8 / 1666.7 / 1749.3, M=7168 1772.4 / 1774.9 /
-    # 1795.3, M=8192 2031.0 / 2026.0 / 2198.5; TP=4 M=3072 489.5 / 489.0 / 488.7, M=5120 840.6
-    # / 816.2 / 931.6, M=6144 932.4 / 971.6 / 950.8, M=7168 973.7 / 976.3 / 968.7. A third
-    # machine: TP=4 M=2304 455.8 / 437.1 / 478.8, M=2560 465.3 / 455.8 / 482.8, M=2816 473.7 /
-    # 469.3 / 486.1, M=3072 484.7 / 486.8 / 487.1, M=3584 537.4 / 538.8 / 540.2; TP=8 M=2304
-    # 271.9 / 267.2 / 278.8, M=2560 275.4 / 284.5 / 284.2, M=3072 285.8 / 292.1 / 289.5.
+    # Its tiles of at most 64 / 96 tokens multiplied 64 / 64 + 32 columns wide (fit_widths) where
+    # the intermediate is the whole layer's or a TP=2 shard's, and a TP=4 shard's to M=3072; TP=8
+    # shards keep 128. H200, 2026-11-28, same run as vLLM's path, graph-timed over 4 layers, three
+    # interleaved rounds, outputs bit for bit the same, µs, 128 / fit_widths / 64 alone / vLLM:
+    # whole layer M=3072 1622.6 / 1597.2 / 1633.0 / 1708.6, M=6144 3085.8 / 3017.5 / 3042.0 / 3257.5
+    # (another run: M=4096 2058.4 / 2063.3, M=8192 3691.2 / 3683.5); TP=8 shard M=3072 287.5 / 292.9
+    # / 295.1 / 291.4, M=4096 393.5 / 398.1 / 401.5 / 430.7, M=6144 547.2 / 567.4 / 543.2 / 552.7.
+    # Another machine, same method, µs, 128 / fitted / vLLM: TP=2 M=3072 889.5 / 886.0 / 898.6,
+    # M=5120 1492.9 / 1445.3 / 1752.3, M=6144 1695.8 / 1666.7 / 1749.3, M=7168 1772.4 / 1774.9 /
+    # 1795.3, M=8192 2031.0 / 2026.0 / 2198.5; TP=4 M=3072 489.5 / 489.0 / 488.7, M=5120 840.6 /
+    # 816.2 / 931.6, M=6144 932.4 / 971.6 / 950.8, M=7168 973.7 / 976.3 / 968.7. A third machine:
+    # TP=4 M=2304 455.8 / 437.1 / 478.8, M=2560 465.3 / 455.8 / 482.8, M=2816 473.7 / 469.3 / 486.1,
+    # M=3072 484.7 / 486.8 / 487.1, M=3584 537.4 / 538.8 / 540.2; TP=8 M=2304 271.9 / 267.2 / 278.8,
+    # M=2560 275.4 / 284.5 / 284.2, M=3072 285.8 / 292.1 / 289.5.
     (
         12288,
         dataclasses.replace(_PREFILL_WS, fit_widths=True, below_intermediate=(512, _PREFILL_WS)),
