@@ -23,6 +23,7 @@ from tokenspeed_kernel.registry import get_kernel
 from tokenspeed_kernel.testing import assert_close, compare, moe_plan_for
 from tokenspeed_kernel.testing.cases import moe_case
 from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_inputs, moe_weights
+from tokenspeed_kernel.tools import peers
 from tokenspeed_kernel.tools.peers import (
     INTERMEDIATE_MULTIPLE,
     MOE_PEER,
@@ -31,6 +32,7 @@ from tokenspeed_kernel.tools.peers import (
     compare_to_emulation,
     peer_calls,
     peer_names,
+    source_sha256,
     triton_kernels_layout,
     triton_kernels_moe_emulation,
     triton_kernels_origin,
@@ -318,3 +320,21 @@ def test_origin_names_the_copy_by_content(tmp_path, monkeypatch):
     assert "not vLLM 0.26.0's vendored copy" in origin
     monkeypatch.chdir(tmp_path)
     assert "at triton_kernels (" in triton_kernels_origin()
+
+
+def test_origin_of_the_vendored_copy_names_no_location(tmp_path, monkeypatch):
+    """vLLM 0.26.0's vendored copy is named by its content hash alone: where a machine keeps
+    it does not reach a results file."""
+    package = tmp_path / "copy" / "triton_kernels"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "copy"))
+    monkeypatch.delitem(sys.modules, "triton_kernels", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert "at copy/triton_kernels (" in triton_kernels_origin()
+    sha = source_sha256(package)
+    monkeypatch.setattr(peers, "VLLM_0_26_TRITON_KERNELS_SHA256", sha)
+    assert triton_kernels_origin() == (
+        f"triton_kernels (sha256 {sha[:12]}, vLLM 0.26.0 wheel's vendored copy "
+        "(vllm/third_party/triton_kernels))"
+    )

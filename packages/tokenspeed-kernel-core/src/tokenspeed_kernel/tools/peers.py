@@ -154,24 +154,30 @@ FLIP_FRACTION = 1 / 4000
 FLIP_FLOOR = 4
 
 
+def source_sha256(root: Path) -> str:
+    """sha256 over a package's .py files: each one's path relative to `root`, then its bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def triton_kernels_origin() -> str:
     """Where `triton_kernels` is imported from and whether it is vLLM 0.26.0's vendored copy
     (by content hash); raises ImportError where it is not importable."""
     tk = importlib.import_module("triton_kernels")
     root = Path(tk.__file__).resolve().parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    sha = digest.hexdigest()
-    which = (
-        "vLLM 0.26.0 wheel's vendored copy (vllm/third_party/triton_kernels)"
-        if sha == VLLM_0_26_TRITON_KERNELS_SHA256
-        else "not vLLM 0.26.0's vendored copy"
-    )
+    sha = source_sha256(root)
+    if sha == VLLM_0_26_TRITON_KERNELS_SHA256:
+        # The hash names it: where a machine keeps its copy does not go into results files.
+        return (
+            f"triton_kernels (sha256 {sha[:12]}, vLLM 0.26.0 wheel's vendored copy "
+            "(vllm/third_party/triton_kernels))"
+        )
     # Relative where it can be: the origin goes into committed results files.
     where = os.path.relpath(root) if root.is_relative_to(Path.cwd()) else root.name
-    return f"triton_kernels at {where} (sha256 {sha[:12]}, {which})"
+    return f"triton_kernels at {where} (sha256 {sha[:12]}, not vLLM 0.26.0's vendored copy)"
 
 
 def _round_up(n: int, multiple: int) -> int:

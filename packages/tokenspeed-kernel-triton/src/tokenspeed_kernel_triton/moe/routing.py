@@ -563,9 +563,8 @@ def route(
     int32); num_experts = E (the logits' width), num_local_experts (None: E) of them from
     expert_offset on held here: only their pairs are grouped. narrow = (narrow_tiles int32
     [num_local_experts], narrow_t): also write each local expert's narrow tile (module doc).
-    Returns (topk_weights, topk_ids,
-    sorted_pairs [max_tiles * block_m] int32, tiles [max_tiles, 2] int32 (expert, row_end),
-    num_tiles [1] int32, max_tiles)."""
+    Returns (topk_weights, topk_ids, sorted_pairs [max_tiles * block_m] int32, tiles
+    [max_tiles, 2] int32 (expert, row_end), num_tiles [1] int32, max_tiles)."""
     has_logits = router_logits is not None
     M = router_logits.shape[0] if has_logits else topk_ids.shape[0]
     device = router_logits.device if has_logits else topk_ids.device
