@@ -135,6 +135,35 @@ def test_routing_refuses_narrow_tiles_it_cannot_write():
             route(logits, None, None, top_k=4, num_experts=16, block_m=8, narrow=narrow)
 
 
+@pytest.mark.parametrize("tokens", [6, 70])  # the one-program router, the multi-kernel one
+@pytest.mark.parametrize("expert_offset", [0, 4])
+def test_routing_writes_each_local_experts_narrow_tile(tokens, expert_offset):
+    """narrow_tiles[e]: local expert e's last tile if it holds at most narrow_t rows, else -1
+    (no rows: -1), whatever the buffer held; the GEMMs' narrow launches run these tiles and
+    no others."""
+    experts, local, top_k, block_m, narrow_t = 16, 8, 2, 8, 4
+    # Local experts with one tile of 6 rows, of 3, of 1 and none; at 70 tokens also last
+    # tiles of 8 and 3 rows; the other pairs go to expert 12, on no rank's local range here.
+    counts = {0: 6, 1: 3, 2: 1} if tokens == 6 else {0: 40, 1: 19, 3: 1, 6: 6}
+    ids = [expert_offset + e for e, n in counts.items() for _ in range(n)]
+    ids += [12] * (tokens * top_k - len(ids))
+    ids = torch.tensor(ids, dtype=torch.int32).reshape(tokens, top_k).to(DEVICE)
+    weights = torch.full((tokens, top_k), 0.5, device=DEVICE)
+    narrow = torch.full((local,), 77, dtype=torch.int32, device=DEVICE)
+    _, _, _, tiles, num_tiles, _ = route(
+        None, weights, ids, top_k=top_k, num_experts=experts, block_m=block_m,
+        expert_offset=expert_offset, num_local_experts=local, narrow=(narrow, narrow_t),
+    )  # fmt: skip
+    expected = [-1] * local
+    for t in range(int(num_tiles)):
+        expert, row_end = (int(v) for v in tiles[t])
+        last = t == int(num_tiles) - 1 or int(tiles[t + 1][0]) != expert
+        if last and row_end - t * block_m <= narrow_t:
+            expected[expert] = t
+    assert any(e >= 0 for e in expected) and any(e < 0 for e in expected)
+    assert narrow.tolist() == expected
+
+
 def test_router_prescales_rows_exactly():
     """The one-program router's prescale programs (the post-scaled Hopper GEMM1's x): each row
     times 2^(126 - E), E = floor(log2 max|row|) clamped to [0, 126], exact; rows beyond the
