@@ -82,6 +82,36 @@ def test_routing_matches_reference_with_ties(tokens, experts, top_k):
     _check_grouping(ids.cpu(), sorted_pairs.cpu(), tiles.cpu(), num_tiles.cpu(), 16)
 
 
+@pytest.mark.parametrize("tokens", [13, 70])  # the one-program router, the multi-kernel one
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_routing_orders_logits_of_every_width_as_the_reference(tokens, dtype):
+    """Both routers rank logits of every float width as the reference does: logits one step
+    apart in their dtype, signed zeros (equal: the lower index wins), -inf (picked when a row
+    has too few finite logits) and NaN (above everything); the weights its softmax."""
+    experts, top_k = 32, 4
+    gen = generator("moe-routing-keys", tokens, str(dtype))
+    step = torch.finfo(dtype).eps
+    # Many logits one step apart near 1, where a key losing low bits would tie them.
+    logits = (1 + step * torch.randint(-6, 7, (tokens, experts), generator=gen)).to(dtype)
+    logits[0, :] = 0.0
+    logits[0, 0], logits[0, 9] = -0.0, 0.5
+    logits[1, :] = float("-inf")
+    logits[1, 7], logits[1, 3] = -2.0, -3.0
+    logits[2, 11] = float("nan")
+    logits[3, :] = torch.linspace(-4, 4, experts).to(dtype)
+    weights, ids, sorted_pairs, tiles, num_tiles, _ = route(
+        logits.to(DEVICE), None, None, top_k=top_k, num_experts=experts, block_m=16
+    )
+    ref_w, ref_ids = topk_softmax(logits, top_k)
+    assert ids[0].tolist() == [9, 0, 1, 2]  # -0 at column 0 ties with the +0s after it
+    assert ids[1].tolist() == [7, 3, 0, 1]
+    assert torch.equal(ids.cpu(), ref_ids)
+    assert torch.isnan(weights[2]).all()
+    assert_close(weights[3:], ref_w[3:].to(weights.device), dtype=torch.float32, name="weights")
+    assert_close(weights[:2], ref_w[:2].to(weights.device), dtype=torch.float32, name="weights")
+    _check_grouping(ids.cpu(), sorted_pairs.cpu(), tiles.cpu(), num_tiles.cpu(), 16)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not ON_GPU or torch.cuda.get_device_capability() < (9, 0),
