@@ -91,7 +91,7 @@ def test_routing_orders_logits_of_every_width_as_the_reference(tokens, dtype):
     experts, top_k = 32, 4
     gen = generator("moe-routing-keys", tokens, str(dtype))
     step = torch.finfo(dtype).eps
-    # Many logits one step apart near 1, where a key losing low bits would tie them.
+    # Many logits one step apart near 1: any ranking coarser than the dtype ties them.
     logits = (1 + step * torch.randint(-6, 7, (tokens, experts), generator=gen)).to(dtype)
     logits[0, :] = 0.0
     logits[0, 0], logits[0, 9] = -0.0, 0.5
@@ -107,8 +107,8 @@ def test_routing_orders_logits_of_every_width_as_the_reference(tokens, dtype):
     assert ids[1].tolist() == [7, 3, 0, 1]
     assert torch.equal(ids.cpu(), ref_ids)
     assert torch.isnan(weights[2]).all()
-    assert_close(weights[3:], ref_w[3:].to(weights.device), dtype=torch.float32, name="weights")
-    assert_close(weights[:2], ref_w[:2].to(weights.device), dtype=torch.float32, name="weights")
+    finite = torch.arange(tokens) != 2
+    assert_close(weights.cpu()[finite], ref_w[finite], dtype=torch.float32, name="weights")
     _check_grouping(ids.cpu(), sorted_pairs.cpu(), tiles.cpu(), num_tiles.cpu(), 16)
 
 
