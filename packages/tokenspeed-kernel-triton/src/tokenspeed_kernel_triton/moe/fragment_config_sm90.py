@@ -39,10 +39,7 @@ class FragmentConfig:
     persistent kernel (fragment_ws_sm90: a producer warpgroup and two consumers on 256 rows,
     its own 4-step ring) where the call allows it, else, and for the narrow tiles, in this
     config's fragment kernel with `stages`; fit_widths: that kernel multiplies a tile of at
-    most 64 (96) tokens with MMAs 64 (64 + 32) columns wide instead of 128; resident_gemm2:
-    GEMM2 runs in the persistent kernel that keeps each tile's SwiGLU rows in shared memory
-    (gemm2_resident_sm90) where the intermediate is short enough, its narrow tiles in the same
-    launch."""
+    most 64 (96) tokens with MMAs 64 (64 + 32) columns wide instead of 128."""
 
     block_w: int
     block_t: int
@@ -60,7 +57,6 @@ class FragmentConfig:
     half_pair_rows: bool = False
     warp_specialized: bool = False
     fit_widths: bool = False
-    resident_gemm2: bool = False
 
     def __post_init__(self) -> None:
         # The loop keeps STAGES - 2 copy groups in flight past the one it waits for.
@@ -108,17 +104,6 @@ class FragmentConfig:
                 "FragmentConfig: warp_specialized takes 128 x 128 tiles of 4 warps, one chunk "
                 "per step, no post_scale, tile_ready or GEMM2 splits"
             )
-        if self.resident_gemm2 and (
-            (self.block_w, self.block_t, self.num_warps) != (128, 128, 4)
-            or self.post_scale
-            or self.tile_ready
-            or self.gemm2_split_k != 1
-            or self.narrow_t not in (0, 32)
-        ):
-            raise ValueError(
-                "FragmentConfig: resident_gemm2 takes 128 x 128 tiles of 4 warps, narrow_t 0 "
-                "or 32, no post_scale, tile_ready or GEMM2 splits"
-            )
         if self.fit_widths and not self.warp_specialized:
             raise ValueError("FragmentConfig: fit_widths is the warp-specialized kernel's")
         if not 1 <= self.in_flight <= self.chunks:
@@ -143,15 +128,7 @@ _TILE_32_NARROW_16 = FragmentConfig(128, 32, 4, 4, pdl=True, narrow_t=16, half_p
 
 # GEMM1's full tiles warp-specialized, the prefill sizes' tile (CONFIGS, last entry).
 _PREFILL_WS = FragmentConfig(
-    128,
-    128,
-    4,
-    2,
-    pdl=True,
-    narrow_t=32,
-    half_pair_rows=True,
-    warp_specialized=True,
-    resident_gemm2=True,
+    128, 128, 4, 2, pdl=True, narrow_t=32, half_pair_rows=True, warp_specialized=True
 )
 
 # (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, shift decode,

@@ -59,7 +59,6 @@ from .fragment_steps_sm90 import (
     post_scaled_step,
 )
 from .fragment_ws_sm90 import warp_specialized_fits, warp_specialized_gemm1
-from .gemm2_resident_sm90 import resident_gemm2, resident_gemm2_fits
 from .mxfp4_words import LOOKUP_TABLE_WORDS
 from .replay import recordable
 from .shift_words_sm90 import POST_SCALE_BIAS
@@ -544,28 +543,16 @@ def fragment_gemm(
         HALF_ROWS=half_rows,
         E4M3=e4m3,
     )
-    resident = resident_gemm2_fits(
-        config, a, w, gemm1=gemm1, decode=decode, split_k=split_k, n_valid=n_valid,
-        unscaled=in_scale is None and not e4m3,
-    )  # fmt: skip
-    # With narrow_t, the tiles of at most narrow_t tokens run in a launch of their own, except
-    # in the resident GEMM2, which multiplies them narrow itself.
+    # With narrow_t, the tiles of at most narrow_t tokens run in a launch of their own.
     if warp_specialized_fits(config, a, w, gemm1, n_valid):
         warp_specialized_gemm1(
             a, w, scale_words, bias, out, routing, _lookup_tables(a.device), in_scale,
             k_valid=k_valid, n_valid=n_valid, alpha=alpha, limit=limit, out_scale=out_scale,
             config=config, constexprs=constexprs,
         )  # fmt: skip
-    elif resident:
-        resident_gemm2(
-            a, w, scale_words, bias, out, routing, _lookup_tables(a.device), k_valid=k_valid,
-            n_valid=n_valid, wide=wide if half_rows else None,
-            wide_from_bits=fp16_wide_threshold_bits(half_bound) if half_rows else 0,
-            config=config,
-        )  # fmt: skip
     else:
         _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, False, e4m3))
-    if config.narrow_t and not resident:
+    if config.narrow_t:
         # One CTA per local expert and row block, and under PDL one that only waits.
         narrow_grid = (narrow_tiles.numel() * -(-n_valid // config.block_w) * split_k + config.pdl,)
         narrow = _config_constexprs(config, True, e4m3)
