@@ -29,6 +29,7 @@ import argparse
 import sys
 import time
 
+import energy
 import record
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
@@ -184,6 +185,7 @@ CHECK_SIZES = (1, 64, 256, 1024)
 CONFIG = MoEConfig(E, TOP_K, H, I, weight_format="mxfp4", activation_format="bf16")
 PEER_COLUMNS = ["M", "distinct experts", "floor µs", "ours µs", "vLLM µs", "vLLM / ours"]
 PEER_COLUMNS += ["ours x floor", "vLLM x floor", "ours % bf16 dense", "vLLM % bf16 dense"]
+PEER_COLUMNS += ["ours mJ (W)", "vLLM mJ (W)"]
 
 
 def check_same_function(config: MoEConfig, weights: MoEWeights, plan, ours, peer) -> list[str]:
@@ -247,8 +249,9 @@ def time_layers(fn, layers: int) -> float:
     return do_bench_cudagraph(fn, rep=100) * 1e3 / layers
 
 
-def time_pair(m: int, plan, ours: list, peer_layers: list) -> tuple[float, float, int]:
-    """(ours µs, the peer's µs or nan, distinct experts) per layer for M tokens."""
+def time_pair(m: int, plan, ours: list, peer_layers: list) -> tuple[float, float, int, list]:
+    """(ours µs, the peer's µs or nan, distinct experts, the energy cells: [ours, the peer's]
+    mJ per layer and mean W, "-" where unmeasured) per layer for M tokens."""
     x, logits, out = token_inputs(m)
 
     def ours_fn():
@@ -264,7 +267,13 @@ def time_pair(m: int, plan, ours: list, peer_layers: list) -> tuple[float, float
     t_ours = time_layers(ours_fn, len(ours))
     t_peer = time_layers(peer_fn, len(peer_layers)) if peer_layers else float("nan")
     distinct = int(torch.topk(logits, TOP_K, dim=-1).indices.unique().numel())
-    return t_ours, t_peer, distinct
+    cells = []
+    for fn, layers in ((ours_fn, ours), (peer_fn, peer_layers)):
+        measured = energy.per_call(fn) if layers else None
+        cells.append(
+            "-" if measured is None else f"{measured[0] / len(layers):.1f} ({measured[1]:.0f})"
+        )
+    return t_ours, t_peer, distinct, cells
 
 
 def peer_side_by_side(args, bw: float, dense: float) -> tuple[str | None, list[str]]:
@@ -290,7 +299,9 @@ def peer_side_by_side(args, bw: float, dense: float) -> tuple[str | None, list[s
         "weights and inputs, CUDA-graph replayed over "
         f"{args.layers} layers' distinct weight copies in turn (L2-cold, as in a model); vLLM / "
         "ours > 1: ours is faster. floor = the distinct selected experts' bytes / copy "
-        "bandwidth; % bf16 dense for M >= 1024.",
+        "bandwidth; % bf16 dense for M >= 1024; mJ (W) = energy per layer and mean power over "
+        "about a second more of the same replays (NVML's counter; benchmarks/energy.py): "
+        "where both run at the GPU's power limit, a layer's time is its energy over it.",
     ]
     sections = (
         ("The whole layer", CONFIG, weights),
@@ -323,7 +334,7 @@ def side_by_side_table(args, bw, dense, config, weights, sizes, note: str) -> li
     i = config.intermediate_size
     rows = []
     for m in sizes:
-        t_ours, t_peer, distinct = time_pair(m, plan, ours, peer_layers)
+        t_ours, t_peer, distinct, energy_cells = time_pair(m, plan, ours, peer_layers)
         floor = distinct * expert_bytes(i) / bw * 1e6
         flops = m * TOP_K * 2 * (H * 2 * i + i * H)
 
@@ -335,6 +346,7 @@ def side_by_side_table(args, bw, dense, config, weights, sizes, note: str) -> li
             [m, distinct, f"{floor:.1f}", f"{t_ours:.1f}", *peer_cells]
             + [f"{t_ours / floor:.2f}", f"{t_peer / floor:.2f}" if peer_layers else "-"]
             + [pct(t_ours), pct(t_peer) if peer_layers else "-"]
+            + energy_cells
         )
         print(rows[-1], flush=True)
     return record.table(PEER_COLUMNS, rows) + ["", f"ours: {plan.kernel}."] + checks
