@@ -1,0 +1,64 @@
+"""benchmarks/energy.py and the energy cells of bench_moe's side-by-side rows, on the CPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def bench(import_benchmark):
+    return import_benchmark("bench_moe")
+
+
+def test_energy_is_unmeasured_without_nvml_or_measured_with_it(bench):
+    ran = []
+    measured = bench.energy.per_call(lambda: ran.append(1), seconds=0.05, settle=0.0)
+    if not torch.cuda.is_available():
+        assert measured is None and not ran  # nothing captured, nothing run
+    else:
+        # An NVIDIA machine: a graph of nothing still draws the GPU's idle power.
+        assert measured is None or (measured[0] >= 0 and measured[1] >= 0)
+
+
+def _pair(bench, monkeypatch, energy, peer_layers):
+    applied = []
+
+    class Impl:
+        def apply(self, plan, x, prepared, **kwargs):
+            applied.append(prepared)
+
+    monkeypatch.setattr(bench, "time_layers", lambda fn, layers: (fn(), 100.0)[1])
+    monkeypatch.setattr(
+        bench, "token_inputs", lambda m: (torch.zeros(m, 4), torch.randn(m, 128), torch.zeros(m, 4))
+    )
+    monkeypatch.setattr(bench.energy, "per_call", energy)
+    plan = SimpleNamespace(impl=Impl())
+    result = bench.time_pair(8, plan, ["layer"] * 4, peer_layers)
+    return result, applied
+
+
+def test_time_pair_reports_energy_per_layer_and_mean_power(bench, monkeypatch):
+    peer_calls = []
+    peer = [lambda x, logits, out: peer_calls.append(1)] * 4
+    measured = []
+
+    def per_call(fn):
+        fn()  # one call of fn: every layer once
+        measured.append(fn)
+        return 40.0, 690.4
+
+    (t_ours, t_peer, distinct, cells), applied = _pair(bench, monkeypatch, per_call, peer)
+    assert (t_ours, t_peer) == (100.0, 100.0) and 1 <= distinct <= 32
+    # mJ per call of fn over its 4 layers, then the mean W.
+    assert cells == ["10.0 (690)", "10.0 (690)"]
+    assert len(measured) == 2 and peer_calls and applied
+
+
+def test_time_pair_energy_cells_say_unmeasured(bench, monkeypatch):
+    (_, t_peer, _, cells), _ = _pair(bench, monkeypatch, lambda fn: None, [])
+    assert t_peer != t_peer and cells == ["-", "-"]  # no NVML; no peer
+    (_, _, _, cells), _ = _pair(bench, monkeypatch, lambda fn: (8.0, 650.0), [])
+    assert cells == ["2.0 (650)", "-"]
