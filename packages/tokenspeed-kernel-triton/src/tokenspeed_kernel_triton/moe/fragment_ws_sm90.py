@@ -167,12 +167,12 @@ def _swiglu_epilogue(acc, epilogue, out_rows, swiglu_args, TOPK: gl.constexpr,
 
 
 @gluon.jit
-def _tile(ring, count, epilogue, stores, lo_table, hi_table, out_rows, swiglu_args, K,
+def _tile(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
           TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, SHIFT_DECODE: gl.constexpr,
           IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr, WG: gl.constexpr,
           COLS: gl.constexpr, mma: gl.constexpr, dot_a: gl.constexpr):  # fmt: skip
     """One consumer's work item: its 128 rows' product with the ring's first COLS x rows over
-    K, then bias and SwiGLU where it `stores`; returns the ring count past its steps."""
+    K, then bias and SwiGLU; returns the ring count past its steps."""
     x_ring, words_ring, scales_ring, full, empty = ring
     acc = gl.zeros([_WG_ROWS, COLS], gl.float32, layout=mma)
     for _step in range(K // 128):
@@ -188,15 +188,28 @@ def _tile(ring, count, epilogue, stores, lo_table, hi_table, out_rows, swiglu_ar
         # consumer is done with the slot.
         mbarrier.arrive(empty.index(slot))
         count += 1
-    if stores:
-        _swiglu_epilogue(
-            acc, epilogue, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, COLS, mma
-        )
+    _swiglu_epilogue(
+        acc, epilogue, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, COLS, mma
+    )
     return count
 
 
 @gluon.jit
-def _tile_96(ring, count, epilogue, stores, lo_table, hi_table, out_rows, swiglu_args, K,
+def _pass(ring, count, K):
+    """A consumer wholly in the zero padding: its share of the ring's protocol without decode
+    or MMA (it would store nothing). Waiting for each slot to fill keeps its arrivals on
+    `empty` in step with the other consumer's."""
+    x_ring, words_ring, scales_ring, full, empty = ring
+    for _step in range(K // 128):
+        slot = count % _STAGES
+        mbarrier.wait(full.index(slot), (count // _STAGES) & 1)
+        mbarrier.arrive(empty.index(slot))
+        count += 1
+    return count
+
+
+@gluon.jit
+def _tile_96(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
              TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, SHIFT_DECODE: gl.constexpr,
              IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """_tile over 96 tokens, as 64 and 32 columns (tensor shapes are powers of two): each
@@ -216,17 +229,14 @@ def _tile_96(ring, count, epilogue, stores, lo_table, hi_table, out_rows, swiglu
         acc_a, acc_b = warpgroup_mma_wait(0, deps=[acc_a, acc_b])
         mbarrier.arrive(empty.index(slot))
         count += 1
-    if stores:
-        _swiglu_epilogue(
-            acc_a, epilogue, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, 64,
-            _MMA_64,
-        )  # fmt: skip
-        pointers, expert, first_row, row_block, row_end, n_valid = epilogue
-        second = (pointers, expert, first_row + 64, row_block, row_end, n_valid)
-        _swiglu_epilogue(
-            acc_b, second, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, 32,
-            _MMA_32,
-        )  # fmt: skip
+    _swiglu_epilogue(
+        acc_a, epilogue, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, 64, _MMA_64
+    )
+    pointers, expert, first_row, row_block, row_end, n_valid = epilogue
+    second = (pointers, expert, first_row + 64, row_block, row_end, n_valid)
+    _swiglu_epilogue(
+        acc_b, second, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, 32, _MMA_32
+    )
     return count
 
 
@@ -256,23 +266,25 @@ def _consumer(
         first_row = tile * _TOKENS
         row_block = 2 * pid_w + WG
         epilogue = (epilogue_ptrs, expert, first_row, row_block, row_end, N_VALID)
-        # A consumer wholly in the zero padding past the real rows stores nothing.
-        stores = row_block * _WG_ROWS < N_VALID
         n = row_end - first_row
         if n > NARROW_T:
-            if not FIT_WIDTHS or n > 96:
+            # A consumer wholly in the zero padding past the real rows (the last block where 2I
+            # is not a multiple of 256) would store nothing: it only keeps the ring going.
+            if row_block * _WG_ROWS >= N_VALID:
+                count = _pass(ring, count, K)
+            elif not FIT_WIDTHS or n > 96:
                 count = _tile(
-                    ring, count, epilogue, stores, lo_table, hi_table, out_rows, swiglu_args, K,
+                    ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
                     TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, _TOKENS, _MMA, _DOT_A,
                 )  # fmt: skip
             elif n > 64:
                 count = _tile_96(
-                    ring, count, epilogue, stores, lo_table, hi_table, out_rows, swiglu_args, K,
+                    ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
                     TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG,
                 )  # fmt: skip
             else:
                 count = _tile(
-                    ring, count, epilogue, stores, lo_table, hi_table, out_rows, swiglu_args, K,
+                    ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
                     TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, 64, _MMA_64, _DOT_A_64,
                 )  # fmt: skip
 
