@@ -72,9 +72,9 @@ def test_hopper_moe_keeps_weight_fragments_in_registers(aot_rows):
     A few st.shared at most, none in the main loop: the epilogue's per-token values (pairs,
     factors) converted into the accumulator layout, GEMM2 polling its tile counter, a GEMM2
     storing fp16 pair rows staging its output tile after the main loop, and the
-    warp-specialized GEMM1's two words by which Triton starts its partitions, plus two per
-    epilogue: its consumers have two, 128 rows and the 64 before padding, and with fit_widths
-    three more, 64 and 64 + 32 columns wide."""
+    warp-specialized GEMM1's two words by which Triton starts its partitions (plus two per
+    epilogue past the first: with fit_widths its consumers have four, 128, 64 and 64 + 32
+    columns wide)."""
     from tokenspeed_kernel_triton.moe.fragment_ws_sm90 import _warp_specialized_gemm1_kernel
     from tokenspeed_kernel_triton.moe.wgmma_gemm_sm90 import _fragment_gemm_kernel
 
@@ -93,7 +93,7 @@ def test_hopper_moe_keeps_weight_fragments_in_registers(aot_rows):
     for row in gemms:
         assert not row["ldmatrix"], row
         fit_widths = row["constexprs"].get(fit_widths_key) == "True"
-        assert row["shared_stores"] <= (12 if fit_widths else 6), row
+        assert row["shared_stores"] <= (10 if fit_widths else 4), row
 
 
 @pytest.mark.parametrize("target", ("gfx942", "gfx950"))

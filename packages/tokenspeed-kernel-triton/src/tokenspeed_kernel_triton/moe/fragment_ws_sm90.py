@@ -65,12 +65,6 @@ _DOT_A_64 = gl.constexpr(kernel_layouts(WG_ROWS, 64, 4)["dot_a"])
 _MMA_32 = gl.constexpr(kernel_layouts(WG_ROWS, 32, 4)["mma"])
 _DOT_A_32 = gl.constexpr(kernel_layouts(WG_ROWS, 32, 4)["dot_a"])
 _WORDS = gl.constexpr(_BASE["words_layout"])
-# A consumer whose second 64 rows are all padding multiplies its first 64 only.
-_HALF = kernel_layouts(WG_ROWS // 2, 128, 4)
-_HALF_ROWS = gl.constexpr(WG_ROWS // 2)
-_HALF_MMA = gl.constexpr(_HALF["mma"])
-_HALF_DOT_A = gl.constexpr(_HALF["dot_a"])
-_HALF_WORDS = gl.constexpr(_HALF["words_layout"])
 _X_SMEM = gl.constexpr(_BASE["smem_layout"])
 _X_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 _WORDS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
@@ -141,27 +135,24 @@ def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.c
 
 @gluon.jit
 def _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE: gl.constexpr, WG: gl.constexpr,
-              ROWS: gl.constexpr, words_layout: gl.constexpr, dot_a: gl.constexpr):  # fmt: skip
-    """This consumer's decoded [ROWS, 128 K] fragment of the ring's slot (its first ROWS
-    rows), once it is full."""
+              dot_a: gl.constexpr):  # fmt: skip
+    """This consumer's decoded [128 rows, 128 K] fragment of the ring's slot, once it is full."""
     x_ring, words_ring, scales_ring, full, empty = ring
-    words = words_ring.index(slot).slice(WG * _WG_ROWS, ROWS).load(words_layout)
-    scales = scales_ring.index(slot).slice(WG * _WG_ROWS, ROWS)
-    scales = scales.load(gl.SliceLayout(1, words_layout))
+    words = words_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS).load(_WORDS)
+    scales = scales_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS)
+    scales = scales.load(gl.SliceLayout(1, _WORDS))
     return decode_fragment(
-        words, scales, lo_table, hi_table, dot_a, ROWS, SHIFT_DECODE, False, False
+        words, scales, lo_table, hi_table, dot_a, _WG_ROWS, SHIFT_DECODE, False, False
     )
 
 
 @gluon.jit
 def _swiglu_epilogue(acc, epilogue, out_rows, swiglu_args, TOPK: gl.constexpr,
                      HAS_BIAS: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
-                     ROWS: gl.constexpr, COLS: gl.constexpr, mma: gl.constexpr):  # fmt: skip
-    """Bias and SwiGLU of acc [ROWS, COLS] into its rows of the intermediate; epilogue's row
-    block counts blocks of ROWS rows."""
+                     COLS: gl.constexpr, mma: gl.constexpr):  # fmt: skip
     alpha, limit, out_scale = swiglu_args
     operands = epilogue_operands(
-        epilogue, TOPK, True, HAS_BIAS, False, 0, IN_SCALE, ROWS, COLS, mma
+        epilogue, TOPK, True, HAS_BIAS, False, 0, IN_SCALE, _WG_ROWS, COLS, mma
     )
     rows, cols, col_ok, _, bias, pre_factor, _ = operands
     if IN_SCALE != 0:
@@ -170,7 +161,7 @@ def _swiglu_epilogue(acc, epilogue, out_rows, swiglu_args, TOPK: gl.constexpr,
         acc += bias[:, None]
     out_ptr, N, stride_om = out_rows
     swiglu_store(
-        (out_ptr, N, stride_om, rows, cols, col_ok), acc, alpha, limit, out_scale, ROWS,
+        (out_ptr, N, stride_om, rows, cols, col_ok), acc, alpha, limit, out_scale, _WG_ROWS,
         COLS, OUT_QUANT,
     )  # fmt: skip
 
@@ -179,20 +170,17 @@ def _swiglu_epilogue(acc, epilogue, out_rows, swiglu_args, TOPK: gl.constexpr,
 def _tile(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
           TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, SHIFT_DECODE: gl.constexpr,
           IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr, WG: gl.constexpr,
-          ROWS: gl.constexpr, COLS: gl.constexpr, mma: gl.constexpr, dot_a: gl.constexpr,
-          words_layout: gl.constexpr):  # fmt: skip
-    """One consumer's work item: its first ROWS rows' product with the ring's first COLS x
-    rows over K, then bias and SwiGLU; returns the ring count past its steps."""
+          COLS: gl.constexpr, mma: gl.constexpr, dot_a: gl.constexpr):  # fmt: skip
+    """One consumer's work item: its 128 rows' product with the ring's first COLS x rows over
+    K, then bias and SwiGLU; returns the ring count past its steps."""
     x_ring, words_ring, scales_ring, full, empty = ring
-    acc = gl.zeros([ROWS, COLS], gl.float32, layout=mma)
+    acc = gl.zeros([_WG_ROWS, COLS], gl.float32, layout=mma)
     for _step in range(K // 128):
         slot = count % _STAGES
         mbarrier.wait(full.index(slot), (count // _STAGES) & 1)
         # The producer's copies (generic proxy) before the wgmma reads them (async).
         fence_async_shared()
-        frag = _fragment(
-            ring, slot, lo_table, hi_table, SHIFT_DECODE, WG, ROWS, words_layout, dot_a
-        )
+        frag = _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE, WG, dot_a)
         b = x_ring.index(slot).slice(0, COLS).permute((1, 0))
         acc = warpgroup_mma(frag, b, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
@@ -201,9 +189,8 @@ def _tile(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
         mbarrier.arrive(empty.index(slot))
         count += 1
     _swiglu_epilogue(
-        acc, epilogue, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, ROWS, COLS,
-        mma,
-    )  # fmt: skip
+        acc, epilogue, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, COLS, mma
+    )
     return count
 
 
@@ -234,9 +221,7 @@ def _tile_96(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K
         slot = count % _STAGES
         mbarrier.wait(full.index(slot), (count // _STAGES) & 1)
         fence_async_shared()
-        frag = _fragment(
-            ring, slot, lo_table, hi_table, SHIFT_DECODE, WG, _WG_ROWS, _WORDS, _DOT_A_64
-        )
+        frag = _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE, WG, _DOT_A_64)
         x_rows = x_ring.index(slot)
         acc_a = warpgroup_mma(frag, x_rows.slice(0, 64).permute((1, 0)), acc_a, is_async=True)
         frag_b = gl.convert_layout(frag, _DOT_A_32, assert_trivial=True)
@@ -245,15 +230,13 @@ def _tile_96(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K
         mbarrier.arrive(empty.index(slot))
         count += 1
     _swiglu_epilogue(
-        acc_a, epilogue, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, _WG_ROWS,
-        64, _MMA_64,
-    )  # fmt: skip
+        acc_a, epilogue, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, 64, _MMA_64
+    )
     pointers, expert, first_row, row_block, row_end, n_valid = epilogue
     second = (pointers, expert, first_row + 64, row_block, row_end, n_valid)
     _swiglu_epilogue(
-        acc_b, second, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, _WG_ROWS,
-        32, _MMA_32,
-    )  # fmt: skip
+        acc_b, second, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, 32, _MMA_32
+    )
     return count
 
 
@@ -262,7 +245,7 @@ def _consumer(
     pointers, ring, sizes, epilogue_args,
     TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, NARROW_T: gl.constexpr, FIT_WIDTHS: gl.constexpr,
     SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
-    HALF_LAST: gl.constexpr, WG: gl.constexpr,
+    WG: gl.constexpr,
 ):  # fmt: skip
     bias_ptr, out_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr, in_scale_ptr = pointers
     N, K, K_VALID, N_VALID, grid = sizes
@@ -289,20 +272,10 @@ def _consumer(
             # is not a multiple of 256) would store nothing: it only keeps the ring going.
             if row_block * _WG_ROWS >= N_VALID:
                 count = _pass(ring, count, K)
-            elif HALF_LAST and row_block * _WG_ROWS + _HALF_ROWS >= N_VALID:
-                # Its second half is padding (the last block of TP=2 and TP=4 shards): half
-                # the decode and MMAs, the epilogue's row block counted in 64-row blocks.
-                half = (epilogue_ptrs, expert, first_row, 2 * row_block, row_end, N_VALID)
-                count = _tile(
-                    ring, count, half, lo_table, hi_table, out_rows, swiglu_args, K,
-                    TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, _HALF_ROWS, _TOKENS,
-                    _HALF_MMA, _HALF_DOT_A, _HALF_WORDS,
-                )  # fmt: skip
             elif not FIT_WIDTHS or n > 96:
                 count = _tile(
                     ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
-                    TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, _WG_ROWS, _TOKENS,
-                    _MMA, _DOT_A, _WORDS,
+                    TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, _TOKENS, _MMA, _DOT_A,
                 )  # fmt: skip
             elif n > 64:
                 count = _tile_96(
@@ -312,8 +285,7 @@ def _consumer(
             else:
                 count = _tile(
                     ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
-                    TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, _WG_ROWS, 64,
-                    _MMA_64, _DOT_A_64, _WORDS,
+                    TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, 64, _MMA_64, _DOT_A_64,
                 )  # fmt: skip
 
 
@@ -329,7 +301,7 @@ def _warp_specialized_gemm1_kernel(
     alpha, limit, in_scale, out_scale,
     TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, NARROW_T: gl.constexpr, FIT_WIDTHS: gl.constexpr,
     SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
-    HALF_LAST: gl.constexpr, PDL: gl.constexpr,
+    PDL: gl.constexpr,
 ):  # fmt: skip
     if PDL:
         # The routing outputs are complete past the wait; the launch after (the narrow tiles')
@@ -363,11 +335,9 @@ def _warp_specialized_gemm1_kernel(
     gl.warp_specialize(
         [
             (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, HAS_BIAS,
-                         NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, HALF_LAST,
-                         _FIRST)),
+                         NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _FIRST)),
             (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, HAS_BIAS,
-                         NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, HALF_LAST,
-                         _SECOND)),
+                         NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _SECOND)),
             (_producer, (producer_pointers, ring, sizes, strides, TOPK, NARROW_T)),
         ],
         [4, 4],
@@ -424,9 +394,5 @@ def warp_specialized_gemm1(
         TOPK=top_k, HAS_BIAS=bias is not None, NARROW_T=config.narrow_t,
         FIT_WIDTHS=config.fit_widths,
         SHIFT_DECODE=constexprs["SHIFT_DECODE"], IN_SCALE=constexprs["IN_SCALE"],
-        OUT_QUANT=constexprs["OUT_QUANT"],
-        # Only rows ending within the first half of a 128-row block compile the half path
-        # (it costs the other forms registers).
-        HALF_LAST=0 < n_valid % WG_ROWS <= WG_ROWS // 2,
-        PDL=config.pdl, num_warps=4, launch_pdl=config.pdl,
+        OUT_QUANT=constexprs["OUT_QUANT"], PDL=config.pdl, num_warps=4, launch_pdl=config.pdl,
     )  # fmt: skip
