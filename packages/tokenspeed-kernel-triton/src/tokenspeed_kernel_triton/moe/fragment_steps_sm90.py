@@ -5,8 +5,6 @@ e4m3 fragments (`e4m3_step`, FP8 MMAs)."""
 
 from __future__ import annotations
 
-import os
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -14,8 +12,6 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warp
 
 from . import shift_words_sm90
 from .mxfp4_words import bf16_scale_factors, decode_word_slots_tables
-
-PROBE_SHARED_X = gl.constexpr(os.environ.get("TS_PROBE_SHARED_X") == "1")
 
 
 @gluon.jit
@@ -97,7 +93,7 @@ def issue_activations(
     K_VALID on (x's row ends at H, the weights are padded beyond it), are zero-filled, never
     read. BLOCK_DIAGONAL (POST_SCALE): tile row r takes only the K elements of scale block
     row_block[r] of each chunk; the rest is zero-filled."""
-    a_ptr, a_rows, row_ok, k_first, num_k, K, K_VALID, stride_am, row_block, keep = source
+    a_ptr, a_rows, row_ok, k_first, num_k, K, K_VALID, stride_am, row_block = source
     chunk0 = step * CHUNKS
     local = gl.arange(0, CHUNKS * 128, layout=gl.SliceLayout(0, copy_layout))
     cols = (k_first + chunk0) * 128 + local
@@ -107,15 +103,9 @@ def issue_activations(
     if BLOCK_DIAGONAL:
         mask = mask & ((local // 32 % 4)[None, :] == row_block[:, None])
     slot = step % act.shape[0]
-    if PROBE_SHARED_X:
-        if keep:
-            async_copy.async_copy_global_to_shared(act.index(slot), ptrs, mask=mask)
-            if SPLIT_A:
-                async_copy.async_copy_global_to_shared(act_lo.index(slot), ptrs + K, mask=mask)
-    else:
-        async_copy.async_copy_global_to_shared(act.index(slot), ptrs, mask=mask)
-        if SPLIT_A:
-            async_copy.async_copy_global_to_shared(act_lo.index(slot), ptrs + K, mask=mask)
+    async_copy.async_copy_global_to_shared(act.index(slot), ptrs, mask=mask)
+    if SPLIT_A:
+        async_copy.async_copy_global_to_shared(act_lo.index(slot), ptrs + K, mask=mask)
 
 
 @gluon.jit

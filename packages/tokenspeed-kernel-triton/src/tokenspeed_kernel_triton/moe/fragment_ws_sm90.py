@@ -24,7 +24,6 @@ independent CTAs per SM overlap one's epilogue with the other's MMAs (docs/decis
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from triton.experimental import gluon
@@ -53,7 +52,6 @@ _CTA_ROWS = gl.constexpr(CTA_ROWS)
 _TOKENS = gl.constexpr(128)
 _PANEL_ROWS = gl.constexpr(PANEL_ROWS)
 _PRODUCER_REGS = gl.constexpr(56)
-_PROBE_SHARED_X = gl.constexpr(os.environ.get("TS_PROBE_SHARED_X1") == "1")
 _CONSUMER_REGS = gl.constexpr(224)
 _FIRST = gl.constexpr(0)
 _SECOND = gl.constexpr(1)
@@ -122,15 +120,9 @@ def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.c
                 mbarrier.wait(empty.index(slot), (count // _STAGES + 1) & 1, pred=count >= _STAGES)
                 # x's row ends at H (K_VALID); the weights' zero padding past it meets zeros.
                 mask = t_ok[:, None] & ((k * 128 + k_local) < K_VALID)[None, :]
-                if _PROBE_SHARED_X:
-                    if pid_w % 2 == 0:
-                        async_copy.async_copy_global_to_shared(
-                            x_ring.index(slot), x_ptr + k * 128 + x_offs, mask=mask
-                        )
-                else:
-                    async_copy.async_copy_global_to_shared(
-                        x_ring.index(slot), x_ptr + k * 128 + x_offs, mask=mask
-                    )
+                async_copy.async_copy_global_to_shared(
+                    x_ring.index(slot), x_ptr + k * 128 + x_offs, mask=mask
+                )
                 async_copy.async_copy_global_to_shared(
                     words_ring.index(slot), w_expert + k * stride_wc + w_offs
                 )

@@ -270,10 +270,7 @@ def _fragment_gemm_kernel(
     # What the ring copies read (fragment_steps_sm90.issue_weights, issue_activations) and
     # what its steps multiply (mma_step, post_scaled_step).
     weights_src = (ring_words, ring_scales, w_copy_ptrs, s_copy_ptrs, stride_wc, stride_sc, num_k)
-    keep_x = SWIGLU | (pid_w % 2 == 0)
-    acts_src = (
-        a_ptr, a_rows, t_ok, k_first, num_k, K, K_VALID, stride_am, mma_col // BLOCK_T, keep_x
-    )  # fmt: skip
+    acts_src = (a_ptr, a_rows, t_ok, k_first, num_k, K, K_VALID, stride_am, mma_col // BLOCK_T)
     ring = (ring_words, ring_scales, act, act_lo, lo_table, hi_table)
     # Prologue: the first STAGES - 1 steps into the ring, weights first. They depend on nothing
     # the previous kernel writes, so under PDL GEMM2 streams them while GEMM1 finishes.
