@@ -40,10 +40,3 @@ def e4m3_of(x, scale, INTERPRETED: tl.constexpr):
     """float32 x / scale (IEEE division) clamped to +-448 and rounded to the nearest e4m3."""
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
     return round_to_fp8(q, INTERPRETED)
-
-
-@triton.jit
-def e4m3_remainder(x, scale, q, INTERPRETED: tl.constexpr):
-    """The e4m3 of what q (e4m3_of(x, scale)) leaves of x / scale."""
-    rest = tl.math.div_rn(x, scale) - q.to(tl.float32)
-    return round_to_fp8(rest, INTERPRETED)

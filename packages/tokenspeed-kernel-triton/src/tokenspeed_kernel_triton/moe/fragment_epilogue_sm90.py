@@ -8,7 +8,7 @@ from triton import language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .e4m3 import e4m3_of, e4m3_remainder
+from .e4m3 import e4m3_of
 
 
 @gluon.jit
@@ -124,10 +124,7 @@ def swiglu_store(
         t = channel % 128
         position = channel - t + t // 8 % 4 * 32 + t // 4 % 2 * 16 + t // 32 * 4 + t % 4
         ptrs = out_ptr + row.to(gl.int64) * stride_om + position
-        hi = e4m3_of(act, out_scale, False)
-        gl.store(ptrs, hi, mask=ok != 0)
-        if OUT_QUANT == 2:
-            gl.store(ptrs + N // 2, e4m3_remainder(act, out_scale, hi, False), mask=ok != 0)
+        gl.store(ptrs, e4m3_of(act, out_scale, False), mask=ok != 0)
         return
     if OUT_QUANT:
         act = e4m3_of(act, out_scale, False).to(gl.float32)

@@ -306,7 +306,7 @@ def e4m3_fragment(words, scale_words, words_layout: gl.constexpr, dot_a: gl.cons
 
 @gluon.jit
 def e4m3_step(acc, ring, ring_step, words_layout: gl.constexpr, dot_a: gl.constexpr,
-              CHUNKS: gl.constexpr, SPLIT_A: gl.constexpr):  # fmt: skip
+              CHUNKS: gl.constexpr):  # fmt: skip
     """One ring step on e4m3 fragments and activations (FP8 wgmma: GEMM2 only, whose sums
     are rounded once, into the output; FP8 wgmma's running sums err by up to ~6e-4 of
     sum |a||b| over K = 2944, which in GEMM1 would move some of the SwiGLU's e4m3
@@ -314,7 +314,7 @@ def e4m3_step(acc, ring, ring_step, words_layout: gl.constexpr, dot_a: gl.conste
     fragment cannot be kept live across a wait (Gluon rejects 8-bit deps), and ptxas reuses
     its registers under a running wgmma. The SM's other CTAs overlap decode and MMA
     instead. ring: as mma_step."""
-    ring_words, ring_scales, act, act_lo, _, _ = ring
+    ring_words, ring_scales, act, _, _, _ = ring
     BLOCK_W: gl.constexpr = ring_words.shape[1]
     L3: gl.constexpr = gl.SliceLayout(3, words_layout)
     quad_words = ring_words._reinterpret(
@@ -327,8 +327,5 @@ def e4m3_step(acc, ring, ring_step, words_layout: gl.constexpr, dot_a: gl.conste
         frag = e4m3_fragment(words, scale_words, words_layout, dot_a)
         b = act.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
         acc = warpgroup_mma(frag, b, acc, is_async=True)
-        if SPLIT_A:
-            b_lo = act_lo.index(ring_step).slice(c * 128, 128, dim=1).permute((1, 0))
-            acc = warpgroup_mma(frag, b_lo, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
     return acc

@@ -8,8 +8,6 @@ launch from GEMM1 on (fragment_config_sm90.CONFIGS).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tokenspeed_kernel.registry import Support, register_kernel
@@ -83,7 +81,10 @@ def moe_forward_sm90(
     # GEMM1 keeps half-precision operands: its exact sums round the intermediate to e4m3 as
     # the reference does, where FP8 MMAs' sums would move some of those roundings.
     e4m3 = prepared["w2_decode"] == "e4m3"
-    e4m3_pair = e4m3 and not fp8  # TS_PROBE_E4M3_BF16: the SwiGLU rows x 8 as e4m3 hi, lo
+    if e4m3 and not fp8:
+        raise ValueError(
+            "moe_forward_sm90: w2 was prepared as e4m3 fragments, which take fp8 activations"
+        )
     f16_intermediate = prepared["w2_decode"] == "fp16"
     if f16_intermediate and not swiglu_fits_f16(alpha, limit):
         raise ValueError(
@@ -118,9 +119,7 @@ def moe_forward_sm90(
     )
     H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
     rows = routing[4] * config.block_t  # the tile-count bound
-    if e4m3_pair:
-        act = scratch("act_pair", (rows, 2 * Ip), torch.float8_e4m3fn, x.device)
-    elif e4m3:
+    if e4m3:
         act = scratch("act", (rows, Ip), torch.float8_e4m3fn, x.device)
     elif f16_intermediate:
         act = scratch("act", (rows, Ip), torch.float16, x.device)
@@ -145,12 +144,12 @@ def moe_forward_sm90(
         n_valid=gemm1_rows,
         x_exp=x_exp,
         in_scale=x_scale,
-        out_scale=0.125 if e4m3_pair else w2_input_scale if fp8 and not act_pass else None,
+        out_scale=w2_input_scale if fp8 and not act_pass else None,
         alpha=alpha,
         limit=limit,
         **common,
     )
-    act_scale = 0.125 if e4m3_pair else w2_input_scale if fp8 else None
+    act_scale = w2_input_scale if fp8 else None
     if act_pass:
         # e4m3 values in the intermediate's half type (bf16 [hi | lo]: hi, lo zeroed).
         tiles = (routing[2], routing[3], config.block_t)
@@ -243,8 +242,7 @@ class TritonMoESm90(PaddedMoEKernel):
     forward = staticmethod(moe_forward_sm90)
 
     def prepare_options(self, config) -> dict:
-        probe = os.environ.get("TS_PROBE_E4M3_BF16") == "1"
-        return dict(e4m3_w2=config.activation_format == "fp8" or probe)
+        return dict(e4m3_w2=config.activation_format == "fp8")
 
     def forward_options(self, config, tensors: dict) -> dict:
         return dict(

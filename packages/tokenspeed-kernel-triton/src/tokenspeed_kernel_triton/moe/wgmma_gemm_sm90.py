@@ -328,7 +328,7 @@ def _fragment_gemm_kernel(
         # one fence for all of its chunks.
         fence_async_shared()
         if E4M3:
-            acc = e4m3_step(acc, ring, slot, words_layout, dot_a, CHUNKS, SPLIT_A)
+            acc = e4m3_step(acc, ring, slot, words_layout, dot_a, CHUNKS)
         elif POST_SCALE:
             acc = post_scaled_step(
                 acc, ring, slot, words_layout, dot_a, BLOCK_T, CHUNKS, MMA_IN_FLIGHT
@@ -533,13 +533,13 @@ def fragment_gemm(
     constexprs = dict(
         TOPK=top_k,
         SWIGLU=gemm1,
-        SPLIT_A=not gemm1 and (a.dtype == torch.bfloat16 or (e4m3 and a.shape[1] == 2 * K)),
+        SPLIT_A=not gemm1 and a.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None,
         SPLIT_K=split_k,
         SHIFT_DECODE=decode != "prmt",
         SCALE_BIAS=POST_SCALE_BIAS.get(operand, 0),
         IN_SCALE=0 if in_scale is None else 1 if isinstance(in_scale, float) else 2,
-        OUT_QUANT=0 if out_scale is None else 2 if gemm1 and out.dtype == torch.float8_e4m3fn and out.shape[1] == N else 1,
+        OUT_QUANT=out_scale is not None,
         HALF_ROWS=half_rows,
         E4M3=e4m3,
     )
@@ -608,7 +608,7 @@ def _check_operands(a, w, w_scale, gemm1, decode, split_k, config, routing, read
         raise ValueError(f"fragment_gemm: split_k {split_k} for GEMM{1 if gemm1 else 2}")
     if decode == "e4m3" or a.dtype == torch.float8_e4m3fn:
         # e4m3 fragments against e4m3 activations in MMA order, K columns of them.
-        if decode != "e4m3" or a.dtype != torch.float8_e4m3fn or a.shape[1] not in (K, 2 * K):
+        if decode != "e4m3" or a.dtype != torch.float8_e4m3fn or a.shape[1] != K:
             raise ValueError(
                 f"fragment_gemm: e4m3 weights take float8_e4m3fn activations of {K} columns, "
                 f"got {decode} weights and {a.dtype} x {a.shape[1]}"
