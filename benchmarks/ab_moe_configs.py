@@ -52,8 +52,10 @@ def parse_configs(texts: list[str]) -> list[FragmentConfig]:
     return configs
 
 
-def compare(shard: str, m: int, configs: list, plan, ours: list, peer: list, rounds: int):
-    x, logits, out = bench.token_inputs(m)
+def compare(
+    shard: str, m: int, configs: list, plan, ours: list, peer: list, rounds: int, skew: float
+):
+    x, logits, out = bench.token_inputs(m, skew)
 
     def apply(prepared, into):
         plan.impl.apply(
@@ -95,7 +97,9 @@ def compare(shard: str, m: int, configs: list, plan, ours: list, peer: list, rou
                 times[i].append(timed(configs[i]))
     v = statistics.median(vllm)
     base = statistics.median(times[0])
-    print(f"{shard} M={m}: vLLM {v:.1f} µs [{min(vllm):.1f}-{max(vllm):.1f}]", flush=True)
+    print(
+        f"{shard} M={m} skew {skew}: vLLM {v:.1f} µs [{min(vllm):.1f}-{max(vllm):.1f}]", flush=True
+    )
     for i, config in enumerate(configs):
         t = statistics.median(times[i])
         diff = "" if i == 0 else f", max |config - pick| {differences[i - 1]:.3e}"
@@ -114,6 +118,9 @@ def main() -> None:
     parser.add_argument("--config", action="append", default=[], help="a FragmentConfig")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--skew", type=float, default=0.0, help="routing skew (bench_moe.token_inputs)"
+    )
     args = parser.parse_args()
     configs = [None] + parse_configs(args.config)
     sizes = [int(m) for m in args.sizes.split(",")]
@@ -124,7 +131,7 @@ def main() -> None:
         ours = [moe_prepare_weights(plan, shard_weights) for _ in range(args.layers)]
         peer = [peers.TritonKernelsMoE(config, shard_weights) for _ in range(args.layers)]
         for m in sizes:
-            compare(shard, m, configs, plan, ours, peer, args.rounds)
+            compare(shard, m, configs, plan, ours, peer, args.rounds, args.skew)
         del ours, peer
         torch.cuda.empty_cache()
 

@@ -127,11 +127,16 @@ def weight_copies(prepared: dict, layers: int) -> list[dict]:
     ]
 
 
-def token_inputs(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """M tokens' x [M, H] bf16 and router logits [M, E] (seeded by M), and an output buffer."""
+def token_inputs(m: int, skew: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """M tokens' x [M, H] bf16 and router logits [M, E] (seeded by M), and an output buffer.
+    `skew` adds a fixed per-expert bias of that many standard deviations to the logits, so that
+    some experts take more tokens than others, as a trained router's do (SKEW: the loads)."""
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, H, generator=g, device="cuda").to(torch.bfloat16)
     logits = torch.randn(m, E, generator=g, device="cuda")
+    if skew:
+        bias = torch.randn(E, generator=torch.Generator().manual_seed(0)).to("cuda")
+        logits += skew * bias
     return x, logits, torch.empty_like(x)
 
 
@@ -182,13 +187,29 @@ def run_case(layers, m, act, scales, *, graph: bool, config=None):
 # count, so a table of powers of two alone flatters.
 PEER_SIZES = (1, 4, 8, 12, 16, 64, 256, 384, 1024, 1536, 2048, 3072, 4096, 6144, 7168, 8192)
 CHECK_SIZES = (1, 64, 256, 1024)
+# Skewed routing (token_inputs' `skew`): 0.25 standard deviations of per-expert bias put the
+# busiest expert at about 4.3x the mean load from M = 256 (uniform: 2.1x at M=256, 1.2x at
+# 8192) and leave a few experts idle, the imbalance a trained router shows under load; its
+# tables run at fewer sizes, one per tile regime.
+SKEW = 0.25
+SKEW_SIZES = (16, 64, 256, 1024, 3072, 8192)
 CONFIG = MoEConfig(E, TOP_K, H, I, weight_format="mxfp4", activation_format="bf16")
-PEER_COLUMNS = ["M", "distinct experts", "floor µs", "ours µs", "vLLM µs", "vLLM / ours"]
+PEER_COLUMNS = [
+    "M",
+    "distinct experts",
+    "busiest expert",
+    "floor µs",
+    "ours µs",
+    "vLLM µs",
+    "vLLM / ours",
+]
 PEER_COLUMNS += ["ours x floor", "vLLM x floor", "ours % bf16 dense", "vLLM % bf16 dense"]
 PEER_COLUMNS += ["ours mJ (W)", "vLLM mJ (W)"]
 
 
-def check_same_function(config: MoEConfig, weights: MoEWeights, plan, ours, peer) -> list[str]:
+def check_same_function(
+    config: MoEConfig, weights: MoEWeights, plan, ours, peer, skew: float = 0.0
+) -> list[str]:
     """Markdown lines: at CHECK_SIZES, ours (moe_apply) against the core reference (bf16
     tolerance) and the peer against the emulation of its rounding (`compare_to_emulation`),
     then each side's, and the emulation's, error against the reference; raises AssertionError
@@ -210,7 +231,7 @@ def check_same_function(config: MoEConfig, weights: MoEWeights, plan, ours, peer
     ]
     failures = []
     for m in CHECK_SIZES:
-        x, logits, _ = token_inputs(m)
+        x, logits, _ = token_inputs(m, skew)
         expected = torch.empty_like(x)
         reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
         got_ours = torch.empty_like(x)
@@ -249,10 +270,18 @@ def time_layers(fn, layers: int) -> float:
     return do_bench_cudagraph(fn, rep=100) * 1e3 / layers
 
 
-def time_pair(m: int, plan, ours: list, peer_layers: list) -> tuple[float, float, int, list]:
-    """(ours µs, the peer's µs or nan, distinct experts, the energy cells: [ours, the peer's]
+def expert_loads(logits: torch.Tensor) -> tuple[int, int]:
+    """(distinct selected experts, the busiest one's tokens) of router logits [M, E]."""
+    loads = torch.bincount(torch.topk(logits, TOP_K, dim=-1).indices.flatten(), minlength=E)
+    return int((loads > 0).sum()), int(loads.max())
+
+
+def time_pair(
+    m: int, plan, ours: list, peer_layers: list, skew: float = 0.0
+) -> tuple[float, float, tuple[int, int], list]:
+    """(ours µs, the peer's µs or nan, `expert_loads`, the energy cells: [ours, the peer's]
     mJ per layer and mean W, "-" where unmeasured) per layer for M tokens."""
-    x, logits, out = token_inputs(m)
+    x, logits, out = token_inputs(m, skew)
 
     def ours_fn():
         for prepared in ours:
@@ -266,14 +295,13 @@ def time_pair(m: int, plan, ours: list, peer_layers: list) -> tuple[float, float
 
     t_ours = time_layers(ours_fn, len(ours))
     t_peer = time_layers(peer_fn, len(peer_layers)) if peer_layers else float("nan")
-    distinct = int(torch.topk(logits, TOP_K, dim=-1).indices.unique().numel())
     cells = []
     for fn, layers in ((ours_fn, ours), (peer_fn, peer_layers)):
         measured = energy.per_call(fn) if layers else None
         cells.append(
             "-" if measured is None else f"{measured[0] / len(layers):.1f} ({measured[1]:.0f})"
         )
-    return t_ours, t_peer, distinct, cells
+    return t_ours, t_peer, expert_loads(logits), cells
 
 
 def peer_side_by_side(args, bw: float, dense: float) -> tuple[str | None, list[str]]:
@@ -303,38 +331,53 @@ def peer_side_by_side(args, bw: float, dense: float) -> tuple[str | None, list[s
         "about a second more of the same replays (NVML's counter; benchmarks/energy.py): "
         "where both run at the GPU's power limit, a layer's time is its energy over it.",
     ]
-    sections = (
-        ("The whole layer", CONFIG, weights),
-        (
-            f"Tensor parallel, TP={TP}: rank 0's shard (I={shard_config.intermediate_size} of "
-            f"{I}, `tensor_parallel_shard`), as each of {TP} GPUs runs it before the engine's "
-            "all-reduce; the same inputs and routing.",
-            shard_config,
-            shard_weights,
-        ),
+    shard_title = (
+        f"Tensor parallel, TP={TP}: rank 0's shard (I={shard_config.intermediate_size} of "
+        f"{I}, `tensor_parallel_shard`), as each of {TP} GPUs runs it before the engine's "
+        "all-reduce; the same inputs and routing"
     )
-    for title, config, layer_weights in sections:
+    skewed_sizes = SKEW_SIZES if not args.sizes else sizes
+    skewed = (
+        f", routed with skew: the same logits plus {SKEW} standard deviations of a fixed "
+        "per-expert bias (`token_inputs`), so that a few experts take several times the mean "
+        "load (the busiest expert column) and some none."
+    )
+    sections = (
+        ("The whole layer.", CONFIG, weights, sizes, 0.0),
+        (shard_title + ".", shard_config, shard_weights, sizes, 0.0),
+        ("The whole layer" + skewed, CONFIG, weights, skewed_sizes, SKEW),
+        (shard_title + skewed, shard_config, shard_weights, skewed_sizes, SKEW),
+    )
+    for title, config, layer_weights, table_sizes, skew in sections:
+        if skew and args.no_skew:
+            continue
         lines += ["", title, ""]
-        lines += side_by_side_table(args, bw, dense, config, layer_weights, sizes, note)
+        lines += side_by_side_table(args, bw, dense, config, layer_weights, table_sizes, note, skew)
         torch.cuda.empty_cache()
     return origin, lines
 
 
-def side_by_side_table(args, bw, dense, config, weights, sizes, note: str) -> list[str]:
-    """The table of ours against the peer for one layer shape, then the same-function lines
-    (`note` says why the peer's columns are empty, "" when it runs)."""
+def side_by_side_table(
+    args, bw, dense, config, weights, sizes, note: str, skew: float = 0.0
+) -> list[str]:
+    """The table of ours against the peer for one layer shape and routing skew, then the
+    same-function lines (`note` says why the peer's columns are empty, "" when it runs)."""
     plan = moe_plan(config, device="cuda", max_num_tokens=max(sizes + CHECK_SIZES))
     ours = [moe_prepare_weights(plan, weights) for _ in range(args.layers)]
     peer_layers = (
         [] if note else [peers.TritonKernelsMoE(config, weights) for _ in range(args.layers)]
     )
     checks = (
-        check_same_function(config, weights, plan, ours[0], peer_layers[0]) if peer_layers else []
+        check_same_function(config, weights, plan, ours[0], peer_layers[0], skew)
+        if peer_layers
+        else []
     )
     i = config.intermediate_size
     rows = []
     for m in sizes:
-        t_ours, t_peer, distinct, energy_cells = time_pair(m, plan, ours, peer_layers)
+        t_ours, t_peer, (distinct, busiest), energy_cells = time_pair(
+            m, plan, ours, peer_layers, skew
+        )
         floor = distinct * expert_bytes(i) / bw * 1e6
         flops = m * TOP_K * 2 * (H * 2 * i + i * H)
 
@@ -343,7 +386,7 @@ def side_by_side_table(args, bw, dense, config, weights, sizes, note: str) -> li
 
         peer_cells = [f"{t_peer:.1f}", f"{t_peer / t_ours:.2f}"] if peer_layers else [note, "-"]
         rows.append(
-            [m, distinct, f"{floor:.1f}", f"{t_ours:.1f}", *peer_cells]
+            [m, distinct, busiest, f"{floor:.1f}", f"{t_ours:.1f}", *peer_cells]
             + [f"{t_ours / floor:.2f}", f"{t_peer / floor:.2f}" if peer_layers else "-"]
             + [pct(t_ours), pct(t_peer) if peer_layers else "-"]
             + energy_cells
@@ -570,6 +613,9 @@ def main() -> int:
         help="distinct weight copies run in turn for the L2-cold times",
     )
     parser.add_argument("--sizes", default=None, help="comma-separated M (default: all)")
+    parser.add_argument(
+        "--no-skew", action="store_true", help="skip the side-by-side tables with skewed routing"
+    )
     record.add_record_argument(parser)
     args = parser.parse_args()
     started = time.monotonic()
