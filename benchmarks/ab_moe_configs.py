@@ -26,7 +26,12 @@ import statistics
 import bench_moe as bench
 import torch
 
-from tokenspeed_kernel import moe_plan, moe_prepare_weights, tensor_parallel_shard
+from tokenspeed_kernel import (
+    expert_parallel_shard,
+    moe_plan,
+    moe_prepare_weights,
+    tensor_parallel_shard,
+)
 from tokenspeed_kernel.tools import peers
 from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_triton.moe import moe_sm90
@@ -34,12 +39,13 @@ from tokenspeed_kernel_triton.moe.fragment_config_sm90 import CONFIGS, FragmentC
 
 
 def layer(shard: str, weights):
-    """(config, weights) of `shard`: "whole" or "tpN" (rank 0 of N)."""
+    """(config, weights) of `shard`: "whole", "tpN" or "epN" (rank 0 of N)."""
     if shard == "whole":
         return bench.CONFIG, weights
-    if not shard.startswith("tp") or not shard[2:].isdigit():
-        raise SystemExit(f"--shards: {shard!r} is neither 'whole' nor 'tpN'")
-    return tensor_parallel_shard(bench.CONFIG, weights, rank=0, world_size=int(shard[2:]))
+    split = {"tp": tensor_parallel_shard, "ep": expert_parallel_shard}.get(shard[:2])
+    if split is None or not shard[2:].isdigit():
+        raise SystemExit(f"--shards: {shard!r} is neither 'whole', 'tpN' nor 'epN'")
+    return split(bench.CONFIG, weights, rank=0, world_size=int(shard[2:]))
 
 
 def parse_configs(texts: list[str]) -> list[FragmentConfig]:
@@ -113,7 +119,9 @@ def compare(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", default="whole", help="comma-separated: whole, tp2, tp8, ...")
+    parser.add_argument(
+        "--shards", default="whole", help="comma-separated: whole, tp2, tp8, ep8, ..."
+    )
     parser.add_argument("--sizes", required=True, help="comma-separated M")
     parser.add_argument("--config", action="append", default=[], help="a FragmentConfig")
     parser.add_argument("--rounds", type=int, default=3)

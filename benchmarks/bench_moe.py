@@ -34,7 +34,12 @@ import record
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from tokenspeed_kernel import moe_plan, moe_prepare_weights, tensor_parallel_shard
+from tokenspeed_kernel import (
+    expert_parallel_shard,
+    moe_plan,
+    moe_prepare_weights,
+    tensor_parallel_shard,
+)
 from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEWeights
 from tokenspeed_kernel.registry import get_kernel
 from tokenspeed_kernel.testing import compare, moe_plan_for, tolerance
@@ -46,8 +51,8 @@ from tokenspeed_kernel_triton.moe.layout import prepare_weights
 from tokenspeed_kernel_triton.moe.moe import MoETileConfig
 
 E, TOP_K, H, I = 128, 4, 2880, 2880  # noqa: E741
-# The tensor-parallel degree of the shard row: GPT-OSS-120B on 8 GPUs.
-TP = 8
+# The tensor- and expert-parallel degrees of the shard tables: GPT-OSS-120B on 8 GPUs.
+TP = EP = 8
 
 
 def expert_bytes(intermediate: int) -> int:
@@ -270,10 +275,12 @@ def time_layers(fn, layers: int) -> float:
     return do_bench_cudagraph(fn, rep=100) * 1e3 / layers
 
 
-def expert_loads(logits: torch.Tensor) -> tuple[int, int]:
-    """(distinct selected experts, the busiest one's tokens) of router logits [M, E]."""
+def expert_loads(logits: torch.Tensor, config: MoEConfig) -> tuple[int, int, int]:
+    """(distinct selected experts, the busiest one's tokens, (token, expert) pairs) of router
+    logits [M, E], counting `config`'s local experts only."""
     loads = torch.bincount(torch.topk(logits, TOP_K, dim=-1).indices.flatten(), minlength=E)
-    return int((loads > 0).sum()), int(loads.max())
+    local = loads[config.expert_offset : config.expert_offset + config.num_local_experts]
+    return int((local > 0).sum()), int(local.max()), int(local.sum())
 
 
 def time_pair(
@@ -301,16 +308,18 @@ def time_pair(
         cells.append(
             "-" if measured is None else f"{measured[0] / len(layers):.1f} ({measured[1]:.0f})"
         )
-    return t_ours, t_peer, expert_loads(logits), cells
+    return t_ours, t_peer, expert_loads(logits, plan.config), cells
 
 
 def peer_side_by_side(args, bw: float, dense: float) -> tuple[str | None, list[str]]:
     """(the peer's origin or None, the section's lines): moe_apply as a user calls it (plan,
     prepare, apply) against peer:vllm.triton_kernels on the same checkpoint weights, each over
-    `args.layers` distinct copies in turn; the whole layer, then rank 0's shard at TP=8."""
+    `args.layers` distinct copies in turn: the whole layer, rank 0's shard at TP=8 and at
+    EP=8, then the whole layer and the TP=8 shard under skewed routing."""
     sizes = PEER_SIZES if not args.sizes else tuple(int(m) for m in args.sizes.split(","))
     weights = checkpoint_weights()
     shard_config, shard_weights = tensor_parallel_shard(CONFIG, weights, rank=0, world_size=TP)
+    ep_config, ep_weights = expert_parallel_shard(CONFIG, weights, rank=0, world_size=EP)
     try:
         origin = peers.triton_kernels_origin()
     except ImportError as exc:
@@ -336,6 +345,15 @@ def peer_side_by_side(args, bw: float, dense: float) -> tuple[str | None, list[s
         f"{I}, `tensor_parallel_shard`), as each of {TP} GPUs runs it before the engine's "
         "all-reduce; the same inputs and routing"
     )
+    ep_title = (
+        f"Expert parallel, EP={EP}: rank 0's {ep_config.num_local_experts} experts of {E} "
+        f"(`expert_parallel_shard`), as each of {EP} GPUs runs them on every token before the "
+        "engine's all-reduce, pairs routed to other ranks' experts contributing nothing; the "
+        "same inputs and routing. vLLM's path runs as OpenAI's simulated expert parallelism "
+        "(`routing(..., simulated_ep)`, keeping rank 0's pairs), where vLLM maps ids through "
+        "its expert map first; the matmuls are the same. distinct experts, floor and % bf16 "
+        "dense count the local experts' pairs only."
+    )
     skewed_sizes = SKEW_SIZES if not args.sizes else sizes
     skewed = (
         f", routed with skew: the same logits plus {SKEW} standard deviations of a fixed "
@@ -345,6 +363,7 @@ def peer_side_by_side(args, bw: float, dense: float) -> tuple[str | None, list[s
     sections = (
         ("The whole layer.", CONFIG, weights, sizes, 0.0),
         (shard_title + ".", shard_config, shard_weights, sizes, 0.0),
+        (ep_title, ep_config, ep_weights, sizes, 0.0),
         ("The whole layer" + skewed, CONFIG, weights, skewed_sizes, SKEW),
         (shard_title + skewed, shard_config, shard_weights, skewed_sizes, SKEW),
     )
@@ -375,11 +394,11 @@ def side_by_side_table(
     i = config.intermediate_size
     rows = []
     for m in sizes:
-        t_ours, t_peer, (distinct, busiest), energy_cells = time_pair(
+        t_ours, t_peer, (distinct, busiest, pairs), energy_cells = time_pair(
             m, plan, ours, peer_layers, skew
         )
         floor = distinct * expert_bytes(i) / bw * 1e6
-        flops = m * TOP_K * 2 * (H * 2 * i + i * H)
+        flops = pairs * 2 * (H * 2 * i + i * H)
 
         def pct(us, flops=flops, m=m):
             return f"{100 * flops / (us * 1e-6) / dense:.0f}%" if m >= 1024 else "-"

@@ -31,9 +31,18 @@ def test_configs_are_fragment_config_expressions(ab):
             ab.parse_configs([bad])
 
 
-def test_shards_are_whole_or_tp_n(ab):
+def test_shards_are_whole_tp_n_or_ep_n(ab, monkeypatch):
     assert ab.layer("whole", "weights") == (ab.bench.CONFIG, "weights")
-    for bad in ("tp", "ep4", "tpx"):
+    calls = []
+    for name in ("tensor_parallel_shard", "expert_parallel_shard"):
+        monkeypatch.setattr(ab, name, lambda *a, name=name, **k: calls.append((name, a, k)))
+    ab.layer("tp4", "weights")
+    ab.layer("ep8", "weights")
+    assert calls == [
+        ("tensor_parallel_shard", (ab.bench.CONFIG, "weights"), dict(rank=0, world_size=4)),
+        ("expert_parallel_shard", (ab.bench.CONFIG, "weights"), dict(rank=0, world_size=8)),
+    ]
+    for bad in ("tp", "ep", "tpx", "dp2"):
         with pytest.raises(SystemExit, match="--shards"):
             ab.layer(bad, None)
 
@@ -54,7 +63,8 @@ def test_rounds_interleave_and_report_medians_ratios_and_differences(ab, monkeyp
         order.append(who)
         return times[who][later]
 
-    def token_inputs(m):
+    def token_inputs(m, skew):
+        assert skew == 0.25
         return torch.zeros(m, 4), torch.zeros(m, 8), torch.zeros(m, 4)
 
     class Impl:
@@ -69,14 +79,14 @@ def test_rounds_interleave_and_report_medians_ratios_and_differences(ab, monkeyp
     monkeypatch.setattr(ab.bench, "time_layers", time_layers)
     monkeypatch.setattr(ab.bench, "token_inputs", token_inputs)
     peer = [lambda x, logits, out: peer_ran.append(True)]
-    ab.compare("whole", 3, [None, slower, other], Plan(), ["layer"], peer, rounds=3)
+    ab.compare("whole", 3, [None, slower, other], Plan(), ["layer"], peer, rounds=3, skew=0.25)
     assert order == [
         *("vLLM", None, slower, other),
         *(None, slower, other, "vLLM"),
         *(slower, other, "vLLM", None),
     ]
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "whole M=3: vLLM 310.0 µs [300.0-310.0]"
+    assert lines[0] == "whole M=3 skew 0.25: vLLM 310.0 µs [300.0-310.0]"
     assert lines[1] == "  pick: 210.0 µs [200.0-210.0], x1.000 the pick's, vLLM / it 1.48"
     assert lines[2].endswith(
         ": 230.0 µs [220.0-230.0], x1.095 the pick's, vLLM / it 1.35, max |config - pick| 0.000e+00"

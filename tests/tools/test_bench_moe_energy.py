@@ -1,7 +1,9 @@
-"""benchmarks/energy.py and the energy cells of bench_moe's side-by-side rows, on the CPU."""
+"""benchmarks/energy.py, the energy cells and expert loads of bench_moe's side-by-side rows, on
+the CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -32,10 +34,12 @@ def _pair(bench, monkeypatch, energy, peer_layers):
 
     monkeypatch.setattr(bench, "time_layers", lambda fn, layers: (fn(), 100.0)[1])
     monkeypatch.setattr(
-        bench, "token_inputs", lambda m: (torch.zeros(m, 4), torch.randn(m, 128), torch.zeros(m, 4))
+        bench,
+        "token_inputs",
+        lambda m, skew: (torch.zeros(m, 4), torch.randn(m, 128), torch.zeros(m, 4)),
     )
     monkeypatch.setattr(bench.energy, "per_call", energy)
-    plan = SimpleNamespace(impl=Impl())
+    plan = SimpleNamespace(impl=Impl(), config=bench.CONFIG)
     result = bench.time_pair(8, plan, ["layer"] * 4, peer_layers)
     return result, applied
 
@@ -50,8 +54,10 @@ def test_time_pair_reports_energy_per_layer_and_mean_power(bench, monkeypatch):
         measured.append(fn)
         return 40.0, 690.4
 
-    (t_ours, t_peer, distinct, cells), applied = _pair(bench, monkeypatch, per_call, peer)
+    (t_ours, t_peer, loads, cells), applied = _pair(bench, monkeypatch, per_call, peer)
+    distinct, busiest, pairs = loads
     assert (t_ours, t_peer) == (100.0, 100.0) and 1 <= distinct <= 32
+    assert 1 <= busiest <= 8 and pairs == 32
     # mJ per call of fn over its 4 layers, then the mean W.
     assert cells == ["10.0 (690)", "10.0 (690)"]
     assert len(measured) == 2 and peer_calls and applied
@@ -62,3 +68,14 @@ def test_time_pair_energy_cells_say_unmeasured(bench, monkeypatch):
     assert t_peer != t_peer and cells == ["-", "-"]  # no NVML; no peer
     (_, _, _, cells), _ = _pair(bench, monkeypatch, lambda fn: (8.0, 650.0), [])
     assert cells == ["2.0 (650)", "-"]
+
+
+def test_expert_loads_count_the_local_experts_only(bench):
+    """Loads of router logits, whole layer and rank 1 of EP=8 (experts 16..31): tokens 0-2
+    pick experts 0-3, 16-19, 16-19 (their largest logits)."""
+    logits = torch.zeros(3, 128)
+    logits[0, 0:4] = 1.0
+    logits[1:, 16:20] = 1.0
+    assert bench.expert_loads(logits, bench.CONFIG) == (8, 2, 12)
+    ep = dataclasses.replace(bench.CONFIG, expert_offset=16, num_local_experts=16)
+    assert bench.expert_loads(logits, ep) == (4, 2, 8)

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from tokenspeed_kernel import capture, env
+from tokenspeed_kernel import capture, env, expert_parallel_shard
 from tokenspeed_kernel.cli import main
 from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEWeights
 from tokenspeed_kernel.registry import get_kernel
@@ -54,12 +54,21 @@ def _dequantize_kn(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _peer_math(
-    w: TritonKernelsWeights, x, logits, top_k: int, alpha: float, limit: float, rounded=False
+    w: TritonKernelsWeights,
+    x,
+    logits,
+    top_k: int,
+    alpha: float,
+    limit: float,
+    rounded=False,
+    local_experts: int | None = None,
 ):
     """The peer's forward in plain torch: routing(sm_first=False), matmul_ogs + bias with the
     fused swiglu (gelu = even column, linear = odd), matmul_ogs + bias, times gammas, summed;
     `rounded` stores the swiglu output and each gamma-weighted expert output in bf16, as the
-    kernels do."""
+    kernels do. `local_experts`: `w` holds experts 0 .. local_experts - 1 (rank 0 of an
+    expert-parallel split; routing's simulated_ep), the others' pairs are dropped after the
+    softmax over the global top-k."""
     w13 = _dequantize_kn(w.w13, w.w13_scale)
     w2 = _dequantize_kn(w.w2, w.w2_scale)
     values, ids = torch.topk(logits.float(), top_k, dim=-1)
@@ -69,6 +78,8 @@ def _peer_math(
     for t in range(x.shape[0]):
         for j in range(top_k):
             e = int(ids[t, j])
+            if local_experts is not None and e >= local_experts:
+                continue
             h = x[t].float() @ w13[e] + w.w13_bias[e]
             gelu = h[0::2].clamp(max=limit)
             linear = h[1::2].clamp(-limit, limit)
@@ -259,6 +270,52 @@ def test_emulation_bound_holds_in_another_order_and_catches_a_wrong_scale(gpt_os
     slipped = _emulate(config, x, logits, reference.fn.prepare_weights(plan, wrong))[0]
     result = compare_to_emulation(slipped, out, steps, name="wrong w2 scales")
     assert not result.ok and result.worst_index[1] % 64 == 0, str(result)
+
+
+def _expert_parallel(rank: int, world_size: int):
+    weights, x, logits = _checkpoint()
+    config, shard = expert_parallel_shard(SHAPE.config(), weights, rank=rank, world_size=world_size)
+    return config, shard, x, logits
+
+
+def test_expert_parallel_rank_0_runs_as_the_peers_simulated_split():
+    """Rank 0 of 2 (experts 0..3 of 8): the layout holds its 4 experts; the peer's math on it,
+    pairs of experts 4..7 dropped after the global softmax, is the reference's for that rank;
+    rounded, it is the emulation's, and a token routed to no local expert comes out 0."""
+    config, shard, x, logits = _expert_parallel(0, 2)
+    assert peers.moe_peer_unsupported(config) == ""
+    w = triton_kernels_layout(config, shard)
+    assert w.w13.shape[0] == 4 and w.w2.shape[0] == 4
+    swiglu = config.activation
+    args = (w, x, logits, config.top_k, swiglu.alpha, swiglu.limit)
+    reference = get_kernel("moe_apply", "reference.moe_apply")
+    plan = moe_plan_for(reference, config, SHAPE.num_tokens, "cpu")
+    prepared = reference.fn.prepare_weights(plan, shard)
+    expected = torch.empty_like(x)
+    reference.fn.apply(plan, x, prepared, router_logits=logits, out=expected)
+    got = _peer_math(*args, local_experts=4).to(torch.bfloat16)
+    assert_close(got, expected, dtype=torch.bfloat16, name="peer math, rank 0 of 2")
+    out, steps = _emulate(config, x, logits, prepared)
+    rounded = _peer_math(*args, rounded=True, local_experts=4).to(torch.bfloat16)
+    result = compare_to_emulation(rounded, out, steps, name="peer math, rank 0 of 2, rounded")
+    assert result.ok, str(result)
+    # The split drops pairs: the whole layer's output differs, and a token whose top-k are
+    # all remote has none.
+    whole_layout = triton_kernels_layout(SHAPE.config(), _checkpoint()[0])
+    whole = _peer_math(whole_layout, *args[1:]).to(torch.bfloat16)
+    assert not torch.equal(got, whole)
+    remote = (torch.topk(logits, config.top_k, dim=-1).indices >= 4).all(dim=-1)
+    assert remote.any() and not out[remote].any() and not expected[remote].any()
+
+
+def test_expert_parallel_ranks_past_0_are_refused_with_the_reason():
+    config, shard, _, _ = _expert_parallel(1, 2)
+    reason = peers.moe_peer_unsupported(config)
+    assert "rank 0 of an even split" in reason and "experts 4..7 of 8" in reason
+    with pytest.raises(ValueError, match="rank 0 of an even split"):
+        triton_kernels_layout(config, shard)
+    uneven = MoEConfig(8, 2, 64, 96, num_local_experts=3)
+    assert "rank 0 of an even split" in peers.moe_peer_unsupported(uneven)
 
 
 def test_layout_refuses_what_the_peer_does_not_run():

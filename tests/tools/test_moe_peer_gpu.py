@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_moe_peer import gpt_oss_weights
 
-from tokenspeed_kernel import moe_apply, moe_plan, moe_prepare_weights
+from tokenspeed_kernel import expert_parallel_shard, moe_apply, moe_plan, moe_prepare_weights
 from tokenspeed_kernel.ops.moe.types import MoEConfig
 from tokenspeed_kernel.registry import get_kernel
 from tokenspeed_kernel.testing import compare, moe_plan_for
@@ -34,13 +34,19 @@ def _peer_class():
     return TritonKernelsMoE
 
 
-@pytest.mark.parametrize("w13_octaves,sizes", [(0, (1, 64, 1024)), (2, (64,))])
-def test_peer_matches_moe_apply_and_reference(w13_octaves, sizes, monkeypatch):
+@pytest.mark.parametrize(
+    "w13_octaves,sizes,ep", [(0, (1, 64, 1024), 1), (2, (64,), 1), (0, (64, 1024), 8)]
+)
+def test_peer_matches_moe_apply_and_reference(w13_octaves, sizes, ep, monkeypatch):
+    """ep > 1: rank 0 of that expert-parallel split (16 of the 128 experts at 8), as the
+    peer's simulated expert parallelism runs it; tokens routed to no local expert are 0."""
     peer_class = _peer_class()
     # The reference and the emulation are float32 GEMMs: TF32 would round their inputs.
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
     weights = gpt_oss_weights(128, w13_octaves, "cuda")
+    if ep > 1:
+        config, weights = expert_parallel_shard(config, weights, rank=0, world_size=ep)
     peer = peer_class(config, weights)
     plan = moe_plan(config, device="cuda", max_num_tokens=max(sizes))
     prepared = moe_prepare_weights(plan, weights)
@@ -69,8 +75,13 @@ def test_peer_matches_moe_apply_and_reference(w13_octaves, sizes, monkeypatch):
         report += [str(c) for c in checked]
         for who, out in (("peer", got), ("peer's rounding (emulated)", emulated)):
             report.append(str(compare(out, expected, dtype=torch.bfloat16, name=f"{who} (M={m})")))
+        if ep > 1:
+            remote = (torch.topk(logits, 4, dim=-1).indices >= config.num_local_experts).all(-1)
+            assert remote.any() and not got[remote].any() and not ours[remote].any()
         # Whether the clamp is reached: the first routed expert's gate pre-activations.
         e = int(torch.topk(logits[0], 4).indices[0])
+        if e >= config.num_local_experts:
+            continue
         pre = x[:1].float() @ t["w13"][e].T + t["w13_bias"][e]
         clamped += int((pre[:, 0::2] > config.activation.limit).sum())
     print("\n".join(report))

@@ -218,8 +218,14 @@ def moe_peer_unsupported(config: MoEConfig) -> str:
         return f"bf16 activations only (got {config.activation_format})"
     if config.routing != "topk_softmax":
         return f"top-k softmax routing only (got {config.routing})"
-    if getattr(config, "num_local_experts", config.num_experts) != config.num_experts:
-        return "expert-parallel shards not wired up for this peer"
+    if config.expert_parallel and (
+        config.expert_offset != 0 or config.num_experts % config.num_local_experts
+    ):
+        return (
+            f"expert-parallel rank 0 of an even split only (got experts {config.expert_offset}"
+            f"..{config.expert_offset + config.num_local_experts - 1} of {config.num_experts}): "
+            "triton_kernels simulates expert parallelism by keeping the first E/ep experts"
+        )
     return ""
 
 
@@ -229,7 +235,7 @@ def triton_kernels_layout(config: MoEConfig, weights: MoEWeights) -> TritonKerne
     reason = moe_peer_unsupported(config)
     if reason:
         raise ValueError(f"triton_kernels_layout: {reason}")
-    e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+    e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
     ip = _round_up(i, INTERMEDIATE_MULTIPLE)
     want = {
         "w13": (e, 2 * i, h // 2),
@@ -286,6 +292,13 @@ class TritonKernelsMoE:
     the k); matmul_ogs(x, w13, b13) gathering rows by the gather index with swiglu (alpha,
     limit; pairs reduced 2 -> 1) fused, into a [1, M*k, Ip] bf16 intermediate; matmul_ogs of
     that with w2, b2, scattered and summed per token with gammas = the routing weights.
+
+    An expert-parallel config runs as rank 0 of an even split: `routing`'s `simulated_ep`
+    keeps the pairs of the first E/ep experts after the softmax over the global k, where vLLM
+    maps global ids through its expert map before building the same routing data; the matmuls
+    are the same. A token routed to no local expert gets no row from the scatter's reduction
+    (`reduce_grouped` writes nothing for an empty group): `out` keeps what it held there, so
+    a fresh one is zeroed and a caller's is the caller's to clear.
     """
 
     def __init__(self, config: MoEConfig, weights: MoEWeights):
@@ -305,6 +318,7 @@ class TritonKernelsMoE:
                 f"TritonKernelsMoE: reproduces vLLM's sm_90 path; {device} is not an sm_90 GPU"
             )
         self.config = config
+        self.simulated_ep = config.num_experts // config.num_local_experts
         logical = triton_kernels_layout(config, weights)
         self.intermediate_size = logical.intermediate_size
         opt_flags.update_opt_flags_constraints({"split_k": 1})
@@ -337,8 +351,10 @@ class TritonKernelsMoE:
         m, h = x.shape
         k = self.config.top_k
         if out is None:
-            out = torch.empty_like(x)
-        routing_data, gather, scatter = routing(router_logits, k, sm_first=False)
+            out = torch.zeros_like(x) if self.simulated_ep > 1 else torch.empty_like(x)
+        routing_data, gather, scatter = routing(
+            router_logits, k, sm_first=False, simulated_ep=self.simulated_ep
+        )
         intermediate = torch.empty(
             (1, m * k, self.intermediate_size), device=x.device, dtype=x.dtype
         )
@@ -390,7 +406,8 @@ def triton_kernels_moe_emulation(
     how far at GPT-OSS sizes).
 
     Weights are the reference's float32 dequantized checkpoint tensors: w13 [E, 2I, H],
-    w2 [E, H, I], biases [E, 2I] / [E, H] (ReferenceMoE.prepare_weights). Every GEMM accumulates
+    w2 [E, H, I], biases [E, 2I] / [E, H] (ReferenceMoE.prepare_weights), E the config's local
+    experts: pairs routed to other ranks' experts contribute nothing. Every GEMM accumulates
     in float32; the rounding points, as triton_kernels 0.26's matmul_ogs has them on sm_90:
     - routing: top-k of the logits, softmax over the k in float32, stored in the logits' dtype
       (`topk` forward), used as the second GEMM's gammas;
@@ -414,9 +431,12 @@ def triton_kernels_moe_emulation(
     flat_ids = ids.reshape(-1).long()
     flat_tokens = torch.arange(m, device=x.device).repeat_interleave(k)
     xf = x.float()
-    per_expert = torch.empty(m * k, h, dtype=torch.float32, device=x.device)
-    for e in flat_ids.unique().tolist():
-        rows = (flat_ids == e).nonzero().squeeze(1)
+    per_expert = torch.zeros(m * k, h, dtype=torch.float32, device=x.device)
+    local_ids = flat_ids - config.expert_offset
+    for e in local_ids.unique().tolist():
+        if not 0 <= e < config.num_local_experts:
+            continue
+        rows = (local_ids == e).nonzero().squeeze(1)
         pre = xf[flat_tokens[rows]] @ w13[e].T
         if w13_bias is not None:
             pre = pre + w13_bias[e]
