@@ -376,6 +376,30 @@ def peer_side_by_side(args, bw: float, dense: float) -> tuple[str | None, list[s
     return origin, lines
 
 
+def side_by_side_row(m, loads, config, times, energy_cells, bw, dense, note: str) -> list:
+    """One row of PEER_COLUMNS: `loads` as `expert_loads` gives them, `times` (ours µs, the
+    peer's µs or nan). Where no pair is local (an expert-parallel rank at M=1) there is no
+    floor and no rate to state."""
+    distinct, busiest, pairs = loads
+    t_ours, t_peer = times
+    i = config.intermediate_size
+    floor = distinct * expert_bytes(i) / bw * 1e6
+    flops = pairs * 2 * (H * 2 * i + i * H)
+
+    def over_floor(us):
+        return f"{us / floor:.2f}" if floor and us == us else "-"
+
+    def pct(us):
+        return f"{100 * flops / (us * 1e-6) / dense:.0f}%" if m >= 1024 and us == us else "-"
+
+    peer_cells = [f"{t_peer:.1f}", f"{t_peer / t_ours:.2f}"] if t_peer == t_peer else [note, "-"]
+    return (
+        [m, distinct, busiest, f"{floor:.1f}" if floor else "-", f"{t_ours:.1f}", *peer_cells]
+        + [over_floor(t_ours), over_floor(t_peer), pct(t_ours), pct(t_peer)]
+        + energy_cells
+    )
+
+
 def side_by_side_table(
     args, bw, dense, config, weights, sizes, note: str, skew: float = 0.0
 ) -> list[str]:
@@ -391,24 +415,11 @@ def side_by_side_table(
         if peer_layers
         else []
     )
-    i = config.intermediate_size
     rows = []
     for m in sizes:
-        t_ours, t_peer, (distinct, busiest, pairs), energy_cells = time_pair(
-            m, plan, ours, peer_layers, skew
-        )
-        floor = distinct * expert_bytes(i) / bw * 1e6
-        flops = pairs * 2 * (H * 2 * i + i * H)
-
-        def pct(us, flops=flops, m=m):
-            return f"{100 * flops / (us * 1e-6) / dense:.0f}%" if m >= 1024 else "-"
-
-        peer_cells = [f"{t_peer:.1f}", f"{t_peer / t_ours:.2f}"] if peer_layers else [note, "-"]
+        t_ours, t_peer, loads, energy_cells = time_pair(m, plan, ours, peer_layers, skew)
         rows.append(
-            [m, distinct, busiest, f"{floor:.1f}", f"{t_ours:.1f}", *peer_cells]
-            + [f"{t_ours / floor:.2f}", f"{t_peer / floor:.2f}" if peer_layers else "-"]
-            + [pct(t_ours), pct(t_peer) if peer_layers else "-"]
-            + energy_cells
+            side_by_side_row(m, loads, config, (t_ours, t_peer), energy_cells, bw, dense, note)
         )
         print(rows[-1], flush=True)
     return record.table(PEER_COLUMNS, rows) + ["", f"ours: {plan.kernel}."] + checks

@@ -79,3 +79,20 @@ def test_expert_loads_count_the_local_experts_only(bench):
     assert bench.expert_loads(logits, bench.CONFIG) == (8, 2, 12)
     ep = dataclasses.replace(bench.CONFIG, expert_offset=16, num_local_experts=16)
     assert bench.expert_loads(logits, ep) == (4, 2, 8)
+
+
+def test_side_by_side_rows_state_no_floor_where_no_pair_is_local(bench):
+    """An EP=8 rank at M=1 often holds none of the token's experts: no floor, no ratio to it."""
+    ep = dataclasses.replace(bench.CONFIG, num_local_experts=16)
+    cells = ["1.0 (500)", "2.0 (400)"]
+    row = bench.side_by_side_row(1, (0, 0, 0), ep, (5.0, 10.0), cells, 4e12, 7e14, "")
+    assert row == [1, 0, 0, "-", "5.0", "10.0", "2.00", "-", "-", "-", "-", *cells]
+    assert len(row) == len(bench.PEER_COLUMNS)
+    # Local pairs: a floor, and % dense from M = 1024 over those pairs only.
+    row = bench.side_by_side_row(
+        1024, (16, 40, 512), ep, (200.0, float("nan")), cells, 4e12, 7e14, "n/a"
+    )
+    floor = 16 * bench.expert_bytes(2880) / 4e12 * 1e6
+    flops = 512 * 2 * 3 * 2880 * 2880
+    assert row[3] == f"{floor:.1f}" and row[5:7] == ["n/a", "-"]
+    assert row[7:11] == [f"{200 / floor:.2f}", "-", f"{100 * flops / 200e-6 / 7e14:.0f}%", "-"]
