@@ -18,11 +18,14 @@ import sys
 import pytest
 import torch
 
+from tokenspeed_kernel.ops.moe.types import MoEConfig
 from tokenspeed_kernel.tuning import pin_config
+from tokenspeed_kernel_triton.moe import moe_sm90
 from tokenspeed_kernel_triton.moe import shift_words_sm90 as shift_words
 from tokenspeed_kernel_triton.moe._common import swiglu_fits_f16
 from tokenspeed_kernel_triton.moe.combine import combine
 from tokenspeed_kernel_triton.moe.fragment_config_sm90 import (
+    CONFIGS,
     FragmentConfig,
     for_intermediate,
     gemm2_splits,
@@ -725,3 +728,59 @@ def test_post_scaled_gemms_refuse_weights_they_cannot_scale():
     hilo = torch.zeros(2, 256, dtype=torch.bfloat16)  # GEMM2's bf16 [hi | lo] rows
     with pytest.raises(ValueError, match="post_scale needs shift-decoded"):
         fragment_gemm(hilo, w, scale, None, x, routing, gemm1=False, decode="bf16", **common)
+
+
+def test_expert_parallel_ranks_pick_decode_tiles_by_their_share_of_the_pairs():
+    """Up to the one-program router's pairs (M <= 16 at top-4) a rank keys its tiles on the
+    pairs its experts expect; beyond, on tokens x top_k, as the whole layer does."""
+    key = moe_sm90.selection_pairs
+    assert [key(m, 4, 16, 128) for m in (1, 4, 5, 8, 12, 16)] == [1, 2, 3, 4, 6, 8]
+    assert [key(m, 4, 16, 128) for m in (17, 64, 3072)] == [68, 256, 12288]
+    assert [key(m, 4, 128, 128) for m in (1, 8, 16)] == [4, 32, 64]  # whole layer, TP shards
+    assert key(16, 4, 64, 128) == 32  # EP=2
+    # Rank 0 of EP=8 at M=8 and 12 runs the whole layer's M=1 and M=4 tiles.
+    assert pick_fragment_config(key(8, 4, 16, 128)) == CONFIGS[0][1]
+    assert pick_fragment_config(key(12, 4, 16, 128)) == CONFIGS[1][1]
+
+
+class _Picked(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "routing,num_experts,want",
+    [
+        ("logits", None, 4),  # the router's width: 128 experts
+        ("ids", 128, 4),  # the plan's count, passed by the kernel object
+        ("ids", None, 32),  # precomputed ids and no count: the prepared experts are all
+    ],
+)
+def test_the_forward_keys_its_pick_on_the_ranks_pairs(monkeypatch, routing, num_experts, want):
+    keys = []
+
+    def pick(pairs, post_scalable=True):
+        keys.append(pairs)
+        raise _Picked
+
+    monkeypatch.setattr(moe_sm90, "pick_config", pick)
+    m, e = 8, 16
+    prepared = dict(
+        w2_decode="fp16", w13_decode="bf16", padded_intermediate_size=128, num_experts=e
+    )
+    x = torch.zeros(m, 64, dtype=torch.bfloat16)
+    inputs = (
+        dict(router_logits=torch.zeros(m, 128))
+        if routing == "logits"
+        else dict(topk_weights=torch.ones(m, 4), topk_ids=torch.zeros(m, 4, dtype=torch.int32))
+    )
+    with pytest.raises(_Picked):
+        moe_forward_sm90(
+            x, prepared, top_k=4, out=torch.empty_like(x), num_experts=num_experts, **inputs
+        )
+    assert keys == [want]
+    # The registered kernel passes the plan's expert count.
+    config = MoEConfig(128, 4, 64, 96, num_local_experts=16)
+    options = moe_sm90.TritonMoESm90().forward_options(
+        config, dict(w13_input_scale=None, w2_input_scale=None)
+    )
+    assert options["num_experts"] == 128

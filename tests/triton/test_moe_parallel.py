@@ -330,16 +330,17 @@ def test_gpt_oss_120b_shards_sum_to_one_gpu(
     gpt_oss_layer, shard_references, kernel, mode, world_size
 ):
     """TP shards (1440 x 2; 736 x 3 + 672; 384 x 7 + 192) and EP blocks (64/32/16 experts),
-    each prepared, run and freed in turn at M = 1, 64, 1024: every shard matches the reference
-    on that shard at the bf16 tolerance, and their sum matches the unsharded layer on the same
-    kernel within `sum_allowance` (one GPU's result against N ranks' bf16 partials)."""
+    each prepared, run and freed in turn at M = 1, 12, 64, 1024 (at 12 an EP rank runs the
+    decode tiles of its share of the pairs, moe_sm90.selection_pairs): every shard matches the
+    reference on that shard at the bf16 tolerance, and their sum matches the unsharded layer on
+    the same kernel within `sum_allowance` (one GPU's result against N ranks' bf16 partials)."""
     config, weights = gpt_oss_layer
     spec = get_kernel("moe_apply", kernel)
     if all(p.mismatch(platform_of(torch.device("cuda"))) for p in spec.platforms):
         pytest.skip(f"{kernel} does not run on this GPU")
     g = torch.Generator(device="cuda").manual_seed(7)
     inputs = []
-    for m in (1, 64, 1024):
+    for m in (1, 12, 64, 1024):
         x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
         inputs.append((x, dict(router_logits=torch.randn(m, 128, generator=g, device="cuda"))))
     unsharded = _layer_fn(kernel, config, weights, 1024, "cuda")

@@ -28,7 +28,7 @@ from .fragment_config_sm90 import (
 )
 from .layout import PaddedMoEKernel
 from .quant import quantize_rows
-from .routing import max_tiles
+from .routing import FUSED_MAX_PAIRS, max_tiles
 from .wgmma_gemm_sm90 import fragment_gemm
 from .workspace import scratch
 
@@ -49,6 +49,22 @@ def pick_config(num_pairs: int, post_scalable: bool = True) -> FragmentConfig:
     return config
 
 
+def selection_pairs(num_tokens: int, top_k: int, num_local_experts: int, num_experts: int) -> int:
+    """pick_config's key: tokens x top_k, except where those pairs fit the one-program router
+    (the decode tiles' sizes) on an expert-parallel rank, whose experts then expect only
+    num_local_experts / num_experts of them under uniform routing (rounded up). The decode
+    tiles are picked by how many experts a batch selects, which a rank's share sets: rank 0 of
+    EP=8 at M=8 holds about 2 of the 27 experts a whole layer would, as at the whole layer's
+    M=1 (H200, 2026-11-29, graph-timed over 4 layers beside vLLM's path, µs, the whole
+    layer's M=8 pick (128x8) / the M=1 pick / the M=4 pick / vLLM: M=8 33.6 / 20.3 / 20.9 /
+    65.5, M=12 45.4 / 31.4 / 28.4 / 69.3, M=16 45.6 / 33.4 / 30.2 / 73.6). From there on the
+    tiles are picked by tokens per selected expert, which expert parallelism leaves as it is."""
+    pairs = num_tokens * top_k
+    if num_local_experts < num_experts and pairs <= FUSED_MAX_PAIRS:
+        return max(1, -(-pairs * num_local_experts // num_experts))
+    return pairs
+
+
 def moe_forward_sm90(
     x: torch.Tensor,
     prepared: dict,
@@ -61,6 +77,7 @@ def moe_forward_sm90(
     alpha: float = 1.702,
     limit: float = 7.0,
     expert_offset: int = 0,
+    num_experts: int | None = None,
     **routing_inputs,
 ) -> torch.Tensor:
     """moe_forward (moe.py, the same routing_inputs, expert_offset and FP8 activations) on
@@ -69,7 +86,9 @@ def moe_forward_sm90(
     intermediate are quantized to e4m3 as moe.py's are (static per-tensor scales when given,
     else per token / per pair row), x's values stored exactly in GEMM1's bf16 operand, the
     SwiGLU rows' in e4m3 for GEMM2's FP8 MMAs where w2 was prepared as e4m3 fragments (else in
-    GEMM2's half type), their scales applied to the accumulators."""
+    GEMM2's half type), their scales applied to the accumulators. num_experts: the layer's
+    experts across all ranks (None: router_logits' width, else the prepared ones from
+    expert_offset), which sets an expert-parallel rank's tiles (selection_pairs)."""
     # The SwiGLU intermediate: fp16 where prepare_weights laid w2 out to decode to fp16 (one MMA
     # per K step, and as accurate as bf16 hi + lo); else bf16 [hi | lo] halves.
     M = x.shape[0]
@@ -96,7 +115,12 @@ def moe_forward_sm90(
     # (fragment_gemm runs a post-scaled config's GEMM2 on it as scaled fragments).
     post_scalable = prepared["w13_decode"] == "bf16" and (f16_intermediate or e4m3)
     Ip = prepared["padded_intermediate_size"]
-    config = for_intermediate(pick_config(M * top_k, post_scalable), Ip)
+    local = prepared["num_experts"]
+    if num_experts is None:
+        logits = routing_inputs.get("router_logits")
+        num_experts = logits.shape[1] if logits is not None else expert_offset + local
+    pairs = selection_pairs(M, top_k, local, num_experts)
+    config = for_intermediate(pick_config(pairs, post_scalable), Ip)
     routing_inputs = dict(routing_inputs, expert_offset=expert_offset)
     # With a static intermediate scale GEMM1 quantizes its own SwiGLU rows; per-row scales
     # need whole rows, which a pass quantizes between the GEMMs (GEMM2 then waits for it,
@@ -246,6 +270,7 @@ class TritonMoESm90(PaddedMoEKernel):
 
     def forward_options(self, config, tensors: dict) -> dict:
         return dict(
+            num_experts=config.num_experts,
             activation_format=config.activation_format,
             w13_input_scale=tensors["w13_input_scale"],
             w2_input_scale=tensors["w2_input_scale"],
