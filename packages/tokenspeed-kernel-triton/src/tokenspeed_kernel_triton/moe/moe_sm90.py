@@ -290,17 +290,16 @@ def supports(request, platform) -> Support:
     return Support.yes()
 
 
-# GPT-OSS-120B's H = I = 2880, top-4, 8 experts (no config depends on the count). M = 1, 4 and
-# 16 take the decode tiles (grid wait; tile by tile), 64 and 256 the serving tiles, 1536 the
-# 64-token tiles, 2048 the 128-token ones with a 4-step narrow ring, 4096 the
-# prefill tile (also at a TP=8 shard's I = 384, with fp16 pair rows). The weight gain moves
-# the e8m0 scales (centre 127 + log2(gain) - 7 for w13, - log2(gain) for w2), which picks
-# each weight's decode: gain 1 shift-decodes w13 to bf16 and
-# w2 to fp16 (fp16 intermediate, post-scaled decode tiles); 2^17 puts w13's bytes above bf16's
-# shift range (prmt) and w2's below fp16's (bf16 hi + lo intermediate); 2^-10 puts w2's above
-# bf16's (prmt). FP8 activations (w2 as e4m3 fragments, GEMM2 on FP8 MMAs) at a decode tile
-# (post-scaled GEMM1) and the prefill tile, per-row and static scales (GEMM1 quantizes its
-# own rows), and with 2^17 beside w13's prmt decode.
+# GPT-OSS-120B's H = I = 2880, top-4, 8 experts (a whole layer's picks do not depend on the
+# count). M = 1, 4 and 16 take the decode tiles (grid wait; tile by tile), 64 and 256 the serving
+# tiles, 1536 the 64-token tiles, 2048 the 128-token ones with a 4-step narrow ring, 4096 the
+# prefill tile (also at a TP=8 shard's I = 384, with fp16 pair rows). The weight gain moves the
+# e8m0 scales (centre 127 + log2(gain) - 7 for w13, - log2(gain) for w2), which picks each
+# weight's decode: gain 1 shift-decodes w13 to bf16 and w2 to fp16 (fp16 intermediate, post-scaled
+# decode tiles); 2^17 puts w13's bytes above bf16's shift range (prmt) and w2's below fp16's (bf16
+# hi + lo intermediate); 2^-10 puts w2's above bf16's (prmt). FP8 activations (w2 as e4m3
+# fragments, GEMM2 on FP8 MMAs) at a decode tile (post-scaled GEMM1) and the prefill tile, per-row
+# and static scales (GEMM1 quantizes its own rows), and with 2^17 beside w13's prmt decode.
 _GPT_OSS = dict(num_experts=8, top_k=4, hidden_size=2880, intermediate_size=2880)
 AOT_CASES = (
     dict(_GPT_OSS, num_tokens=1),
