@@ -285,7 +285,7 @@ def expert_loads(logits: torch.Tensor, config: MoEConfig) -> tuple[int, int, int
 
 def time_pair(
     m: int, plan, ours: list, peer_layers: list, skew: float = 0.0
-) -> tuple[float, float, tuple[int, int], list]:
+) -> tuple[float, float, tuple[int, int, int], list]:
     """(ours µs, the peer's µs or nan, `expert_loads`, the energy cells: [ours, the peer's]
     mJ per layer and mean W, "-" where unmeasured) per layer for M tokens."""
     x, logits, out = token_inputs(m, skew)

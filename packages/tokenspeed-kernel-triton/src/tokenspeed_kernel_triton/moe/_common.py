@@ -65,6 +65,14 @@ def swiglu_fits_f16(alpha: float, limit: float) -> bool:
     return max(limit, 0.2785 / alpha) * (limit + 1) < 60000
 
 
+def layer_experts(prepared: dict, router_logits, expert_offset: int) -> int:
+    """The layer's experts across all ranks: a router's width, else (precomputed ids, which
+    only need the local range) the prepared ones from expert_offset."""
+    if router_logits is not None:
+        return router_logits.shape[1]
+    return expert_offset + prepared["num_experts"]
+
+
 def route_for_gemms(
     prepared: dict,
     top_k: int,
@@ -85,8 +93,7 @@ def route_for_gemms(
     the combine, which skips the pairs routing left out. options: route's launch_dependents,
     ready, prescale and narrow."""
     local = prepared["num_experts"]
-    # A router's width is the global expert count; precomputed ids only need the local range.
-    num_experts = router_logits.shape[1] if router_logits is not None else expert_offset + local
+    num_experts = layer_experts(prepared, router_logits, expert_offset)
     weights, ids, sorted_pairs, tiles, num_tiles, max_tiles = route(
         router_logits,
         topk_weights,

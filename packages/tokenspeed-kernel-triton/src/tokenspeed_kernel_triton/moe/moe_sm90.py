@@ -14,7 +14,7 @@ from tokenspeed_kernel.registry import Support, register_kernel
 from tokenspeed_kernel.toolchain import triton_support
 from tokenspeed_kernel.tuning import first_match, pinned_config
 
-from ._common import route_for_gemms, swiglu_fits_f16
+from ._common import layer_experts, route_for_gemms, swiglu_fits_f16
 from .combine import combine
 from .fragment_config_sm90 import (
     CONFIGS,
@@ -87,8 +87,8 @@ def moe_forward_sm90(
     else per token / per pair row), x's values stored exactly in GEMM1's bf16 operand, the
     SwiGLU rows' in e4m3 for GEMM2's FP8 MMAs where w2 was prepared as e4m3 fragments (else in
     GEMM2's half type), their scales applied to the accumulators. num_experts: the layer's
-    experts across all ranks (None: router_logits' width, else the prepared ones from
-    expert_offset), which sets an expert-parallel rank's tiles (selection_pairs)."""
+    experts across all ranks (None: `layer_experts`), which sets an expert-parallel rank's
+    tiles (selection_pairs)."""
     # The SwiGLU intermediate: fp16 where prepare_weights laid w2 out to decode to fp16 (one MMA
     # per K step, and as accurate as bf16 hi + lo); else bf16 [hi | lo] halves.
     M = x.shape[0]
@@ -115,11 +115,9 @@ def moe_forward_sm90(
     # (fragment_gemm runs a post-scaled config's GEMM2 on it as scaled fragments).
     post_scalable = prepared["w13_decode"] == "bf16" and (f16_intermediate or e4m3)
     Ip = prepared["padded_intermediate_size"]
-    local = prepared["num_experts"]
     if num_experts is None:
-        logits = routing_inputs.get("router_logits")
-        num_experts = logits.shape[1] if logits is not None else expert_offset + local
-    pairs = selection_pairs(M, top_k, local, num_experts)
+        num_experts = layer_experts(prepared, routing_inputs.get("router_logits"), expert_offset)
+    pairs = selection_pairs(M, top_k, prepared["num_experts"], num_experts)
     config = for_intermediate(pick_config(pairs, post_scalable), Ip)
     routing_inputs = dict(routing_inputs, expert_offset=expert_offset)
     # With a static intermediate scale GEMM1 quantizes its own SwiGLU rows; per-row scales
