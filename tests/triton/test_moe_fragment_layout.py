@@ -232,7 +232,6 @@ def test_fragment_config_refuses_rings_the_kernel_cannot_run():
         dict(block_t=64),
         dict(block_w=256, num_warps=8),
         dict(chunks=2),
-        dict(gemm2_split_k=2),
         dict(pdl=True, tile_ready=True),
     ):
         tile = {**dict(block_w=128, block_t=128, num_warps=4, stages=2), **other}
@@ -743,6 +742,28 @@ def test_expert_parallel_ranks_pick_decode_tiles_by_their_share_of_the_pairs():
     assert pick_fragment_config(key(12, 4, 16, 128)) == CONFIGS[1][1]
 
 
+def test_an_expert_parallel_rank_over_few_experts_splits_gemm2():
+    """A rank of at most 16 experts, each expecting 64 < tokens <= 112 (EP=8 at M = 2049-3584
+    for GPT-OSS-120B), runs the warp-specialized config with GEMM2 in two K splits; more
+    experts, other loads, the whole layer and a pinned config keep the pick's."""
+    prefill = pick_fragment_config(3072 * 4)
+    assert prefill.warp_specialized and prefill.gemm2_split_k == 1
+    for m in (2304, 3072, 3584):
+        split = pick_fragment_config(m * 4, expert_share=(16, 128))
+        assert split == dataclasses.replace(pick_fragment_config(m * 4), gemm2_split_k=2)
+    assert pick_fragment_config(3072 * 4, expert_share=(8, 128)).gemm2_split_k == 2  # EP=16
+    for m, share in (
+        (2048, (16, 128)),  # 64 tokens an expert: the 128-token fragment tiles, unsplit
+        (3840, (16, 128)),  # 120 an expert
+        (4096, (16, 128)),
+        (3072, (32, 128)),  # EP=4
+        (3072, (128, 128)),  # the whole layer
+    ):
+        assert pick_fragment_config(m * 4, expert_share=share) == pick_fragment_config(m * 4)
+    with pin_config(moe_sm90.KERNEL_NAME, prefill):
+        assert pick_fragment_config(3072 * 4, expert_share=(16, 128)) is prefill
+
+
 class _Picked(Exception):
     pass
 
@@ -750,16 +771,16 @@ class _Picked(Exception):
 @pytest.mark.parametrize(
     "routing,num_experts,want",
     [
-        ("logits", None, 4),  # the router's width: 128 experts
-        ("ids", 128, 4),  # the plan's count, passed by the kernel object
-        ("ids", None, 32),  # precomputed ids and no count: the prepared experts are all
+        ("logits", None, (4, (16, 128))),  # the router's width: 128 experts
+        ("ids", 128, (4, (16, 128))),  # the plan's count, passed by the kernel object
+        ("ids", None, (32, (16, 16))),  # precomputed ids and no count: the prepared experts
     ],
 )
 def test_the_forward_keys_its_pick_on_the_ranks_pairs(monkeypatch, routing, num_experts, want):
     keys = []
 
-    def pick(pairs, post_scalable=True):
-        keys.append(pairs)
+    def pick(pairs, post_scalable=True, expert_share=None):
+        keys.append((pairs, expert_share))
         raise _Picked
 
     monkeypatch.setattr(moe_sm90, "pick_config", pick)

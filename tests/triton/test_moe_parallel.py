@@ -330,8 +330,10 @@ def test_gpt_oss_120b_shards_sum_to_one_gpu(
     gpt_oss_layer, shard_references, kernel, mode, world_size
 ):
     """TP shards (1440 x 2; 736 x 3 + 672; 384 x 7 + 192) and EP blocks (64/32/16 experts),
-    each prepared, run and freed in turn at M = 1, 12, 64, 1024 (at 12 an EP rank runs the
-    decode tiles of its share of the pairs, moe_sm90.selection_pairs): every shard matches the
+    each prepared, run and freed in turn at M = 1, 12, 64, 1024, 3072 (at 12 an EP rank runs
+    the decode tiles of its share of the pairs, moe_sm90.selection_pairs; at 3072 an EP=8
+    rank's GEMM2 runs in two K splits, fragment_config_sm90.for_expert_share, where the others'
+    does not): every shard matches the
     reference on that shard at the bf16 tolerance, and their sum matches the unsharded layer on
     the same kernel within `sum_allowance` (one GPU's result against N ranks' bf16 partials)."""
     config, weights = gpt_oss_layer
@@ -340,20 +342,20 @@ def test_gpt_oss_120b_shards_sum_to_one_gpu(
         pytest.skip(f"{kernel} does not run on this GPU")
     g = torch.Generator(device="cuda").manual_seed(7)
     inputs = []
-    for m in (1, 12, 64, 1024):
+    for m in (1, 12, 64, 1024, 3072):
         x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
         inputs.append((x, dict(router_logits=torch.randn(m, 128, generator=g, device="cuda"))))
-    unsharded = _layer_fn(kernel, config, weights, 1024, "cuda")
+    unsharded = _layer_fn(kernel, config, weights, 3072, "cuda")
     expected = [unsharded(x, routing) for x, routing in inputs]
     del unsharded
     partials = [[] for _ in inputs]
     split = tk.tensor_parallel_shard if mode == "tp" else tk.expert_parallel_shard
     for rank in range(world_size):
         shard_config, shard = split(config, weights, rank=rank, world_size=world_size)
-        layer = _layer_fn(kernel, shard_config, shard, 1024, "cuda")
+        layer = _layer_fn(kernel, shard_config, shard, 3072, "cuda")
         key = (mode, world_size, rank)
         if key not in shard_references:
-            reference = _layer_fn("reference.moe_apply", shard_config, shard, 1024, "cuda")
+            reference = _layer_fn("reference.moe_apply", shard_config, shard, 3072, "cuda")
             shard_references[key] = [reference(x, routing) for x, routing in inputs]
             del reference
         for parts, want, (x, routing) in zip(partials, shard_references[key], inputs, strict=True):

@@ -98,11 +98,10 @@ class FragmentConfig:
             (self.block_w, self.block_t, self.num_warps, self.chunks) != (128, 128, 4, 1)
             or self.post_scale
             or self.tile_ready
-            or self.gemm2_split_k != 1
         ):
             raise ValueError(
                 "FragmentConfig: warp_specialized takes 128 x 128 tiles of 4 warps, one chunk "
-                "per step, no post_scale, tile_ready or GEMM2 splits"
+                "per step, no post_scale or tile_ready"
             )
         if self.fit_widths and not self.warp_specialized:
             raise ValueError("FragmentConfig: fit_widths is the warp-specialized kernel's")
@@ -351,6 +350,46 @@ CONFIGS = (
         dataclasses.replace(_PREFILL_WS, fit_widths=True, below_intermediate=(1024, _PREFILL_WS)),
     ),
 )
+
+
+# An expert-parallel rank holding few experts whose tokens each fill about one 128-token tile:
+# GEMM2 launches local experts x 23 row blocks CTAs, at EP=8's 16 experts 368 over the 264
+# slots of two CTAs an SM (1.4 waves), where the whole layer's 128 experts launch eight times as
+# many; two K splits make 2.8 waves, for a second float32 partial row per pair through the
+# combine. Where experts hold more tokens, or a rank more experts, the split costs more than the
+# waves it fills. H200 (GPU-ae708708), 2026-11-29, bf16 activations,
+# `benchmarks/ab_moe_configs.py --shards ep8,ep4`, graph-timed over 4 layers beside vLLM's path,
+# three rounds in turned order, µs, unsplit / two splits / vLLM: EP=8 M=2304 243.1 / 227.6 /
+# 245.6, M=2560 247.1 / 231.2 / 247.5, M=3072 255.2 / 242.2 / 250.0 (another run 256.0 / 242.6 /
+# 248.1; three splits 255.9), M=3584 260.1 / 249.9 / 252.8, M=3840 294.4 / 296.6 / 293.9, M=4096
+# 315.1 / 336.3 / 378.2; EP=4 (32 experts, 2.8 waves unsplit) M=2304 406.0 / 413.6 / 435.5,
+# M=3072 442.9 / 454.6 / 440.6, M=3840 500.5 / 521.6 / 522.0; EP=8 M=3072 under skewed routing
+# (skew 0.25) 271.1 / 270.6 / 289.1.
+FEW_EXPERTS = 16
+FEW_EXPERTS_TOKENS = (64, 112)  # tokens per expert, above the first, at most the second
+
+
+def for_expert_share(
+    config: FragmentConfig, num_pairs: int, local_experts: int, num_experts: int
+) -> FragmentConfig:
+    """The config as an expert-parallel rank holding local_experts of the layer's num_experts
+    runs it at num_pairs = tokens x top_k: a warp-specialized config's GEMM2 in two K splits
+    where the rank holds at most FEW_EXPERTS and an expert expects FEW_EXPERTS_TOKENS."""
+    low, high = FEW_EXPERTS_TOKENS
+    if (
+        config.warp_specialized
+        and config.gemm2_split_k == 1
+        and local_experts < num_experts
+        and local_experts <= FEW_EXPERTS
+        and low * num_experts < num_pairs <= high * num_experts
+    ):
+        return _gemm2_in_two_splits(config)
+    return config
+
+
+@functools.cache
+def _gemm2_in_two_splits(config: FragmentConfig) -> FragmentConfig:
+    return dataclasses.replace(config, gemm2_split_k=2)
 
 
 @functools.cache

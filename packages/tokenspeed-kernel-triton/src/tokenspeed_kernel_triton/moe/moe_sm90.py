@@ -19,6 +19,7 @@ from .combine import combine
 from .fragment_config_sm90 import (
     CONFIGS,
     FragmentConfig,
+    for_expert_share,
     for_intermediate,
     gemm2_splits,
     grid_wait,
@@ -36,14 +37,19 @@ KERNEL_NAME = "triton.moe_apply.sm90"
 WEIGHT_LAYOUT = "triton-mx4fragment-padded"
 
 
-def pick_config(num_pairs: int, post_scalable: bool = True) -> FragmentConfig:
+def pick_config(
+    num_pairs: int, post_scalable: bool = True, expert_share: tuple[int, int] | None = None
+) -> FragmentConfig:
     """The tile config for `num_pairs` = tokens x top_k (or the pinned one,
     `tuning.pin_config(KERNEL_NAME, config)`). post_scalable: whether the weights allow
     post-scaling (shift-decoded, fp16 intermediate); where not, a post-scaled pick becomes its
-    scaled-fragment form."""
+    scaled-fragment form. expert_share: (local experts, the layer's experts) of an
+    expert-parallel rank, whose GEMM2 may split over few experts (for_expert_share)."""
     config = pinned_config(KERNEL_NAME)
     if config is None:
         config = first_match(CONFIGS, num_pairs)
+        if expert_share is not None:
+            config = for_expert_share(config, num_pairs, *expert_share)
     if config.post_scale and not post_scalable:
         return scaled_fragments(config)
     return config
@@ -118,7 +124,9 @@ def moe_forward_sm90(
     if num_experts is None:
         num_experts = layer_experts(prepared, routing_inputs.get("router_logits"), expert_offset)
     pairs = selection_pairs(M, top_k, prepared["num_experts"], num_experts)
-    config = for_intermediate(pick_config(pairs, post_scalable), Ip)
+    # The split over few experts was measured with bf16 activations only.
+    share = None if fp8 else (prepared["num_experts"], num_experts)
+    config = for_intermediate(pick_config(pairs, post_scalable, share), Ip)
     routing_inputs = dict(routing_inputs, expert_offset=expert_offset)
     # With a static intermediate scale GEMM1 quantizes its own SwiGLU rows; per-row scales
     # need whole rows, which a pass quantizes between the GEMMs (GEMM2 then waits for it,
