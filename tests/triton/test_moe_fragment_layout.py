@@ -743,20 +743,21 @@ def test_expert_parallel_ranks_pick_decode_tiles_by_their_share_of_the_pairs():
 
 
 def test_an_expert_parallel_rank_over_few_experts_splits_gemm2():
-    """A rank of at most 16 experts, each expecting 64 < tokens <= 112 (EP=8 at M = 2049-3584
-    for GPT-OSS-120B), runs the warp-specialized config with GEMM2 in two K splits; more
-    experts, other loads, the whole layer and a pinned config keep the pick's."""
+    """A rank of 9 to 16 experts, each expecting 64 < tokens <= 112 (EP=8 at M = 2049-3584
+    for GPT-OSS-120B), runs the warp-specialized config with GEMM2 in two K splits; more or
+    fewer experts, other loads, the whole layer and a pinned config keep the pick's."""
     prefill = pick_fragment_config(3072 * 4)
     assert prefill.warp_specialized and prefill.gemm2_split_k == 1
     for m in (2304, 3072, 3584):
         split = pick_fragment_config(m * 4, expert_share=(16, 128))
         assert split == dataclasses.replace(pick_fragment_config(m * 4), gemm2_split_k=2)
-    assert pick_fragment_config(3072 * 4, expert_share=(8, 128)).gemm2_split_k == 2  # EP=16
     for m, share in (
         (2048, (16, 128)),  # 64 tokens an expert: the 128-token fragment tiles, unsplit
         (3840, (16, 128)),  # 120 an expert
         (4096, (16, 128)),
         (3072, (32, 128)),  # EP=4
+        (3072, (8, 128)),  # EP=16
+        (3072, (16, 16)),  # a layer of 16 experts, whole
         (3072, (128, 128)),  # the whole layer
     ):
         assert pick_fragment_config(m * 4, expert_share=share) == pick_fragment_config(m * 4)

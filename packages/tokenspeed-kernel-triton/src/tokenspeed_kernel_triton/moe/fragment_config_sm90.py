@@ -356,16 +356,17 @@ CONFIGS = (
 # GEMM2 launches local experts x 23 row blocks CTAs, at EP=8's 16 experts 368 over the 264
 # slots of two CTAs an SM (1.4 waves), where the whole layer's 128 experts launch eight times as
 # many; two K splits make 2.8 waves, for a second float32 partial row per pair through the
-# combine. Where experts hold more tokens, or a rank more experts, the split costs more than the
-# waves it fills. H200 (GPU-ae708708), 2026-11-29, bf16 activations,
-# `benchmarks/ab_moe_configs.py --shards ep8,ep4`, graph-timed over 4 layers beside vLLM's path,
-# three rounds in turned order, µs, unsplit / two splits / vLLM: EP=8 M=2304 243.1 / 227.6 /
-# 245.6, M=2560 247.1 / 231.2 / 247.5, M=3072 255.2 / 242.2 / 250.0 (another run 256.0 / 242.6 /
-# 248.1; three splits 255.9), M=3584 260.1 / 249.9 / 252.8, M=3840 294.4 / 296.6 / 293.9, M=4096
-# 315.1 / 336.3 / 378.2; EP=4 (32 experts, 2.8 waves unsplit) M=2304 406.0 / 413.6 / 435.5,
-# M=3072 442.9 / 454.6 / 440.6, M=3840 500.5 / 521.6 / 522.0; EP=8 M=3072 under skewed routing
-# (skew 0.25) 271.1 / 270.6 / 289.1.
-FEW_EXPERTS = 16
+# combine. With more experts (EP=4: 2.8 waves unsplit) or fewer (EP=16: 184 CTAs, each alone on
+# its SM), or more tokens an expert, the split costs more than it fills. H200 (GPU-ae708708),
+# 2026-11-29, bf16 activations, `benchmarks/ab_moe_configs.py --shards ep8,ep4,ep16`,
+# graph-timed over 4 layers beside vLLM's path, three rounds in turned order, µs, unsplit / two
+# splits / vLLM: EP=8 M=2304 243.1 / 227.6 / 245.6, M=2560 247.1 / 231.2 / 247.5, M=3072 255.2
+# / 242.2 / 250.0 (another run 256.0 / 242.6 / 248.1; four splits 270.9), M=3584 260.1 / 249.9
+# / 252.8, M=3840 294.4 / 296.6 / 293.9, M=4096 315.1 / 336.3 / 378.2; EP=4 M=2304 406.0 /
+# 413.6 / 435.5, M=3072 442.9 / 454.6 / 440.6, M=3840 500.5 / 521.6 / 522.0; EP=16 M=2304
+# 151.2 / 156.7 / 158.1, M=3072 166.1 / 172.2 / 161.9, M=3584 164.2 / 170.2 / 163.6; EP=8 M=3072
+# under skewed routing (skew 0.25) 271.1 / 270.6 / 289.1.
+FEW_EXPERTS = (8, 16)  # local experts, above the first, at most the second
 FEW_EXPERTS_TOKENS = (64, 112)  # tokens per expert, above the first, at most the second
 
 
@@ -374,13 +375,13 @@ def for_expert_share(
 ) -> FragmentConfig:
     """The config as an expert-parallel rank holding local_experts of the layer's num_experts
     runs it at num_pairs = tokens x top_k: a warp-specialized config's GEMM2 in two K splits
-    where the rank holds at most FEW_EXPERTS and an expert expects FEW_EXPERTS_TOKENS."""
+    where the rank holds FEW_EXPERTS and an expert expects FEW_EXPERTS_TOKENS."""
+    fewest, most = FEW_EXPERTS
     low, high = FEW_EXPERTS_TOKENS
     if (
         config.warp_specialized
         and config.gemm2_split_k == 1
-        and local_experts < num_experts
-        and local_experts <= FEW_EXPERTS
+        and fewest < local_experts <= most < num_experts
         and low * num_experts < num_pairs <= high * num_experts
     ):
         return _gemm2_in_two_splits(config)
