@@ -305,7 +305,9 @@ def supports(request, platform) -> Support:
 # decode tiles); 2^17 puts w13's bytes above bf16's shift range (prmt) and w2's below fp16's (bf16
 # hi + lo intermediate); 2^-10 puts w2's above bf16's (prmt). FP8 activations (w2 as e4m3
 # fragments, GEMM2 on FP8 MMAs) at a decode tile (post-scaled GEMM1) and the prefill tile, per-row
-# and static scales (GEMM1 quantizes its own rows), and with 2^17 beside w13's prmt decode.
+# and static scales (GEMM1 quantizes its own rows), and with 2^17 beside w13's prmt decode. An
+# expert-parallel rank of 16 of 128 experts at 96 tokens an expert (GEMM2 in two K splits,
+# fragment_config_sm90.for_expert_share) on short rows, whose weights the CPU builds quickly.
 _GPT_OSS = dict(num_experts=8, top_k=4, hidden_size=2880, intermediate_size=2880)
 AOT_CASES = (
     dict(_GPT_OSS, num_tokens=1),
@@ -321,6 +323,14 @@ AOT_CASES = (
     dict(_GPT_OSS, num_tokens=4096, intermediate_size=384),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**17),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**-10),
+    dict(
+        _GPT_OSS,
+        num_tokens=3072,
+        num_experts=128,
+        num_local_experts=16,
+        hidden_size=512,
+        intermediate_size=512,
+    ),
     dict(_GPT_OSS, num_tokens=1, activation_format="fp8"),
     dict(_GPT_OSS, num_tokens=1, activation_format="fp8", static_scales=True),
     dict(_GPT_OSS, num_tokens=4096, activation_format="fp8"),
