@@ -232,7 +232,7 @@ def test_fragment_config_refuses_rings_the_kernel_cannot_run():
         dict(block_t=64),
         dict(block_w=256, num_warps=8),
         dict(chunks=2),
-        dict(post_scale=True, block_t=128),
+        dict(pdl=True, tile_ready=True),
     ):
         tile = {**dict(block_w=128, block_t=128, num_warps=4, stages=2), **other}
         with pytest.raises(ValueError, match="warp_specialized"):

@@ -97,10 +97,11 @@ class FragmentConfig:
         if self.warp_specialized and (
             (self.block_w, self.block_t, self.num_warps, self.chunks) != (128, 128, 4, 1)
             or self.post_scale
+            or self.tile_ready
         ):
             raise ValueError(
                 "FragmentConfig: warp_specialized takes 128 x 128 tiles of 4 warps, one chunk "
-                "per step, no post_scale"
+                "per step, no post_scale or tile_ready"
             )
         if self.fit_widths and not self.warp_specialized:
             raise ValueError("FragmentConfig: fit_widths is the warp-specialized kernel's")

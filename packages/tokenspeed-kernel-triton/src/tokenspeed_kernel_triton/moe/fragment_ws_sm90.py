@@ -245,10 +245,9 @@ def _consumer(
     pointers, ring, sizes, epilogue_args,
     TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, NARROW_T: gl.constexpr, FIT_WIDTHS: gl.constexpr,
     SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
-    TILE_READY: gl.constexpr, WG: gl.constexpr,
+    WG: gl.constexpr,
 ):  # fmt: skip
-    bias_ptr, out_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr, in_scale_ptr = pointers[:7]
-    ready_ptr = pointers[7]
+    bias_ptr, out_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr, in_scale_ptr = pointers
     N, K, K_VALID, N_VALID, grid = sizes
     stride_be, stride_om, alpha, limit, in_scale, out_scale = epilogue_args
     num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
@@ -288,13 +287,6 @@ def _consumer(
                     ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
                     TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, 64, _MMA_64, _DOT_A_64,
                 )  # fmt: skip
-            if TILE_READY:
-                if row_block * _WG_ROWS < N_VALID:
-                    # Every warp of this consumer stored its rows (the partition's barrier),
-                    # then one release increment: GEMM2's CTAs of the tile count 128-row
-                    # blocks, as the fragment kernel's CTAs count themselves in.
-                    gl.thread_barrier()
-                    gl.atomic_add(ready_ptr + tile, 1, sem="release", scope="gpu")
 
 
 @recordable
@@ -302,14 +294,14 @@ def _consumer(
 @gluon.jit
 def _warp_specialized_gemm1_kernel(
     x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr,
-    in_scale_ptr, ready_ptr,
+    in_scale_ptr,
     N, K, K_VALID, N_VALID, grid,
     stride_xm, stride_we, stride_wp, stride_wn, stride_wc, stride_se, stride_sp, stride_sn,
     stride_sc, stride_be, stride_om,
     alpha, limit, in_scale, out_scale,
     TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, NARROW_T: gl.constexpr, FIT_WIDTHS: gl.constexpr,
     SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
-    TILE_READY: gl.constexpr, PDL: gl.constexpr,
+    PDL: gl.constexpr,
 ):  # fmt: skip
     if PDL:
         # The routing outputs are complete past the wait; the launch after (the narrow tiles')
@@ -330,8 +322,7 @@ def _warp_specialized_gemm1_kernel(
     ring = (x_ring, words_ring, scales_ring, full, empty)
     sizes = (N, K, K_VALID, N_VALID, grid)
     consumer_pointers = (
-        bias_ptr, out_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr, in_scale_ptr,
-        ready_ptr,
+        bias_ptr, out_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr, in_scale_ptr
     )  # fmt: skip
     epilogue_args = (stride_be, stride_om, alpha, limit, in_scale, out_scale)
     producer_pointers = (x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr)
@@ -344,11 +335,9 @@ def _warp_specialized_gemm1_kernel(
     gl.warp_specialize(
         [
             (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, HAS_BIAS,
-                         NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, TILE_READY,
-                         _FIRST)),
+                         NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _FIRST)),
             (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, HAS_BIAS,
-                         NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, TILE_READY,
-                         _SECOND)),
+                         NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _SECOND)),
             (_producer, (producer_pointers, ring, sizes, strides, TOPK, NARROW_T)),
         ],
         [4, 4],
@@ -384,8 +373,8 @@ def warp_specialized_fits(config, x: torch.Tensor, w: torch.Tensor, gemm1: bool,
 
 
 def warp_specialized_gemm1(
-    x, w, scale_words, bias, out, routing, table, in_scale, ready, *, k_valid: int,
-    n_valid: int, alpha: float, limit: float, out_scale: float | None, config,
+    x, w, scale_words, bias, out, routing, table, in_scale, *, k_valid: int, n_valid: int,
+    alpha: float, limit: float, out_scale: float | None, config,
     constexprs: dict,
 ) -> None:  # fmt: skip
     """GEMM1 + bias + SwiGLU over the routing tiles of more than config.narrow_t tokens, as
@@ -397,7 +386,6 @@ def warp_specialized_gemm1(
     _warp_specialized_gemm1_kernel[(grid,)](
         x, w, scale_words, bias if bias is not None else scale_words, out, sorted_pairs, tiles,
         num_tiles, table, in_scale if isinstance(in_scale, torch.Tensor) else num_tiles,
-        ready if ready is not None else num_tiles,
         N, K, k_valid, n_valid, grid,
         x.stride(0), *w.stride()[:4], *scale_words.stride(),
         bias.stride(0) if bias is not None else 0, out.stride(0),
@@ -406,6 +394,5 @@ def warp_specialized_gemm1(
         TOPK=top_k, HAS_BIAS=bias is not None, NARROW_T=config.narrow_t,
         FIT_WIDTHS=config.fit_widths,
         SHIFT_DECODE=constexprs["SHIFT_DECODE"], IN_SCALE=constexprs["IN_SCALE"],
-        OUT_QUANT=constexprs["OUT_QUANT"], TILE_READY=config.tile_ready, PDL=config.pdl,
-        num_warps=4, launch_pdl=config.pdl,
+        OUT_QUANT=constexprs["OUT_QUANT"], PDL=config.pdl, num_warps=4, launch_pdl=config.pdl,
     )  # fmt: skip

@@ -468,14 +468,12 @@ def _scatter_kernel(
     num_tiles_ptr,
     max_tiles,
     narrow_ptr,
-    ready_ptr,
     PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     TILE_CHUNK: tl.constexpr,
     SUM_BLOCKS: tl.constexpr,
     NARROW_T: tl.constexpr,
-    CLEAR_READY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Per program: one block's pairs (block_pairs of them, at most PAIRS) into their experts'
@@ -485,8 +483,7 @@ def _scatter_kernel(
     counts itself (a cumsum over BLOCK_E), where a launch of its own would cost more.
     SUM_BLOCKS (a power of two at least num_blocks, else 0): no align kernel ran; each
     program sums the blocks' counts (block_base_ptr) itself, the align kernel's sums.
-    NARROW_T: program 0 also writes narrow_tiles (module doc). CLEAR_READY: each program
-    also zeroes the GEMMs' per-tile counters of its TILE_CHUNK entries.
+    NARROW_T: program 0 also writes narrow_tiles (module doc).
     PDL: launched with programmatic dependent launch behind the kernel before it."""
     _wait_then_launch_dependents(PDL)
     pid = tl.program_id(0)
@@ -528,8 +525,6 @@ def _scatter_kernel(
         # Tiles past the last (e = BLOCK_E) gather any row end: _store_tile_entries zeroes it.
         row_end = tl.gather(row_begin + counts, tl.minimum(e, BLOCK_E - 1), 0)
         _store_tile_entries(tiles_ptr, sorted_ptr, t, e, row_end, total, max_tiles, BLOCK_M)
-        if CLEAR_READY:
-            tl.store(ready_ptr + t, tl.zeros([TILE_CHUNK], tl.int32), mask=t < max_tiles)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -559,16 +554,15 @@ def route(
     """Route M tokens and group the pairs by expert. On CUDA sm_90+, launch_dependents lets a
     kernel launched behind the router with programmatic dependent launch start its CTAs early
     (the multi-kernel router chains its own launches so too). For the one-program decode
-    kernel (at most FUSED_MAX_PAIRS pairs): prescale = (x [M, H] bf16, scaled [M, H] bf16,
-    exponents [M] int32) also writes `_prescale_row` of each row of x into scaled and
-    exponents; with a fourth entry, (static scale or None, per-row scales [M] float32 or
-    None), of the e4m3 values of x's rows (FP8 activations: static, or dynamic with each
-    row's scale written).
+    kernel (at most FUSED_MAX_PAIRS pairs): ready, int32 [>= max_tiles], is zeroed for
+    the GEMMs' per-tile counters; prescale = (x [M, H] bf16, scaled [M, H] bf16, exponents [M]
+    int32) also writes `_prescale_row` of each row of x into scaled and exponents; with a
+    fourth entry, (static scale or None, per-row scales [M] float32 or None), of the e4m3
+    values of x's rows (FP8 activations: static, or dynamic with each row's scale written).
     router_logits [M, E] (or None with precomputed topk_weights [M, k] float32 and topk_ids [M, k]
     int32); num_experts = E (the logits' width), num_local_experts (None: E) of them from
     expert_offset on held here: only their pairs are grouped. narrow = (narrow_tiles int32
     [num_local_experts], narrow_t): also write each local expert's narrow tile (module doc).
-    ready, int32 [>= max_tiles]: zeroed for the GEMMs' per-tile counters (either router).
     Returns (topk_weights, topk_ids, sorted_pairs [max_tiles * block_m] int32, tiles
     [max_tiles, 2] int32 (expert, row_end), num_tiles [1] int32, max_tiles)."""
     has_logits = router_logits is not None
@@ -590,12 +584,7 @@ def route(
     # The tile table is written TILE_CHUNK tiles at a time, each against every expert: no wider
     # than the table itself (a decode step has a handful of tiles).
     tile_chunk = min(_TILE_CHUNK, triton.next_power_of_2(n_tiles))
-    if ready is not None and (ready.numel() < n_tiles or ready.dtype != torch.int32):
-        raise ValueError(
-            f"route: `ready` needs {n_tiles} int32 counters, got {ready.numel()} {ready.dtype}"
-        )
-    if prescale is not None and num_pairs > FUSED_MAX_PAIRS:
-        raise ValueError(f"route: prescale needs at most {FUSED_MAX_PAIRS} pairs, got {num_pairs}")
+    _check_one_program_options(num_pairs, n_tiles, ready, prescale)
     narrow_tiles, narrow_t = _checked_narrow(narrow, local, block_m, num_tiles)
     if num_pairs <= FUSED_MAX_PAIRS:
         block_t = triton.next_power_of_2(M)
@@ -647,9 +636,8 @@ def route(
     grouping = (sorted_pairs, tiles, num_tiles, n_tiles, narrow_tiles, narrow_t)
     experts = (num_experts, expert_offset, local)
     _route_large(
-        router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts, ready,
-        launch_dependents,
-    )  # fmt: skip
+        router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts, launch_dependents
+    )
     return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
 
 
@@ -661,6 +649,19 @@ def _one_program_warps(num_pairs: int, padded_pairs: int, quant: int) -> int:
     if num_pairs <= ONE_WARP_MAX_PAIRS and not quant:
         return 1
     return 4 if padded_pairs <= FOUR_WARPS_MAX_PAIRS else 8
+
+
+def _check_one_program_options(num_pairs: int, n_tiles: int, ready, prescale) -> None:
+    """route's options that only the one-program router implements, checked before a launch."""
+    if ready is not None and (
+        num_pairs > FUSED_MAX_PAIRS or ready.numel() < n_tiles or ready.dtype != torch.int32
+    ):
+        raise ValueError(
+            f"route: `ready` needs at most {FUSED_MAX_PAIRS} pairs (got {num_pairs}) and "
+            f"{n_tiles} int32 counters (got {ready.numel()} {ready.dtype})"
+        )
+    if prescale is not None and num_pairs > FUSED_MAX_PAIRS:
+        raise ValueError(f"route: prescale needs at most {FUSED_MAX_PAIRS} pairs, got {num_pairs}")
 
 
 def _checked_narrow(narrow, local: int, block_m: int, placeholder: torch.Tensor):
@@ -683,14 +684,13 @@ def _checked_narrow(narrow, local: int, block_m: int, placeholder: torch.Tensor)
 
 
 def _route_large(
-    router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts, ready=None,
-    pdl=False,
-):  # fmt: skip
+    router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts, pdl=False
+):
     """route beyond FUSED_MAX_PAIRS pairs: top-k over token blocks counting each block's pairs
     per expert (or, for precomputed ids, the count kernel over blocks of pairs), then the
     align kernel (beyond _SCATTER_SUMS_BLOCKS blocks) and the scatter. grouping:
     (sorted_pairs, tiles, num_tiles, tile-count bound, narrow_tiles, narrow_t); experts: (E,
-    expert_offset, E_local); ready: route's.
+    expert_offset, E_local).
     pdl (route's launch_dependents): each launch after the first, and the kernel after the
     router, start under programmatic dependent launch."""
     sorted_pairs, tiles, num_tiles, n_tiles, narrow_tiles, narrow_t = grouping
@@ -774,13 +774,11 @@ def _route_large(
         num_tiles,
         n_tiles,
         narrow_tiles,
-        ready if ready is not None else num_tiles,
         PAIRS=triton.next_power_of_2(block_pairs),
         BLOCK_M=block_m,
         BLOCK_E=block_el,
         TILE_CHUNK=_SCATTER_TILE_CHUNK,
         SUM_BLOCKS=sum_blocks,
         NARROW_T=narrow_t,
-        CLEAR_READY=ready is not None,
         **chained,
     )

@@ -171,11 +171,6 @@ def _fragment_gemm_kernel(
         # tiles at all).
         if NARROW:
             if pid == gl.num_programs(0) - 1:
-                if TILE_READY:
-                    # The kernel after waits on tile counters, not on this grid: it may
-                    # launch before the full-tile launch is done (its grid wait, if any,
-                    # still waits for this CTA, past this one's).
-                    gdc_launch_dependents()
                 gdc_wait()
                 return
         elif WIDE_GEMM2:
@@ -551,7 +546,7 @@ def fragment_gemm(
     # With narrow_t, the tiles of at most narrow_t tokens run in a launch of their own.
     if warp_specialized_fits(config, a, w, gemm1, n_valid):
         warp_specialized_gemm1(
-            a, w, scale_words, bias, out, routing, _lookup_tables(a.device), in_scale, ready,
+            a, w, scale_words, bias, out, routing, _lookup_tables(a.device), in_scale,
             k_valid=k_valid, n_valid=n_valid, alpha=alpha, limit=limit, out_scale=out_scale,
             config=config, constexprs=constexprs,
         )  # fmt: skip
