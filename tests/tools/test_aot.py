@@ -75,11 +75,11 @@ def test_hopper_moe_keeps_weight_fragments_in_registers(aot_rows):
     warp-specialized GEMM1's two words by which Triton starts its partitions (plus two per
     epilogue past the first: with fit_widths its consumers have four, 128, 64 and 64 + 32
     columns wide)."""
-    from tokenspeed_kernel_triton.moe.fragment_ws_sm90 import _warp_specialized_gemm1_kernel
+    from tokenspeed_kernel_triton.moe.fragment_ws_sm90 import _warp_specialized_kernel
     from tokenspeed_kernel_triton.moe.wgmma_gemm_sm90 import _fragment_gemm_kernel
 
     half_rows = f"({[p.name for p in _fragment_gemm_kernel.params].index('HALF_ROWS')},)"
-    ws_params = [p.name for p in _warp_specialized_gemm1_kernel.params]
+    ws_params = [p.name for p in _warp_specialized_kernel.params]
     fit_widths_key = f"({ws_params.index('FIT_WIDTHS')},)"
     gemms = [
         row
@@ -87,7 +87,7 @@ def test_hopper_moe_keeps_weight_fragments_in_registers(aot_rows):
         if row["kernel"] == "triton.moe_apply.sm90" and row["wgmma"]
     ]
     assert gemms, "no wgmma specialization of triton.moe_apply.sm90"
-    assert any(row["fn"] == "_warp_specialized_gemm1_kernel" for row in gemms)
+    assert any(row["fn"] == "_warp_specialized_kernel" for row in gemms)
     assert any(row["constexprs"].get(half_rows) == "True" for row in gemms)
     assert any(row["constexprs"].get(fit_widths_key) == "True" for row in gemms)
     for row in gemms:

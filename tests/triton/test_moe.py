@@ -644,9 +644,10 @@ def test_wgmma_narrow_tiles_change_nothing():
 
 
 @pytest.mark.gpu
-def test_wgmma_warp_specialized_gemm1_changes_nothing():
+def test_wgmma_warp_specialized_gemms_change_nothing():
     """GEMM1's full tiles in the warp-specialized persistent kernel (a producer warpgroup, two
-    consumers on 256 rows, a 4-step mbarrier ring): bit for bit the fragment kernel's output
+    consumers on 256 rows, a 4-step mbarrier ring), and GEMM2's too: bit for bit the fragment
+    kernel's output
     with and without dependent launch and narrow tiles, for calls back to back. Skewed routing
     gives experts with one token up to more than one tile; the whole layer (45 consumers' rows:
     the last 256-row block's second consumer is all padding), rank 0's TP=8 shard (3 blocks),
@@ -655,7 +656,10 @@ def test_wgmma_warp_specialized_gemm1_changes_nothing():
     fp8 activations with a static scale (GEMM1 quantizes its own rows) and per-row scales
     (float32 rows for the pass); M=5 leaves most persistent CTAs without work, M=300 with
     narrow_t 32 leaves every tile to the narrow launch. With fit_widths its tiles of up to 64
-    and 96 tokens (33, 64, 65 here) multiply 64 and 64 + 32 columns, bit for bit the same."""
+    and 96 tokens (33, 64, 65 here) multiply 64 and 64 + 32 columns, bit for bit the same.
+    GEMM2 warp-specialized (on fp16 rows into float32 pair rows: here every layer but the fp8
+    ones, whose GEMM2 stays on the fragment kernel) covers H = 2880 rows in 11.25 blocks, the
+    TP=8 shards' three K chunks and the whole layer's 23."""
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
     spec = get_kernel("moe_apply", HOPPER)
     if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
@@ -689,11 +693,12 @@ def test_wgmma_warp_specialized_gemm1_changes_nothing():
             for narrow_t in narrows:
                 for pdl in (False, True):
                     results = []
-                    for warp_specialized, fit_widths in ((False, False), (True, False),
-                                                         (True, True)):  # fmt: skip
+                    variants = ((False, False, False), (True, False, False), (True, True, False),
+                                (True, True, True))  # fmt: skip
+                    for ws, fit_widths, ws2 in variants:
                         tile = FragmentConfig(
-                            128, 128, 4, 2, pdl=pdl, narrow_t=narrow_t,
-                            warp_specialized=warp_specialized, fit_widths=fit_widths,
+                            128, 128, 4, 2, pdl=pdl, narrow_t=narrow_t, warp_specialized=ws,
+                            warp_specialized_gemm2=ws2, fit_widths=fit_widths,
                         )  # fmt: skip
                         outs = [torch.empty_like(x) for x in xs]
                         with pin_config(HOPPER, tile):
@@ -704,6 +709,7 @@ def test_wgmma_warp_specialized_gemm1_changes_nothing():
                         case = f"{name} M={m} narrow_t={narrow_t} pdl={pdl} call {i}"
                         assert torch.equal(plain, specialized[0]), case
                         assert torch.equal(plain, specialized[1]), f"{case}, fit_widths"
+                        assert torch.equal(plain, specialized[2]), f"{case}, GEMM2 too"
         del prepared
 
 

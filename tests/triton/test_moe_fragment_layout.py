@@ -339,16 +339,16 @@ def test_tp_shards_launch_the_narrow_tiles_from_their_intermediate_size():
     assert widths == {736: [16, 8, 16, 8], 384: [16, 16]}
 
 
-def test_warp_specialized_kernel_takes_only_gemm1_on_bf16_x_in_whole_row_blocks():
+def test_warp_specialized_kernel_takes_what_its_config_and_operands_allow():
     from tokenspeed_kernel_triton.moe.fragment_ws_sm90 import warp_specialized_fits
 
     on = FragmentConfig(128, 128, 4, 2, warp_specialized=True)
+    both = FragmentConfig(128, 128, 4, 2, warp_specialized=True, warp_specialized_gemm2=True)
     off = FragmentConfig(128, 128, 4, 2)
     x = torch.empty(16, 2880, dtype=torch.bfloat16)
     w = torch.empty(2, 92, 64, 23, 16, dtype=torch.int32)  # 2I = 5760 of 5888 padded rows
     assert warp_specialized_fits(on, x, w, gemm1=True, n_valid=5760)
     assert not warp_specialized_fits(off, x, w, gemm1=True, n_valid=5760)
-    assert not warp_specialized_fits(on, x, w, gemm1=False, n_valid=5760)  # GEMM2
     assert not warp_specialized_fits(on, x.half(), w, gemm1=True, n_valid=5760)
     # A TP=2 shard: 2I = 2880 real rows of 3072 padded, a consumer's rows half padding.
     shard = torch.empty(2, 48, 64, 23, 16, dtype=torch.int32)
@@ -359,6 +359,23 @@ def test_warp_specialized_kernel_takes_only_gemm1_on_bf16_x_in_whole_row_blocks(
     # Copy offsets are 32-bit: x rows past 2^31 elements go to the fragment kernel.
     big = torch.empty(2**31 // 2880 + 1, 2880, dtype=torch.bfloat16, device="meta")
     assert not warp_specialized_fits(on, big, w, gemm1=True, n_valid=5760)
+    # GEMM2 (H = 2880 rows: 11.25 blocks, the last one's rows masked) where its config asks,
+    # on fp16 SwiGLU rows into float32 pair rows, unsplit.
+    act = torch.empty(256, 2944, dtype=torch.float16)
+    w2 = torch.empty(2, 45, 64, 23, 16, dtype=torch.int32)
+    assert warp_specialized_fits(both, act, w2, gemm1=False, n_valid=2880)
+    assert not warp_specialized_fits(on, act, w2, gemm1=False, n_valid=2880)
+    assert not warp_specialized_fits(both, act, w2, gemm1=False, n_valid=2880, split_k=2)
+    assert not warp_specialized_fits(both, act, w2, gemm1=False, n_valid=2880, half_rows=True)
+    assert not warp_specialized_fits(both, act, w2, gemm1=False, n_valid=2880, scaled=True)
+    hi_lo = torch.empty(256, 2 * 2944, dtype=torch.bfloat16)  # bf16 [hi | lo] rows
+    assert not warp_specialized_fits(both, hi_lo, w2, gemm1=False, n_valid=2880)
+    e4m3 = torch.empty(256, 2944, dtype=torch.float8_e4m3fn)
+    assert not warp_specialized_fits(both, e4m3, w2, gemm1=False, n_valid=2880)
+    with pytest.raises(ValueError, match="warp_specialized_gemm2"):
+        FragmentConfig(128, 128, 4, 2, warp_specialized_gemm2=True)
+    with pytest.raises(ValueError, match="warp_specialized_gemm2"):
+        dataclasses.replace(both, gemm2_split_k=2)
 
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -742,27 +759,24 @@ def test_expert_parallel_ranks_pick_decode_tiles_by_their_share_of_the_pairs():
     assert pick_fragment_config(key(12, 4, 16, 128)) == CONFIGS[1][1]
 
 
-def test_an_expert_parallel_rank_over_few_experts_splits_gemm2():
-    """A rank of 9 to 16 experts, each expecting 64 < tokens <= 112 (EP=8 at M = 2049-3584
-    for GPT-OSS-120B), runs the warp-specialized config with GEMM2 in two K splits; more or
-    fewer experts, other loads, the whole layer and a pinned config keep the pick's."""
-    prefill = pick_fragment_config(3072 * 4)
-    assert prefill.warp_specialized and prefill.gemm2_split_k == 1
-    for m in (2304, 3072, 3584):
-        split = pick_fragment_config(m * 4, expert_share=(16, 128))
-        assert split == dataclasses.replace(pick_fragment_config(m * 4), gemm2_split_k=2)
-    for m, share in (
-        (2048, (16, 128)),  # 64 tokens an expert: the 128-token fragment tiles, unsplit
-        (3840, (16, 128)),  # 120 an expert
-        (4096, (16, 128)),
-        (3072, (32, 128)),  # EP=4
-        (3072, (8, 128)),  # EP=16
-        (3072, (16, 16)),  # a layer of 16 experts, whole
-        (3072, (128, 128)),  # the whole layer
-    ):
-        assert pick_fragment_config(m * 4, expert_share=share) == pick_fragment_config(m * 4)
-    with pin_config(moe_sm90.KERNEL_NAME, prefill):
-        assert pick_fragment_config(3072 * 4, expert_share=(16, 128)) is prefill
+def test_prefill_picks_warp_specialize_gemm2_on_float32_pair_rows_only():
+    """From M > 2048 both GEMMs' full tiles run warp-specialized where GEMM2 writes float32 pair
+    rows (the whole layer, TP=2, expert-parallel ranks); TP=4 and TP=8 shards, whose GEMM2
+    stores fp16 pair rows, keep it on the fragment kernel."""
+    for m in (2304, 3072, 4096, 8192):
+        picked = pick_fragment_config(m * 4)
+        assert picked.warp_specialized and picked.warp_specialized_gemm2, m
+        for padded_intermediate in (2944, 1472):  # whole layer, TP=2
+            config = for_intermediate(picked, padded_intermediate)
+            assert config.warp_specialized_gemm2 and not half_pair_rows(
+                config, padded_intermediate, 1
+            )
+        for padded_intermediate in (768, 384):  # TP=4, TP=8
+            config = for_intermediate(picked, padded_intermediate)
+            assert not config.warp_specialized_gemm2 or half_pair_rows(
+                config, padded_intermediate, 1
+            )
+    assert not pick_fragment_config(2048 * 4).warp_specialized_gemm2
 
 
 class _Picked(Exception):
@@ -772,16 +786,16 @@ class _Picked(Exception):
 @pytest.mark.parametrize(
     "routing,num_experts,want",
     [
-        ("logits", None, (4, (16, 128))),  # the router's width: 128 experts
-        ("ids", 128, (4, (16, 128))),  # the plan's count, passed by the kernel object
-        ("ids", None, (32, (16, 16))),  # precomputed ids and no count: the prepared experts
+        ("logits", None, 4),  # the router's width: 128 experts
+        ("ids", 128, 4),  # the plan's count, passed by the kernel object
+        ("ids", None, 32),  # precomputed ids and no count: the prepared experts
     ],
 )
 def test_the_forward_keys_its_pick_on_the_ranks_pairs(monkeypatch, routing, num_experts, want):
     keys = []
 
-    def pick(pairs, post_scalable=True, expert_share=None):
-        keys.append((pairs, expert_share))
+    def pick(pairs, post_scalable=True):
+        keys.append(pairs)
         raise _Picked
 
     monkeypatch.setattr(moe_sm90, "pick_config", pick)

@@ -38,8 +38,9 @@ class FragmentConfig:
     half_pair_rows() says; warp_specialized: the full tiles run in the warp-specialized
     persistent kernel (fragment_ws_sm90: a producer warpgroup and two consumers on 256 rows,
     its own 4-step ring) where the call allows it, else, and for the narrow tiles, in this
-    config's fragment kernel with `stages`; fit_widths: that kernel multiplies a tile of at
-    most 64 (96) tokens with MMAs 64 (64 + 32) columns wide instead of 128."""
+    config's fragment kernel with `stages`; warp_specialized_gemm2: GEMM2's full tiles too
+    (on fp16 SwiGLU rows into float32 pair rows, unsplit); fit_widths: that kernel multiplies
+    a tile of at most 64 (96) tokens with MMAs 64 (64 + 32) columns wide instead of 128."""
 
     block_w: int
     block_t: int
@@ -56,6 +57,7 @@ class FragmentConfig:
     below_intermediate: tuple[int, FragmentConfig] | None = None
     half_pair_rows: bool = False
     warp_specialized: bool = False
+    warp_specialized_gemm2: bool = False
     fit_widths: bool = False
 
     def __post_init__(self) -> None:
@@ -102,6 +104,10 @@ class FragmentConfig:
             raise ValueError(
                 "FragmentConfig: warp_specialized takes 128 x 128 tiles of 4 warps, one chunk "
                 "per step, no post_scale or tile_ready"
+            )
+        if self.warp_specialized_gemm2 and (not self.warp_specialized or self.gemm2_split_k != 1):
+            raise ValueError(
+                "FragmentConfig: warp_specialized_gemm2 needs warp_specialized and no GEMM2 splits"
             )
         if self.fit_widths and not self.warp_specialized:
             raise ValueError("FragmentConfig: fit_widths is the warp-specialized kernel's")
@@ -341,56 +347,44 @@ CONFIGS = (
     # TP=4 M=2304 455.8 / 437.1 / 478.8, M=2560 465.3 / 455.8 / 482.8, M=2816 473.7 / 469.3 / 486.1,
     # M=3072 484.7 / 486.8 / 487.1, M=3584 537.4 / 538.8 / 540.2; TP=8 M=2304 271.9 / 267.2 / 278.8,
     # M=2560 275.4 / 284.5 / 284.2, M=3072 285.8 / 292.1 / 289.5.
+    # GEMM2's full tiles warp-specialized too (warp_specialized_gemm2) where its rows are fp16
+    # into float32 pair rows (the whole layer, TP=2 shards, expert-parallel ranks; TP=4 and TP=8
+    # shards keep fp16 pair rows on the fragment kernel): its 256-row work items over 23 K chunks
+    # fill the SMs evenly where few experts each hold about one tile (EP=16 at M=3072: 8 experts
+    # x 12 items over 132 SMs, against 8 x 23 fragment CTAs leaving 52 SMs two), and take fitted
+    # widths. Outputs bit for bit the fragment kernel's. H200 (GPU-79c90241), 2026-11-29,
+    # `benchmarks/ab_moe_configs.py`, graph-timed over 4 layers beside vLLM's path, three rounds
+    # in turned order, µs, GEMM1 only / both / vLLM: whole layer M=3072 1562.6 / 1479.9 / 1642.3,
+    # M=6144 2955.2 / 2840.2 / 3216.1, M=8192 3578.6 / 3552.0 / 3981.6; TP=2 M=3072 870.1 /
+    # 836.5 / 886.3, M=6144 1650.3 / 1590.7 / 1745.0, M=8192 2001.2 / 1980.6 / 2191.4; EP=16
+    # M=2304 150.7 / 137.7 / 158.7, M=3072 164.8 / 155.0 / 161.2, M=3840 162.0 / 154.7 / 166.0,
+    # M=6144 259.7 / 241.0 / 265.9, M=8192 290.2 / 280.1 / 308.3; EP=8 (GEMM1 only: GEMM2 then in
+    # two K splits to M=3584) M=2304 224.3 / 211.7 / 244.3, M=3072 241.0 / 230.4 / 246.7, M=3584
+    # 250.5 / 239.0 / 250.0, M=3840 292.0 / 274.1 / 291.3, M=6144 427.7 / 406.5 / 441.1, M=8192
+    # 494.0 / 494.2 / 523.4; EP=4 M=2304 401.2 / 359.1 / 424.7, M=3072 435.1 / 405.3 / 431.4,
+    # M=3840 490.5 / 489.7 / 516.1, M=6144 805.1 / 763.2 / 835.5, M=8192 918.5 / 907.6 / 986.8.
+    # With float32 pair rows on TP shards, GEMM1 only with fp16 rows (the pick) / both: TP=4
+    # M=3072 485.1 / 469.4 (vLLM 482.1), M=7168 962.2 / 963.7 (952.8); TP=8 M=3072 284.9 /
+    # 289.2 (288.8), M=7168 564.2 / 584.8 (565.4).
     (
         12288,
-        dataclasses.replace(_PREFILL_WS, fit_widths=True, below_intermediate=(512, _PREFILL_WS)),
+        dataclasses.replace(
+            _PREFILL_WS,
+            fit_widths=True,
+            warp_specialized_gemm2=True,
+            below_intermediate=(512, _PREFILL_WS),
+        ),
     ),
     (
         None,
-        dataclasses.replace(_PREFILL_WS, fit_widths=True, below_intermediate=(1024, _PREFILL_WS)),
+        dataclasses.replace(
+            _PREFILL_WS,
+            fit_widths=True,
+            warp_specialized_gemm2=True,
+            below_intermediate=(1024, _PREFILL_WS),
+        ),
     ),
 )
-
-
-# An expert-parallel rank holding few experts whose tokens each fill about one 128-token tile:
-# GEMM2 launches local experts x 23 row blocks CTAs, at EP=8's 16 experts 368 over the 264
-# slots of two CTAs an SM (1.4 waves), where the whole layer's 128 experts launch eight times as
-# many; two K splits make 2.8 waves, for a second float32 partial row per pair through the
-# combine. With more experts (EP=4: 2.8 waves unsplit) or fewer (EP=16: 184 CTAs, each alone on
-# its SM), or more tokens an expert, the split costs more than it fills. H200 (GPU-ae708708),
-# 2026-11-29, bf16 activations, `benchmarks/ab_moe_configs.py --shards ep8,ep4,ep16`,
-# graph-timed over 4 layers beside vLLM's path, three rounds in turned order, µs, unsplit / two
-# splits / vLLM: EP=8 M=2304 243.1 / 227.6 / 245.6, M=2560 247.1 / 231.2 / 247.5, M=3072 255.2
-# / 242.2 / 250.0 (another run 256.0 / 242.6 / 248.1; four splits 270.9), M=3584 260.1 / 249.9
-# / 252.8, M=3840 294.4 / 296.6 / 293.9, M=4096 315.1 / 336.3 / 378.2; EP=4 M=2304 406.0 /
-# 413.6 / 435.5, M=3072 442.9 / 454.6 / 440.6, M=3840 500.5 / 521.6 / 522.0; EP=16 M=2304
-# 151.2 / 156.7 / 158.1, M=3072 166.1 / 172.2 / 161.9, M=3584 164.2 / 170.2 / 163.6; EP=8 M=3072
-# under skewed routing (skew 0.25) 271.1 / 270.6 / 289.1.
-FEW_EXPERTS = (8, 16)  # local experts, above the first, at most the second
-FEW_EXPERTS_TOKENS = (64, 112)  # tokens per expert, above the first, at most the second
-
-
-def for_expert_share(
-    config: FragmentConfig, num_pairs: int, local_experts: int, num_experts: int
-) -> FragmentConfig:
-    """The config as an expert-parallel rank holding local_experts of the layer's num_experts
-    runs it at num_pairs = tokens x top_k: a warp-specialized config's GEMM2 in two K splits
-    where the rank holds FEW_EXPERTS and an expert expects FEW_EXPERTS_TOKENS."""
-    fewest, most = FEW_EXPERTS
-    low, high = FEW_EXPERTS_TOKENS
-    if (
-        config.warp_specialized
-        and config.gemm2_split_k == 1
-        and fewest < local_experts <= most < num_experts
-        and low * num_experts < num_pairs <= high * num_experts
-    ):
-        return _gemm2_in_two_splits(config)
-    return config
-
-
-@functools.cache
-def _gemm2_in_two_splits(config: FragmentConfig) -> FragmentConfig:
-    return dataclasses.replace(config, gemm2_split_k=2)
 
 
 @functools.cache

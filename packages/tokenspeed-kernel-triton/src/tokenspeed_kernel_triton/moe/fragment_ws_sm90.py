@@ -1,23 +1,26 @@
-"""GEMM1's full 128-token tiles, warp-specialized and persistent (FragmentConfig.warp_specialized;
-wgmma_gemm_sm90.fragment_gemm launches it in place of the fragment kernel's full-tile launch).
+"""The full 128-token tiles of GEMM1 (FragmentConfig.warp_specialized) and of GEMM2
+(warp_specialized_gemm2), warp-specialized and persistent (wgmma_gemm_sm90.fragment_gemm launches
+it in place of the fragment kernel's full-tile launch).
 
 One CTA per SM walks the (routing tile, 256-row block) work items. A producer warpgroup copies
-each K chunk's x rows [128 tokens, 128] and the block's weight words and scales into a ring of
+each K chunk's activation rows [128 tokens, 128] (GEMM1: x gathered by token; GEMM2: the tile's
+fp16 SwiGLU rows) and the block's weight words and scales into a ring of
 STAGES slots (cp.async; each producer thread's arrival on the slot's `full` mbarrier lands when
 its copies have). Two consumer warpgroups, 128 of the block's rows each, decode their words into
 wgmma fragments, multiply them by the shared x rows and release the slot on its `empty`
 mbarrier. So the copies leave the consumers' instruction stream, no CTA barrier joins the two
 consumers (one decodes while the other's wgmmas run), one copy of the x rows serves 256 weight
 rows, and the producer fills the ring with the next work item while the consumers run their
-SwiGLU epilogues. With FIT_WIDTHS a tile of at most 64 (96) tokens, most often an expert's
-last, multiplies 64 (64 + 32) x rows rather than 128: its MMAs and epilogue shrink with it.
+epilogues. With FIT_WIDTHS a tile of at most 64 (96) tokens, most often an expert's last,
+multiplies 64 (64 + 32) activation rows rather than 128: its MMAs and epilogue shrink with it.
 
 The decode, MMA and epilogue are the fragment kernel's (fragment_steps_sm90,
 fragment_epilogue_sm90): its outputs bit for bit. Registers (setmaxnreg): the producer runs
 spill-free on 56, since a spilled address reloads from L2 (shared memory leaves L1 little) and
 stalls the ring; the consumers need 224 for ptxas not to serialize their wgmmas (C7512).
-GEMM2 stays on the fragment kernel: on a TP=8 shard its three K chunks leave a work item
-mostly epilogue, which both consumers reach at once with the tensor cores idle, where two
+GEMM2 takes it only where its config says (an expert-parallel rank of few experts, whose
+fragment-kernel CTAs fill the SMs unevenly): on a TP=8 shard its three K chunks leave a work
+item mostly epilogue, which both consumers reach at once with the tensor cores idle, where two
 independent CTAs per SM overlap one's epilogue with the other's MMAs (docs/decisions.md).
 """
 
@@ -81,7 +84,8 @@ def _work_item(work, num_w, tiles_ptr):
 
 
 @gluon.jit
-def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.constexpr):
+def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.constexpr,
+              SWIGLU: gl.constexpr):  # fmt: skip
     x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr = pointers
     x_ring, words_ring, scales_ring, full, empty = ring
     N, K, K_VALID, N_VALID, grid = sizes
@@ -104,8 +108,12 @@ def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.c
             # bases keep the producer within its registers.
             offs_t = first_row + t_local
             t_ok = offs_t < row_end
-            pair = gl.load(sorted_ptr + offs_t, mask=t_ok, other=0, cache_modifier=".cg")
-            x_offs = ((pair // TOPK) * stride_xm)[:, None] + k_local[None, :]
+            if SWIGLU:
+                pair = gl.load(sorted_ptr + offs_t, mask=t_ok, other=0, cache_modifier=".cg")
+                x_rows = pair // TOPK
+            else:
+                x_rows = offs_t
+            x_offs = (x_rows * stride_xm)[:, None] + k_local[None, :]
             # Rows past N (a block overhanging the padded rows) reread row N - 1.
             wr = gl.minimum(pid_w * _CTA_ROWS + w_local, N - 1)
             w_offs = (wr // _PANEL_ROWS * stride_wp + wr % _PANEL_ROWS * stride_wn)[:, None]
@@ -118,7 +126,8 @@ def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.c
                 slot = count % _STAGES
                 # Both consumers released the slot's previous use (none in the first lap).
                 mbarrier.wait(empty.index(slot), (count // _STAGES + 1) & 1, pred=count >= _STAGES)
-                # x's row ends at H (K_VALID); the weights' zero padding past it meets zeros.
+                # A row ends at K_VALID (x's H, GEMM2's I); the weights' zero padding past it
+                # meets zeros.
                 mask = t_ok[:, None] & ((k * 128 + k_local) < K_VALID)[None, :]
                 async_copy.async_copy_global_to_shared(
                     x_ring.index(slot), x_ptr + k * 128 + x_offs, mask=mask
@@ -134,45 +143,54 @@ def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.c
 
 
 @gluon.jit
-def _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE: gl.constexpr, WG: gl.constexpr,
-              dot_a: gl.constexpr):  # fmt: skip
+def _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE: gl.constexpr, F16: gl.constexpr,
+              WG: gl.constexpr, dot_a: gl.constexpr):  # fmt: skip
     """This consumer's decoded [128 rows, 128 K] fragment of the ring's slot, once it is full."""
     x_ring, words_ring, scales_ring, full, empty = ring
     words = words_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS).load(_WORDS)
     scales = scales_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS)
     scales = scales.load(gl.SliceLayout(1, _WORDS))
     return decode_fragment(
-        words, scales, lo_table, hi_table, dot_a, _WG_ROWS, SHIFT_DECODE, False, False
+        words, scales, lo_table, hi_table, dot_a, _WG_ROWS, SHIFT_DECODE, F16, False
     )
 
 
 @gluon.jit
-def _swiglu_epilogue(acc, epilogue, out_rows, swiglu_args, TOPK: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
-                     COLS: gl.constexpr, mma: gl.constexpr):  # fmt: skip
+def _epilogue(acc, epilogue, out_rows, swiglu_args, TOPK: gl.constexpr, SWIGLU: gl.constexpr,
+              HAS_BIAS: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
+              COLS: gl.constexpr, mma: gl.constexpr):  # fmt: skip
+    """The fragment kernel's epilogue for this consumer's [128 rows, COLS tokens]: GEMM1 bias
+    and SwiGLU into the intermediate's rows; GEMM2 bias and routing weight into float32 pair
+    rows."""
     alpha, limit, out_scale = swiglu_args
     operands = epilogue_operands(
-        epilogue, TOPK, True, HAS_BIAS, False, 0, IN_SCALE, _WG_ROWS, COLS, mma
+        epilogue, TOPK, SWIGLU, HAS_BIAS, False, 0, IN_SCALE, _WG_ROWS, COLS, mma
     )
-    rows, cols, col_ok, _, bias, pre_factor, _ = operands
+    rows, cols, col_ok, pair, bias, pre_factor, post_factor = operands
     if IN_SCALE != 0:
         acc *= pre_factor[None, :]
     if HAS_BIAS:
         acc += bias[:, None]
-    out_ptr, N, stride_om = out_rows
-    swiglu_store(
-        (out_ptr, N, stride_om, rows, cols, col_ok), acc, alpha, limit, out_scale, _WG_ROWS,
-        COLS, OUT_QUANT,
-    )  # fmt: skip
+    out_ptr, N, n_valid, stride_om = out_rows
+    if SWIGLU:
+        swiglu_store(
+            (out_ptr, N, stride_om, rows, cols, col_ok), acc, alpha, limit, out_scale, _WG_ROWS,
+            COLS, OUT_QUANT,
+        )  # fmt: skip
+    else:
+        acc *= post_factor[None, :]  # the routing weight
+        ptrs = out_ptr + pair.to(gl.int64)[None, :] * stride_om + rows[:, None]
+        gl.store(ptrs, acc, mask=col_ok[None, :] & (rows < n_valid)[:, None])
 
 
 @gluon.jit
 def _tile(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
-          TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, SHIFT_DECODE: gl.constexpr,
-          IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr, WG: gl.constexpr,
-          COLS: gl.constexpr, mma: gl.constexpr, dot_a: gl.constexpr):  # fmt: skip
-    """One consumer's work item: its 128 rows' product with the ring's first COLS x rows over
-    K, then bias and SwiGLU; returns the ring count past its steps."""
+          TOPK: gl.constexpr, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr,
+          SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
+          WG: gl.constexpr, COLS: gl.constexpr, mma: gl.constexpr,
+          dot_a: gl.constexpr):  # fmt: skip
+    """One consumer's work item: its 128 rows' product with the ring's first COLS activation
+    rows over K, then the epilogue; returns the ring count past its steps."""
     x_ring, words_ring, scales_ring, full, empty = ring
     acc = gl.zeros([_WG_ROWS, COLS], gl.float32, layout=mma)
     for _step in range(K // 128):
@@ -180,7 +198,7 @@ def _tile(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
         mbarrier.wait(full.index(slot), (count // _STAGES) & 1)
         # The producer's copies (generic proxy) before the wgmma reads them (async).
         fence_async_shared()
-        frag = _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE, WG, dot_a)
+        frag = _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE, not SWIGLU, WG, dot_a)
         b = x_ring.index(slot).slice(0, COLS).permute((1, 0))
         acc = warpgroup_mma(frag, b, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
@@ -188,9 +206,10 @@ def _tile(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
         # consumer is done with the slot.
         mbarrier.arrive(empty.index(slot))
         count += 1
-    _swiglu_epilogue(
-        acc, epilogue, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, COLS, mma
-    )
+    _epilogue(
+        acc, epilogue, out_rows, swiglu_args, TOPK, SWIGLU, HAS_BIAS, IN_SCALE, OUT_QUANT, COLS,
+        mma,
+    )  # fmt: skip
     return count
 
 
@@ -210,8 +229,9 @@ def _pass(ring, count, K):
 
 @gluon.jit
 def _tile_96(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
-             TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, SHIFT_DECODE: gl.constexpr,
-             IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+             TOPK: gl.constexpr, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr,
+             SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
+             WG: gl.constexpr):  # fmt: skip
     """_tile over 96 tokens, as 64 and 32 columns (tensor shapes are powers of two): each
     fragment multiplies both."""
     x_ring, words_ring, scales_ring, full, empty = ring
@@ -221,7 +241,7 @@ def _tile_96(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K
         slot = count % _STAGES
         mbarrier.wait(full.index(slot), (count // _STAGES) & 1)
         fence_async_shared()
-        frag = _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE, WG, _DOT_A_64)
+        frag = _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE, not SWIGLU, WG, _DOT_A_64)
         x_rows = x_ring.index(slot)
         acc_a = warpgroup_mma(frag, x_rows.slice(0, 64).permute((1, 0)), acc_a, is_async=True)
         frag_b = gl.convert_layout(frag, _DOT_A_32, assert_trivial=True)
@@ -229,36 +249,39 @@ def _tile_96(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K
         acc_a, acc_b = warpgroup_mma_wait(0, deps=[acc_a, acc_b])
         mbarrier.arrive(empty.index(slot))
         count += 1
-    _swiglu_epilogue(
-        acc_a, epilogue, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, 64, _MMA_64
-    )
+    _epilogue(
+        acc_a, epilogue, out_rows, swiglu_args, TOPK, SWIGLU, HAS_BIAS, IN_SCALE, OUT_QUANT, 64,
+        _MMA_64,
+    )  # fmt: skip
     pointers, expert, first_row, row_block, row_end, n_valid = epilogue
     second = (pointers, expert, first_row + 64, row_block, row_end, n_valid)
-    _swiglu_epilogue(
-        acc_b, second, out_rows, swiglu_args, TOPK, HAS_BIAS, IN_SCALE, OUT_QUANT, 32, _MMA_32
-    )
+    _epilogue(
+        acc_b, second, out_rows, swiglu_args, TOPK, SWIGLU, HAS_BIAS, IN_SCALE, OUT_QUANT, 32,
+        _MMA_32,
+    )  # fmt: skip
     return count
 
 
 @gluon.jit
 def _consumer(
     pointers, ring, sizes, epilogue_args,
-    TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, NARROW_T: gl.constexpr, FIT_WIDTHS: gl.constexpr,
-    SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
-    WG: gl.constexpr,
+    TOPK: gl.constexpr, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr, NARROW_T: gl.constexpr,
+    FIT_WIDTHS: gl.constexpr, SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr,
+    OUT_QUANT: gl.constexpr, WG: gl.constexpr,
 ):  # fmt: skip
-    bias_ptr, out_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr, in_scale_ptr = pointers
+    (bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr,
+     in_scale_ptr) = pointers  # fmt: skip
     N, K, K_VALID, N_VALID, grid = sizes
     stride_be, stride_om, alpha, limit, in_scale, out_scale = epilogue_args
     num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
     num_w = gl.cdiv(N_VALID, _CTA_ROWS)
     lo_table = gl.load(table_ptr)
     hi_table = gl.load(table_ptr + 1)
-    # The routing weights and x's exponents are not GEMM1's (unscaled x): placeholders.
+    # x's exponents are not these tiles' (unscaled x): a placeholder.
     epilogue_ptrs = (
-        sorted_ptr, sorted_ptr, bias_ptr, sorted_ptr, stride_be, in_scale_ptr, in_scale
+        sorted_ptr, route_w_ptr, bias_ptr, sorted_ptr, stride_be, in_scale_ptr, in_scale
     )  # fmt: skip
-    out_rows = (out_ptr, N, stride_om)
+    out_rows = (out_ptr, N, N_VALID, stride_om)
     swiglu_args = (alpha, limit, out_scale)
     count = 0
     for work in range(gl.program_id(0), num_tiles * num_w, grid):
@@ -268,47 +291,52 @@ def _consumer(
         epilogue = (epilogue_ptrs, expert, first_row, row_block, row_end, N_VALID)
         n = row_end - first_row
         if n > NARROW_T:
-            # A consumer wholly in the zero padding past the real rows (the last block where 2I
-            # is not a multiple of 256) would store nothing: it only keeps the ring going.
+            # A consumer wholly past the real rows (the last block where 2I or H is not a
+            # multiple of 256) would store nothing: it only keeps the ring going.
             if row_block * _WG_ROWS >= N_VALID:
                 count = _pass(ring, count, K)
             elif not FIT_WIDTHS or n > 96:
                 count = _tile(
                     ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
-                    TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, _TOKENS, _MMA, _DOT_A,
+                    TOPK, SWIGLU, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, _TOKENS, _MMA,
+                    _DOT_A,
                 )  # fmt: skip
             elif n > 64:
                 count = _tile_96(
                     ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
-                    TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG,
+                    TOPK, SWIGLU, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG,
                 )  # fmt: skip
             else:
                 count = _tile(
                     ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
-                    TOPK, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, 64, _MMA_64, _DOT_A_64,
+                    TOPK, SWIGLU, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, 64, _MMA_64,
+                    _DOT_A_64,
                 )  # fmt: skip
 
 
 @recordable
 @bind_launches
 @gluon.jit
-def _warp_specialized_gemm1_kernel(
-    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr,
-    in_scale_ptr,
+def _warp_specialized_kernel(
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr,
+    table_ptr, in_scale_ptr,
     N, K, K_VALID, N_VALID, grid,
     stride_xm, stride_we, stride_wp, stride_wn, stride_wc, stride_se, stride_sp, stride_sn,
     stride_sc, stride_be, stride_om,
     alpha, limit, in_scale, out_scale,
-    TOPK: gl.constexpr, HAS_BIAS: gl.constexpr, NARROW_T: gl.constexpr, FIT_WIDTHS: gl.constexpr,
-    SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
-    PDL: gl.constexpr,
+    TOPK: gl.constexpr, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr, NARROW_T: gl.constexpr,
+    FIT_WIDTHS: gl.constexpr, SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr,
+    OUT_QUANT: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
+    # GEMM2's activation rows are fp16 (its weights decode to fp16; fragment_gemm checks).
+    gl.static_assert(SWIGLU or x_ptr.dtype.element_ty == gl.float16)
     if PDL:
-        # The routing outputs are complete past the wait; the launch after (the narrow tiles')
-        # starts as SMs free up.
+        # The kernel before is complete past the wait (GEMM1: the routing outputs; GEMM2: all
+        # of GEMM1, whose narrow launch waits for its full tiles); the launch after (the
+        # narrow tiles') starts as SMs free up.
         gdc_wait()
         gdc_launch_dependents()
-    x_ring = gl.allocate_shared_memory(gl.bfloat16, [_STAGES, _TOKENS, 128], _X_SMEM)
+    x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [_STAGES, _TOKENS, 128], _X_SMEM)
     # Plain row-major slots (a layout of a slot's rank).
     words_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     scales_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -322,7 +350,8 @@ def _warp_specialized_gemm1_kernel(
     ring = (x_ring, words_ring, scales_ring, full, empty)
     sizes = (N, K, K_VALID, N_VALID, grid)
     consumer_pointers = (
-        bias_ptr, out_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr, in_scale_ptr
+        bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr,
+        in_scale_ptr,
     )  # fmt: skip
     epilogue_args = (stride_be, stride_om, alpha, limit, in_scale, out_scale)
     producer_pointers = (x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr)
@@ -334,11 +363,11 @@ def _warp_specialized_gemm1_kernel(
     # a tuple built here they would reach the partition as run-time values).
     gl.warp_specialize(
         [
-            (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, HAS_BIAS,
+            (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, SWIGLU, HAS_BIAS,
                          NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _FIRST)),
-            (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, HAS_BIAS,
+            (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, SWIGLU, HAS_BIAS,
                          NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _SECOND)),
-            (_producer, (producer_pointers, ring, sizes, strides, TOPK, NARROW_T)),
+            (_producer, (producer_pointers, ring, sizes, strides, TOPK, NARROW_T, SWIGLU)),
         ],
         [4, 4],
         [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -352,46 +381,61 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def warp_specialized_fits(config, x: torch.Tensor, w: torch.Tensor, gemm1: bool,
-                          n_valid: int) -> bool:  # fmt: skip
-    """Whether the warp-specialized kernel takes this call's full tiles: config.warp_specialized,
-    GEMM1 on bf16 x, whole 256-row blocks of the padded rows and 32-bit copy offsets. A
-    consumer whose rows start below n_valid stores them all (the SwiGLU epilogue masks no
-    rows): those past n_valid are the zero padding, whose zeros land in the intermediate's
-    padded channels, which GEMM2 never reads (its k_valid), as the fragment kernel's
-    128-row blocks do past an odd 2I / 128."""
-    padded_rows = w.shape[1] * w.shape[2]
+def warp_specialized_fits(
+    config,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    gemm1: bool,
+    n_valid: int,
+    *,
+    split_k: int = 1,
+    half_rows: bool = False,
+    scaled: bool = False,
+) -> bool:
+    """Whether the warp-specialized kernel takes this call's full tiles: config.warp_specialized
+    and 32-bit copy offsets, and for GEMM1 bf16 x in whole 256-row blocks of the padded rows,
+    for GEMM2 config.warp_specialized_gemm2, fp16 SwiGLU rows, no K splits, float32 pair rows
+    and no fp8 scales (scaled: the rows hold e4m3 values). A GEMM1 consumer whose rows start
+    below n_valid stores them all (the SwiGLU epilogue masks no rows): those past n_valid are
+    the zero padding, whose zeros land in the intermediate's padded channels, which GEMM2 never
+    reads (its k_valid), as the fragment kernel's 128-row blocks do past an odd 2I / 128.
+    GEMM2's epilogue stores only rows below n_valid, and its copies reread the last row past the
+    padded ones."""
+    if not (config.warp_specialized and a.numel() < 2**31 and w.numel() // w.shape[0] < 2**31):
+        return False
+    if gemm1:
+        padded_rows = w.shape[1] * w.shape[2]
+        return a.dtype == torch.bfloat16 and padded_rows % CTA_ROWS == 0 and n_valid <= padded_rows
     return (
-        config.warp_specialized
-        and gemm1
-        and x.dtype == torch.bfloat16
-        and padded_rows % CTA_ROWS == 0
-        and n_valid <= padded_rows
-        and x.numel() < 2**31
-        and w.numel() // w.shape[0] < 2**31
+        config.warp_specialized_gemm2
+        and a.dtype == torch.float16
+        and split_k == 1
+        and not half_rows
+        and not scaled
     )
 
 
-def warp_specialized_gemm1(
-    x, w, scale_words, bias, out, routing, table, in_scale, *, k_valid: int, n_valid: int,
-    alpha: float, limit: float, out_scale: float | None, config,
+def warp_specialized_gemm(
+    a, w, scale_words, bias, out, routing, table, in_scale, *, gemm1: bool, k_valid: int,
+    n_valid: int, alpha: float, limit: float, out_scale: float | None, config,
     constexprs: dict,
 ) -> None:  # fmt: skip
-    """GEMM1 + bias + SwiGLU over the routing tiles of more than config.narrow_t tokens, as
-    wgmma_gemm_sm90.fragment_gemm computes them (its checked operands; `constexprs` its
-    kernel's call-dependent ones)."""
+    """GEMM1 + bias + SwiGLU, or GEMM2 + bias and routing weight, over the routing tiles of more
+    than config.narrow_t tokens, as wgmma_gemm_sm90.fragment_gemm computes them (its checked
+    operands; `constexprs` its kernel's call-dependent ones)."""
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
-    _, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
-    grid = min(_sm_count(x.device), max_tiles * -(-n_valid // CTA_ROWS))
-    _warp_specialized_gemm1_kernel[(grid,)](
-        x, w, scale_words, bias if bias is not None else scale_words, out, sorted_pairs, tiles,
-        num_tiles, table, in_scale if isinstance(in_scale, torch.Tensor) else num_tiles,
+    topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
+    grid = min(_sm_count(a.device), max_tiles * -(-n_valid // CTA_ROWS))
+    _warp_specialized_kernel[(grid,)](
+        a, w, scale_words, bias if bias is not None else scale_words, out, topk_weights,
+        sorted_pairs, tiles, num_tiles, table,
+        in_scale if isinstance(in_scale, torch.Tensor) else num_tiles,
         N, K, k_valid, n_valid, grid,
-        x.stride(0), *w.stride()[:4], *scale_words.stride(),
+        a.stride(0), *w.stride()[:4], *scale_words.stride(),
         bias.stride(0) if bias is not None else 0, out.stride(0),
         alpha, limit, in_scale if isinstance(in_scale, float) else 1.0,
         out_scale if out_scale is not None else 1.0,
-        TOPK=top_k, HAS_BIAS=bias is not None, NARROW_T=config.narrow_t,
+        TOPK=top_k, SWIGLU=gemm1, HAS_BIAS=bias is not None, NARROW_T=config.narrow_t,
         FIT_WIDTHS=config.fit_widths,
         SHIFT_DECODE=constexprs["SHIFT_DECODE"], IN_SCALE=constexprs["IN_SCALE"],
         OUT_QUANT=constexprs["OUT_QUANT"], PDL=config.pdl, num_warps=4, launch_pdl=config.pdl,

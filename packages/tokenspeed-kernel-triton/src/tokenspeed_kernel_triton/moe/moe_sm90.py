@@ -19,7 +19,6 @@ from .combine import combine
 from .fragment_config_sm90 import (
     CONFIGS,
     FragmentConfig,
-    for_expert_share,
     for_intermediate,
     gemm2_splits,
     grid_wait,
@@ -37,19 +36,14 @@ KERNEL_NAME = "triton.moe_apply.sm90"
 WEIGHT_LAYOUT = "triton-mx4fragment-padded"
 
 
-def pick_config(
-    num_pairs: int, post_scalable: bool = True, expert_share: tuple[int, int] | None = None
-) -> FragmentConfig:
+def pick_config(num_pairs: int, post_scalable: bool = True) -> FragmentConfig:
     """The tile config for `num_pairs` = tokens x top_k (or the pinned one,
     `tuning.pin_config(KERNEL_NAME, config)`). post_scalable: whether the weights allow
     post-scaling (shift-decoded, fp16 intermediate); where not, a post-scaled pick becomes its
-    scaled-fragment form. expert_share: (local experts, the layer's experts) of an
-    expert-parallel rank, whose GEMM2 may split over few experts (for_expert_share)."""
+    scaled-fragment form."""
     config = pinned_config(KERNEL_NAME)
     if config is None:
         config = first_match(CONFIGS, num_pairs)
-        if expert_share is not None:
-            config = for_expert_share(config, num_pairs, *expert_share)
     if config.post_scale and not post_scalable:
         return scaled_fragments(config)
     return config
@@ -124,9 +118,7 @@ def moe_forward_sm90(
     if num_experts is None:
         num_experts = layer_experts(prepared, routing_inputs.get("router_logits"), expert_offset)
     pairs = selection_pairs(M, top_k, prepared["num_experts"], num_experts)
-    # The split over few experts was measured with bf16 activations only.
-    share = None if fp8 else (prepared["num_experts"], num_experts)
-    config = for_intermediate(pick_config(pairs, post_scalable, share), Ip)
+    config = for_intermediate(pick_config(pairs, post_scalable), Ip)
     routing_inputs = dict(routing_inputs, expert_offset=expert_offset)
     # With a static intermediate scale GEMM1 quantizes its own SwiGLU rows; per-row scales
     # need whole rows, which a pass quantizes between the GEMMs (GEMM2 then waits for it,
@@ -296,18 +288,17 @@ def supports(request, platform) -> Support:
     return Support.yes()
 
 
-# GPT-OSS-120B's H = I = 2880, top-4, 8 experts (a whole layer's picks do not depend on the
-# count). M = 1, 4 and 16 take the decode tiles (grid wait; tile by tile), 64 and 256 the serving
-# tiles, 1536 the 64-token tiles, 2048 the 128-token ones with a 4-step narrow ring, 4096 the
-# prefill tile (also at a TP=8 shard's I = 384, with fp16 pair rows). The weight gain moves the
-# e8m0 scales (centre 127 + log2(gain) - 7 for w13, - log2(gain) for w2), which picks each
-# weight's decode: gain 1 shift-decodes w13 to bf16 and w2 to fp16 (fp16 intermediate, post-scaled
-# decode tiles); 2^17 puts w13's bytes above bf16's shift range (prmt) and w2's below fp16's (bf16
-# hi + lo intermediate); 2^-10 puts w2's above bf16's (prmt). FP8 activations (w2 as e4m3
-# fragments, GEMM2 on FP8 MMAs) at a decode tile (post-scaled GEMM1) and the prefill tile, per-row
-# and static scales (GEMM1 quantizes its own rows), and with 2^17 beside w13's prmt decode. An
-# expert-parallel rank of 16 of 128 experts at 96 tokens an expert (GEMM2 in two K splits,
-# fragment_config_sm90.for_expert_share) on short rows, whose weights the CPU builds quickly.
+# GPT-OSS-120B's H = I = 2880, top-4, 8 experts (a whole layer's picks do not depend on the count).
+# M = 1, 4 and 16 take the decode tiles (grid wait; tile by tile), 64 and 256 the serving tiles,
+# 1536 the 64-token tiles, 2048 the 128-token ones with a 4-step narrow ring, 4096 the prefill tile
+# (both GEMMs warp-specialized; at a TP=8 shard's I = 384 GEMM1 only, with fp16 pair rows). The
+# weight gain moves the e8m0 scales (centre 127 + log2(gain) - 7 for w13, - log2(gain) for w2),
+# which picks each weight's decode: gain 1 shift-decodes w13 to bf16 and w2 to fp16 (fp16
+# intermediate, post-scaled decode tiles); 2^17 puts w13's bytes above bf16's shift range (prmt) and
+# w2's below fp16's (bf16 hi + lo intermediate); 2^-10 puts w2's above bf16's (prmt). FP8
+# activations (w2 as e4m3 fragments, GEMM2 on FP8 MMAs) at a decode tile (post-scaled GEMM1) and the
+# prefill tile, per-row and static scales (GEMM1 quantizes its own rows), and with 2^17 beside w13's
+# prmt decode.
 _GPT_OSS = dict(num_experts=8, top_k=4, hidden_size=2880, intermediate_size=2880)
 AOT_CASES = (
     dict(_GPT_OSS, num_tokens=1),
@@ -323,14 +314,6 @@ AOT_CASES = (
     dict(_GPT_OSS, num_tokens=4096, intermediate_size=384),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**17),
     dict(_GPT_OSS, num_tokens=4096, gain=2.0**-10),
-    dict(
-        _GPT_OSS,
-        num_tokens=3072,
-        num_experts=128,
-        num_local_experts=16,
-        hidden_size=512,
-        intermediate_size=512,
-    ),
     dict(_GPT_OSS, num_tokens=1, activation_format="fp8"),
     dict(_GPT_OSS, num_tokens=1, activation_format="fp8", static_scales=True),
     dict(_GPT_OSS, num_tokens=4096, activation_format="fp8"),

@@ -26,8 +26,9 @@ lo, on one decoded fragment); the epilogue adds the bias, multiplies by the rout
 writes fp32 rows by pair (split-K: partial rows, summed by the combine).
 
 One kernel body over 80 lines: its prologue, main loop and epilogue share a dozen values.
-With FragmentConfig.warp_specialized, GEMM1's full tiles run in fragment_ws_sm90's
-warp-specialized persistent kernel instead (the same decode, MMAs and epilogue).
+With FragmentConfig.warp_specialized, GEMM1's full tiles (with warp_specialized_gemm2 GEMM2's
+too) run in fragment_ws_sm90's warp-specialized persistent kernel instead (the same decode,
+MMAs and epilogue).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from .fragment_steps_sm90 import (
     mma_step,
     post_scaled_step,
 )
-from .fragment_ws_sm90 import warp_specialized_fits, warp_specialized_gemm1
+from .fragment_ws_sm90 import warp_specialized_fits, warp_specialized_gemm
 from .mxfp4_words import LOOKUP_TABLE_WORDS
 from .replay import recordable
 from .shift_words_sm90 import POST_SCALE_BIAS
@@ -544,11 +545,12 @@ def fragment_gemm(
         E4M3=e4m3,
     )
     # With narrow_t, the tiles of at most narrow_t tokens run in a launch of their own.
-    if warp_specialized_fits(config, a, w, gemm1, n_valid):
-        warp_specialized_gemm1(
+    fits = dict(split_k=split_k, half_rows=half_rows, scaled=in_scale is not None)
+    if warp_specialized_fits(config, a, w, gemm1, n_valid, **fits):
+        warp_specialized_gemm(
             a, w, scale_words, bias, out, routing, _lookup_tables(a.device), in_scale,
-            k_valid=k_valid, n_valid=n_valid, alpha=alpha, limit=limit, out_scale=out_scale,
-            config=config, constexprs=constexprs,
+            gemm1=gemm1, k_valid=k_valid, n_valid=n_valid, alpha=alpha, limit=limit,
+            out_scale=out_scale, config=config, constexprs=constexprs,
         )  # fmt: skip
     else:
         _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, False, e4m3))
