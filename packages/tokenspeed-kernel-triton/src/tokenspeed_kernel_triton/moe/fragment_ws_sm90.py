@@ -18,9 +18,10 @@ The decode, MMA and epilogue are the fragment kernel's (fragment_steps_sm90,
 fragment_epilogue_sm90): its outputs bit for bit. Registers (setmaxnreg): the producer runs
 spill-free on 56, since a spilled address reloads from L2 (shared memory leaves L1 little) and
 stalls the ring; the consumers need 224 for ptxas not to serialize their wgmmas (C7512).
-GEMM2 takes it only where its config says (an expert-parallel rank of few experts, whose
-fragment-kernel CTAs fill the SMs unevenly): on a TP=8 shard its three K chunks leave a work
-item mostly epilogue, which both consumers reach at once with the tensor cores idle, where two
+GEMM2 takes it where its config says and its pair rows are float32 (the prefill picks' whole
+layer, TP=2 shards and expert-parallel ranks, whose few experts leave the fragment kernel's
+CTAs spread unevenly over the SMs). Not on TP=8 shards: three K chunks leave a work item
+mostly epilogue, which both consumers reach at once with the tensor cores idle, where two
 independent CTAs per SM overlap one's epilogue with the other's MMAs (docs/decisions.md).
 """
 
