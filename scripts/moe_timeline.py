@@ -74,18 +74,7 @@ def rows(title: str, times: list[tuple[str, float, int]], span: float, timeline)
 
 
 def compare(shard: str, m: int, plan, ours: list, peer: list) -> None:
-    x, logits, out = bench.token_inputs(m)
-
-    def ours_forward():
-        for prepared in ours:
-            plan.impl.apply(
-                plan, x, prepared, router_logits=logits, topk_weights=None, topk_ids=None, out=out
-            )
-
-    def peer_forward():
-        for p in peer:
-            p(x, logits, out)
-
+    ours_forward, peer_forward = bench.layer_forwards(m, plan, ours, peer)
     for title, forward in (("ours", ours_forward), ("vLLM", peer_forward)):
         times, span, timeline = kernel_times(forward)
         print("\n".join(rows(f"{shard} M={m} {title}", times, span, timeline)), flush=True)
