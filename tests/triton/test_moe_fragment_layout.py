@@ -761,21 +761,20 @@ def test_expert_parallel_ranks_pick_decode_tiles_by_their_share_of_the_pairs():
 
 def test_prefill_picks_warp_specialize_gemm2_on_float32_pair_rows_only():
     """From M > 2048 both GEMMs' full tiles run warp-specialized where GEMM2 writes float32 pair
-    rows (the whole layer, TP=2, expert-parallel ranks); TP=4 and TP=8 shards, whose GEMM2
-    stores fp16 pair rows, keep it on the fragment kernel."""
+    rows: the whole layer, TP=2, expert-parallel ranks, and TP=4 shards to M=3072, whose pick
+    gives up fp16 pair rows for it; TP=8 shards, and TP=4 beyond, keep GEMM2 on the fragment
+    kernel."""
+
+    def gemm2_warp_specialized(m, padded_intermediate):
+        config = for_intermediate(pick_fragment_config(m * 4), padded_intermediate)
+        return config.warp_specialized_gemm2 and not half_pair_rows(config, padded_intermediate, 1)
+
     for m in (2304, 3072, 4096, 8192):
-        picked = pick_fragment_config(m * 4)
-        assert picked.warp_specialized and picked.warp_specialized_gemm2, m
-        for padded_intermediate in (2944, 1472):  # whole layer, TP=2
-            config = for_intermediate(picked, padded_intermediate)
-            assert config.warp_specialized_gemm2 and not half_pair_rows(
-                config, padded_intermediate, 1
-            )
-        for padded_intermediate in (768, 384):  # TP=4, TP=8
-            config = for_intermediate(picked, padded_intermediate)
-            assert not config.warp_specialized_gemm2 or half_pair_rows(
-                config, padded_intermediate, 1
-            )
+        assert pick_fragment_config(m * 4).warp_specialized, m
+        assert gemm2_warp_specialized(m, 2944)  # whole layer
+        assert gemm2_warp_specialized(m, 1472)  # TP=2
+        assert gemm2_warp_specialized(m, 768) == (m <= 3072)  # TP=4
+        assert not gemm2_warp_specialized(m, 384)  # TP=8
     assert not pick_fragment_config(2048 * 4).warp_specialized_gemm2
 
 

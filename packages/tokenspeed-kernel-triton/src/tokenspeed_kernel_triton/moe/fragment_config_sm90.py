@@ -347,32 +347,43 @@ CONFIGS = (
     # TP=4 M=2304 455.8 / 437.1 / 478.8, M=2560 465.3 / 455.8 / 482.8, M=2816 473.7 / 469.3 / 486.1,
     # M=3072 484.7 / 486.8 / 487.1, M=3584 537.4 / 538.8 / 540.2; TP=8 M=2304 271.9 / 267.2 / 278.8,
     # M=2560 275.4 / 284.5 / 284.2, M=3072 285.8 / 292.1 / 289.5.
-    # GEMM2's full tiles warp-specialized too (warp_specialized_gemm2) where its rows are fp16
-    # into float32 pair rows (the whole layer, TP=2 shards, expert-parallel ranks; TP=4 and TP=8
-    # shards keep fp16 pair rows on the fragment kernel): its 256-row work items over 23 K chunks
-    # fill the SMs evenly where few experts each hold about one tile (EP=16 at M=3072: 8 experts
-    # x 12 items over 132 SMs, against 8 x 23 fragment CTAs leaving 52 SMs two), and take fitted
-    # widths. Outputs bit for bit the fragment kernel's. H200 (GPU-79c90241), 2026-11-29,
-    # `benchmarks/ab_moe_configs.py`, graph-timed over 4 layers beside vLLM's path, three rounds
-    # in turned order, µs, GEMM1 only / both / vLLM: whole layer M=3072 1562.6 / 1479.9 / 1642.3,
-    # M=6144 2955.2 / 2840.2 / 3216.1, M=8192 3578.6 / 3552.0 / 3981.6; TP=2 M=3072 870.1 /
-    # 836.5 / 886.3, M=6144 1650.3 / 1590.7 / 1745.0, M=8192 2001.2 / 1980.6 / 2191.4; EP=16
-    # M=2304 150.7 / 137.7 / 158.7, M=3072 164.8 / 155.0 / 161.2, M=3840 162.0 / 154.7 / 166.0,
-    # M=6144 259.7 / 241.0 / 265.9, M=8192 290.2 / 280.1 / 308.3; EP=8 (GEMM1 only: GEMM2 then in
-    # two K splits to M=3584) M=2304 224.3 / 211.7 / 244.3, M=3072 241.0 / 230.4 / 246.7, M=3584
-    # 250.5 / 239.0 / 250.0, M=3840 292.0 / 274.1 / 291.3, M=6144 427.7 / 406.5 / 441.1, M=8192
-    # 494.0 / 494.2 / 523.4; EP=4 M=2304 401.2 / 359.1 / 424.7, M=3072 435.1 / 405.3 / 431.4,
-    # M=3840 490.5 / 489.7 / 516.1, M=6144 805.1 / 763.2 / 835.5, M=8192 918.5 / 907.6 / 986.8.
-    # With float32 pair rows on TP shards, GEMM1 only with fp16 rows (the pick) / both: TP=4
-    # M=3072 485.1 / 469.4 (vLLM 482.1), M=7168 962.2 / 963.7 (952.8); TP=8 M=3072 284.9 /
-    # 289.2 (288.8), M=7168 564.2 / 584.8 (565.4).
+    # GEMM2's full tiles warp-specialized too (warp_specialized_gemm2) where its rows are fp16 into
+    # float32 pair rows (the whole layer, TP=2 shards, expert-parallel ranks, TP=4 shards to M=3072;
+    # TP=8 shards keep fp16 pair rows on the fragment kernel): its 256-row work items over 23 K
+    # chunks fill the SMs evenly where few experts each hold about one tile (EP=16 at M=3072: 8
+    # experts x 12 items over 132 SMs, against 8 x 23 fragment CTAs leaving 52 SMs two), and take
+    # fitted widths. Outputs bit for bit the fragment kernel's. H200 (GPU-79c90241), 2026-11-29,
+    # `benchmarks/ab_moe_configs.py`, graph-timed over 4 layers beside vLLM's path, three rounds in
+    # turned order, µs, GEMM1 only / both / vLLM: whole layer M=3072 1562.6 / 1479.9 / 1642.3,
+    # M=6144 2955.2 / 2840.2 / 3216.1, M=8192 3578.6 / 3552.0 / 3981.6; TP=2 M=3072 870.1 / 836.5 /
+    # 886.3, M=6144 1650.3 / 1590.7 / 1745.0, M=8192 2001.2 / 1980.6 / 2191.4; EP=16 M=2304 150.7 /
+    # 137.7 / 158.7, M=3072 164.8 / 155.0 / 161.2, M=3840 162.0 / 154.7 / 166.0, M=6144 259.7 /
+    # 241.0 / 265.9, M=8192 290.2 / 280.1 / 308.3; EP=8 (GEMM1 only: GEMM2 then in two K splits to
+    # M=3584) M=2304 224.3 / 211.7 / 244.3, M=3072 241.0 / 230.4 / 246.7, M=3584 250.5 / 239.0 /
+    # 250.0, M=3840 292.0 / 274.1 / 291.3, M=6144 427.7 / 406.5 / 441.1, M=8192 494.0 / 494.2 /
+    # 523.4; EP=4 M=2304 401.2 / 359.1 / 424.7, M=3072 435.1 / 405.3 / 431.4, M=3840 490.5 / 489.7 /
+    # 516.1, M=6144 805.1 / 763.2 / 835.5, M=8192 918.5 / 907.6 / 986.8. With float32 pair rows on
+    # TP shards, GEMM1 only with fp16 rows (the pick) / both: TP=4 M=3072 485.1 / 469.4 (vLLM
+    # 482.1), M=7168 962.2 / 963.7 (952.8); TP=8 M=3072 284.9 / 289.2 (288.8), M=7168 564.2 / 584.8
+    # (565.4). So TP=4 shards take it, with float32 pair rows, to M=3072 (another H200 the same
+    # day, µs, the pick / both / vLLM: M=2304 437.7 / 413.5 / 472.1, M=2560 456.7 / 437.5 /
+    # 478.7, M=2816 468.9 / 451.2 / 479.4, M=3072 485.9 / 467.7 / 484.0); TP=8 shards do not.
     (
         12288,
         dataclasses.replace(
             _PREFILL_WS,
             fit_widths=True,
             warp_specialized_gemm2=True,
-            below_intermediate=(512, _PREFILL_WS),
+            below_intermediate=(
+                1024,
+                dataclasses.replace(
+                    _PREFILL_WS,
+                    fit_widths=True,
+                    warp_specialized_gemm2=True,
+                    half_pair_rows=False,
+                    below_intermediate=(512, _PREFILL_WS),
+                ),
+            ),
         ),
     ),
     (
