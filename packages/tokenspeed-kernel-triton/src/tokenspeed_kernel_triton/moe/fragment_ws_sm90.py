@@ -19,10 +19,11 @@ fragment_epilogue_sm90): its outputs bit for bit. Registers (setmaxnreg): the pr
 spill-free on 56, since a spilled address reloads from L2 (shared memory leaves L1 little) and
 stalls the ring; the consumers need 224 for ptxas not to serialize their wgmmas (C7512).
 GEMM2 takes it where its config says and its pair rows are float32 (the prefill picks' whole
-layer, TP=2 shards and expert-parallel ranks, whose few experts leave the fragment kernel's
-CTAs spread unevenly over the SMs). Not on TP=8 shards: three K chunks leave a work item
-mostly epilogue, which both consumers reach at once with the tensor cores idle, where two
-independent CTAs per SM overlap one's epilogue with the other's MMAs (docs/decisions.md).
+layer, TP=2 shards, TP=4 shards to M=3072 and expert-parallel ranks, whose few experts leave the
+fragment kernel's CTAs spread unevenly over the SMs). Not on TP=8 shards: three K chunks
+leave a work item mostly epilogue, which both consumers reach at once with the tensor cores
+idle, where two independent CTAs per SM overlap one's epilogue with the other's MMAs
+(docs/decisions.md).
 """
 
 from __future__ import annotations
