@@ -284,8 +284,8 @@ def expert_loads(logits: torch.Tensor, config: MoEConfig) -> tuple[int, int, int
 
 
 def layer_forwards(m: int, plan, ours: list, peer_layers: list, skew: float = 0.0):
-    """(ours, the peer's): functions that run M tokens (token_inputs) through each of their
-    layers once, ours as a user calls moe_apply."""
+    """(ours, the peer's, the router logits): functions that run M tokens (token_inputs)
+    through each of their layers once, ours as a user calls moe_apply."""
     x, logits, out = token_inputs(m, skew)
 
     def ours_fn():
@@ -298,7 +298,7 @@ def layer_forwards(m: int, plan, ours: list, peer_layers: list, skew: float = 0.
         for layer in peer_layers:
             layer(x, logits, out)
 
-    return ours_fn, peer_fn
+    return ours_fn, peer_fn, logits
 
 
 def time_pair(
@@ -306,7 +306,7 @@ def time_pair(
 ) -> tuple[float, float, tuple[int, int, int], list]:
     """(ours µs, the peer's µs or nan, `expert_loads`, the energy cells: [ours, the peer's]
     mJ per layer and mean W, "-" where unmeasured) per layer for M tokens."""
-    ours_fn, peer_fn = layer_forwards(m, plan, ours, peer_layers, skew)
+    ours_fn, peer_fn, logits = layer_forwards(m, plan, ours, peer_layers, skew)
     t_ours = time_layers(ours_fn, len(ours))
     t_peer = time_layers(peer_fn, len(peer_layers)) if peer_layers else float("nan")
     cells = []
@@ -315,7 +315,6 @@ def time_pair(
         cells.append(
             "-" if measured is None else f"{measured[0] / len(layers):.1f} ({measured[1]:.0f})"
         )
-    logits = token_inputs(m, skew)[1]  # seeded by M: the logits the forwards route
     return t_ours, t_peer, expert_loads(logits, plan.config), cells
 
 

@@ -74,7 +74,7 @@ def rows(title: str, times: list[tuple[str, float, int]], span: float, timeline)
 
 
 def compare(shard: str, m: int, plan, ours: list, peer: list) -> None:
-    ours_forward, peer_forward = bench.layer_forwards(m, plan, ours, peer)
+    ours_forward, peer_forward, _ = bench.layer_forwards(m, plan, ours, peer)
     for title, forward in (("ours", ours_forward), ("vLLM", peer_forward)):
         times, span, timeline = kernel_times(forward)
         print("\n".join(rows(f"{shard} M={m} {title}", times, span, timeline)), flush=True)

@@ -70,6 +70,7 @@ _DOT_A_64 = gl.constexpr(kernel_layouts(WG_ROWS, 64, 4)["dot_a"])
 _MMA_32 = gl.constexpr(kernel_layouts(WG_ROWS, 32, 4)["mma"])
 _DOT_A_32 = gl.constexpr(kernel_layouts(WG_ROWS, 32, 4)["dot_a"])
 _WORDS = gl.constexpr(_BASE["words_layout"])
+# bf16's swizzle, which fp16 (GEMM2's rows) shares: both are 16-bit.
 _X_SMEM = gl.constexpr(_BASE["smem_layout"])
 _X_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 _WORDS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
