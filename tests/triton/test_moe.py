@@ -657,9 +657,10 @@ def test_wgmma_warp_specialized_gemms_change_nothing():
     (float32 rows for the pass); M=5 leaves most persistent CTAs without work, M=300 with
     narrow_t 32 leaves every tile to the narrow launch. With fit_widths its tiles of up to 64
     and 96 tokens (33, 64, 65 here) multiply 64 and 64 + 32 columns, bit for bit the same.
-    GEMM2 warp-specialized (on fp16 rows into float32 pair rows: here every layer but the fp8
-    ones, whose GEMM2 stays on the fragment kernel) covers H = 2880 rows in 11.25 blocks, the
-    TP=8 shards' three K chunks and the whole layer's 23."""
+    GEMM2 warp-specialized (on fp16 rows: here every layer but the fp8 ones, whose GEMM2 stays
+    on the fragment kernel) covers H = 2880 rows in 11.25 blocks, the TP=8 shards' three K
+    chunks and the whole layer's 23, into float32 pair rows, and with half_pair_rows into the
+    TP=4 and TP=8 shards' fp16 ones (each consumer staging its tile, a 3-step ring)."""
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
     spec = get_kernel("moe_apply", HOPPER)
     if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
@@ -693,23 +694,30 @@ def test_wgmma_warp_specialized_gemms_change_nothing():
             for narrow_t in narrows:
                 for pdl in (False, True):
                     results = []
-                    variants = ((False, False, False), (True, False, False), (True, True, False),
-                                (True, True, True))  # fmt: skip
-                    for ws, fit_widths, ws2 in variants:
+                    # (warp_specialized, fit_widths, warp_specialized_gemm2, half_pair_rows)
+                    variants = ((False, False, False, False), (True, False, False, False),
+                                (True, True, False, False), (True, True, True, False),
+                                (False, False, False, True), (True, False, True, True),
+                                (True, True, True, True))  # fmt: skip
+                    for ws, fit_widths, ws2, half in variants:
                         tile = FragmentConfig(
                             128, 128, 4, 2, pdl=pdl, narrow_t=narrow_t, warp_specialized=ws,
                             warp_specialized_gemm2=ws2, fit_widths=fit_widths,
+                            half_pair_rows=half,
                         )  # fmt: skip
                         outs = [torch.empty_like(x) for x in xs]
                         with pin_config(HOPPER, tile):
                             for x, lg, out in zip(xs, logits, outs, strict=True):
                                 spec.fn.apply(plan, x, prepared, router_logits=lg, out=out)
                         results.append(outs)
-                    for i, (plain, *specialized) in enumerate(zip(*results, strict=True)):
+                    for i, outs in enumerate(zip(*results, strict=True)):
+                        plain, ws1, fitted, ws2, half_plain, half_ws2, half_fitted = outs
                         case = f"{name} M={m} narrow_t={narrow_t} pdl={pdl} call {i}"
-                        assert torch.equal(plain, specialized[0]), case
-                        assert torch.equal(plain, specialized[1]), f"{case}, fit_widths"
-                        assert torch.equal(plain, specialized[2]), f"{case}, GEMM2 too"
+                        assert torch.equal(plain, ws1), case
+                        assert torch.equal(plain, fitted), f"{case}, fit_widths"
+                        assert torch.equal(plain, ws2), f"{case}, GEMM2 too"
+                        assert torch.equal(half_plain, half_ws2), f"{case}, fp16 pair rows"
+                        assert torch.equal(half_plain, half_fitted), f"{case}, fp16 fitted"
         del prepared
 
 

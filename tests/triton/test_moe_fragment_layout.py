@@ -258,18 +258,18 @@ def test_shards_run_the_config_below_their_intermediate_size():
     assert for_intermediate(plain, 128) is plain
     pick = pick_fragment_config(256 * 4)
     assert pick.narrow_t == 8 and for_intermediate(pick, 384).narrow_t == 0
-    # Fitted MMA widths on the whole layer and TP=2 shards, TP=4 to M=3072 (H200 measurements).
+    # Fitted MMA widths on the whole layer and TP=2 shards, TP=4 to M=2816 (H200 measurements).
     fitted = {
         m: [
             for_intermediate(pick_fragment_config(m * 4), i).fit_widths
             for i in (384, 768, 1536, 2944)
         ]
-        for m in (2049, 3072, 3073, 8192)
+        for m in (2049, 2816, 2817, 8192)
     }
     assert fitted == {
         2049: [False, True, True, True],
-        3072: [False, True, True, True],
-        3073: [False, False, True, True],
+        2816: [False, True, True, True],
+        2817: [False, False, True, True],
         8192: [False, False, True, True],
     }
     # M = 1025 to 2048: the narrow launch to M=1280 on the long intermediates, then one
@@ -360,13 +360,12 @@ def test_warp_specialized_kernel_takes_what_its_config_and_operands_allow():
     big = torch.empty(2**31 // 2880 + 1, 2880, dtype=torch.bfloat16, device="meta")
     assert not warp_specialized_fits(on, big, w, gemm1=True, n_valid=5760)
     # GEMM2 (H = 2880 rows: 11.25 blocks, the last one's rows masked) where its config asks,
-    # on fp16 SwiGLU rows into float32 pair rows, unsplit.
+    # on fp16 SwiGLU rows into float32 or fp16 pair rows, unsplit.
     act = torch.empty(256, 2944, dtype=torch.float16)
     w2 = torch.empty(2, 45, 64, 23, 16, dtype=torch.int32)
     assert warp_specialized_fits(both, act, w2, gemm1=False, n_valid=2880)
     assert not warp_specialized_fits(on, act, w2, gemm1=False, n_valid=2880)
     assert not warp_specialized_fits(both, act, w2, gemm1=False, n_valid=2880, split_k=2)
-    assert not warp_specialized_fits(both, act, w2, gemm1=False, n_valid=2880, half_rows=True)
     assert not warp_specialized_fits(both, act, w2, gemm1=False, n_valid=2880, scaled=True)
     hi_lo = torch.empty(256, 2 * 2944, dtype=torch.bfloat16)  # bf16 [hi | lo] rows
     assert not warp_specialized_fits(both, hi_lo, w2, gemm1=False, n_valid=2880)
@@ -759,22 +758,21 @@ def test_expert_parallel_ranks_pick_decode_tiles_by_their_share_of_the_pairs():
     assert pick_fragment_config(key(12, 4, 16, 128)) == CONFIGS[1][1]
 
 
-def test_prefill_picks_warp_specialize_gemm2_on_float32_pair_rows_only():
-    """From M > 2048 both GEMMs' full tiles run warp-specialized where GEMM2 writes float32 pair
-    rows: the whole layer, TP=2, expert-parallel ranks, and TP=4 shards to M=3072, whose pick
-    gives up fp16 pair rows for it; TP=8 shards, and TP=4 beyond, keep GEMM2 on the fragment
-    kernel."""
+def test_prefill_picks_warp_specialize_both_gemms():
+    """From M > 2048 both GEMMs' full tiles run warp-specialized on every shard: into float32
+    pair rows on the whole layer, TP=2 and TP=4 shards to M=2816 (fitted widths, giving up
+    fp16 pair rows), into fp16 pair rows on TP=8 shards and TP=4 beyond (128 columns)."""
 
-    def gemm2_warp_specialized(m, padded_intermediate):
+    def gemm2_form(m, padded_intermediate):
         config = for_intermediate(pick_fragment_config(m * 4), padded_intermediate)
-        return config.warp_specialized_gemm2 and not half_pair_rows(config, padded_intermediate, 1)
+        assert config.warp_specialized and config.warp_specialized_gemm2, (m, padded_intermediate)
+        return half_pair_rows(config, padded_intermediate, 1), config.fit_widths
 
-    for m in (2304, 3072, 4096, 8192):
-        assert pick_fragment_config(m * 4).warp_specialized, m
-        assert gemm2_warp_specialized(m, 2944)  # whole layer
-        assert gemm2_warp_specialized(m, 1472)  # TP=2
-        assert gemm2_warp_specialized(m, 768) == (m <= 3072)  # TP=4
-        assert not gemm2_warp_specialized(m, 384)  # TP=8
+    for m in (2304, 2816, 3072, 4096, 8192):
+        assert gemm2_form(m, 2944) == (False, True)  # whole layer
+        assert gemm2_form(m, 1472) == (False, True)  # TP=2
+        assert gemm2_form(m, 768) == ((True, False) if m > 2816 else (False, True))  # TP=4
+        assert gemm2_form(m, 384) == (True, False)  # TP=8
     assert not pick_fragment_config(2048 * 4).warp_specialized_gemm2
 
 

@@ -37,9 +37,9 @@ class FragmentConfig:
     elements not below half_pair_rows_bound() in magnitude exact in float32, where
     half_pair_rows() says; warp_specialized: the full tiles run in the warp-specialized
     persistent kernel (fragment_ws_sm90: a producer warpgroup and two consumers on 256 rows,
-    its own 4-step ring) where the call allows it, else, and for the narrow tiles, in this
-    config's fragment kernel with `stages`; warp_specialized_gemm2: GEMM2's full tiles too
-    (on fp16 SwiGLU rows into float32 pair rows, unsplit); fit_widths: that kernel multiplies
+    its own ring of 4 steps, 3 for fp16 pair rows) where the call allows it, else, and for the
+    narrow tiles, in this config's fragment kernel with `stages`; warp_specialized_gemm2:
+    GEMM2's full tiles too (on fp16 SwiGLU rows, unsplit); fit_widths: that kernel multiplies
     a tile of at most 64 (96) tokens with MMAs 64 (64 + 32) columns wide instead of 128."""
 
     block_w: int
@@ -135,6 +135,8 @@ _TILE_32_NARROW_16 = FragmentConfig(128, 32, 4, 4, pdl=True, narrow_t=16, half_p
 _PREFILL_WS = FragmentConfig(
     128, 128, 4, 2, pdl=True, narrow_t=32, half_pair_rows=True, warp_specialized=True
 )
+# Both GEMMs' full tiles warp-specialized, at 128 columns: the TP shards' prefill tile.
+_PREFILL_WS_BOTH = dataclasses.replace(_PREFILL_WS, warp_specialized_gemm2=True)
 
 # (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, shift decode,
 # fp16 SwiGLU intermediate, CUDA-graph timed end to end over 4 layers' weights (L2-cold) for
@@ -365,11 +367,22 @@ CONFIGS = (
     # 516.1, M=6144 805.1 / 763.2 / 835.5, M=8192 918.5 / 907.6 / 986.8. With float32 pair rows on
     # TP shards, GEMM1 only with fp16 rows (the pick) / both: TP=4 M=3072 485.1 / 469.4 (vLLM
     # 482.1), M=7168 962.2 / 963.7 (952.8); TP=8 M=3072 284.9 / 289.2 (288.8), M=7168 564.2 / 584.8
-    # (565.4). So TP=4 shards take it, with float32 pair rows, to M=3072 (another H200 the same
-    # day, µs, the pick / both / vLLM: M=2304 437.7 / 413.5 / 472.1, M=2560 456.7 / 437.5 /
-    # 478.7, M=2816 468.9 / 451.2 / 479.4, M=3072 485.9 / 467.7 / 484.0); TP=8 shards do not.
+    # (565.4) (another H200 the same day, TP=4, µs, the pick / both / vLLM: M=2304 437.7 / 413.5
+    # / 472.1, M=2560 456.7 / 437.5 / 478.7, M=2816 468.9 / 451.2 / 479.4, M=3072 485.9 / 467.7 /
+    # 484.0). On the TP shards' fp16 pair rows each consumer stages its output tile through
+    # shared memory of its own (a 3-step ring leaves room), which takes GEMM2 there too, at
+    # 128-column MMAs: TP=8 shards and TP=4 from M > 2816, where TP=4 to M=2816 keeps float32
+    # pair rows at fitted widths. H200 (GPU-f64ebbbc), 2026-11-29, same method, outputs bit for
+    # bit the fragment kernel's fp16 rows, µs, GEMM2 on the fragment kernel (the pick then) /
+    # warp-specialized on fp16 rows / the same fitted / vLLM: TP=8 M=2304 273.0 / 258.1 / - /
+    # 278.7, M=3072 286.4 / 270.0 / 288.4 / 290.1, M=4096 393.5 / 372.1 / - / 427.4, M=6144
+    # 540.0 / 513.3 / - / 552.8, M=7168 569.0 / 525.1 / 547.6 / 566.8, M=8192 667.4 / 645.5 / - /
+    # 699.6; TP=4 M=4096 616.2 / 603.5 / - / 703.1, M=6144 920.2 / 891.4 / - / 934.3, M=7168
+    # 964.3 / 934.2 / 959.1 / 952.0, M=8192 1120.6 / 1105.8 / - / 1180.0; TP=4, float32 rows
+    # fitted (the pick then) / fp16 rows warp-specialized / vLLM: M=2304 420.3 / 440.5 / 474.3,
+    # M=2816 457.0 / 464.2 / 483.5, M=3072 479.3 / 459.0 / 483.9.
     (
-        12288,
+        11264,
         dataclasses.replace(
             _PREFILL_WS,
             fit_widths=True,
@@ -381,7 +394,7 @@ CONFIGS = (
                     fit_widths=True,
                     warp_specialized_gemm2=True,
                     half_pair_rows=False,
-                    below_intermediate=(512, _PREFILL_WS),
+                    below_intermediate=(512, _PREFILL_WS_BOTH),
                 ),
             ),
         ),
@@ -392,7 +405,7 @@ CONFIGS = (
             _PREFILL_WS,
             fit_widths=True,
             warp_specialized_gemm2=True,
-            below_intermediate=(1024, _PREFILL_WS),
+            below_intermediate=(1024, _PREFILL_WS_BOTH),
         ),
     ),
 )

@@ -18,12 +18,13 @@ The decode, MMA and epilogue are the fragment kernel's (fragment_steps_sm90,
 fragment_epilogue_sm90): its outputs bit for bit. Registers (setmaxnreg): the producer runs
 spill-free on 56, since a spilled address reloads from L2 (shared memory leaves L1 little) and
 stalls the ring; the consumers need 224 for ptxas not to serialize their wgmmas (C7512).
-GEMM2 takes it where its config says and its pair rows are float32 (the prefill picks' whole
-layer, TP=2 shards, TP=4 shards to M=3072 and expert-parallel ranks, whose few experts leave the
-fragment kernel's CTAs spread unevenly over the SMs). Not on TP=8 shards: three K chunks
-leave a work item mostly epilogue, which both consumers reach at once with the tensor cores
-idle, where two independent CTAs per SM overlap one's epilogue with the other's MMAs
-(docs/decisions.md).
+GEMM2 takes it where its config says (the prefill picks: the whole layer, TP shards and
+expert-parallel ranks, whose few experts leave the fragment kernel's CTAs spread unevenly over
+the SMs), into float32 pair rows or fp16 ones. fp16 pair rows (the TP=4 and TP=8 shards) go
+through each consumer's own 32 KB stage, as the fragment kernel stages them over its ring:
+the ring here is the producer's, already filling with the next item. A 3-step ring leaves
+shared memory for both stages, and where GEMM2 has three K chunks (TP=8) it still holds a
+whole work item ahead of the epilogues.
 """
 
 from __future__ import annotations
@@ -42,16 +43,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .._launch import bind_launches
-from .fragment_epilogue_sm90 import epilogue_operands, swiglu_store
+from .fragment_epilogue_sm90 import epilogue_operands, pair_rows_store, swiglu_store
 from .fragment_layout_sm90 import PANEL_ROWS, kernel_layouts
 from .fragment_steps_sm90 import decode_fragment
 from .replay import recordable
 
-STAGES = 4
+RING_STAGES = 4
+# fp16 pair rows stage each consumer's output tile through 32 KB of its own: one ring step
+# fewer leaves room for both (3 x 51 KB + 64 KB of 227 KB).
+HALF_ROWS_STAGES = 3
 WG_ROWS = 128
 CTA_ROWS = 2 * WG_ROWS
 
-_STAGES = gl.constexpr(STAGES)
+_RING_STAGES = gl.constexpr(RING_STAGES)
+_HALF_ROWS_STAGES = gl.constexpr(HALF_ROWS_STAGES)
 _WG_ROWS = gl.constexpr(WG_ROWS)
 _CTA_ROWS = gl.constexpr(CTA_ROWS)
 _TOKENS = gl.constexpr(128)
@@ -75,6 +80,8 @@ _X_SMEM = gl.constexpr(_BASE["smem_layout"])
 _X_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 _WORDS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
 _SCALES_COPY = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+_STAGE_SMEM = gl.constexpr(_BASE["stage_layout"])
+_PAIR_ROWS = gl.constexpr(_BASE["pair_rows_layout"])
 
 
 @gluon.jit
@@ -91,6 +98,7 @@ def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.c
               SWIGLU: gl.constexpr):  # fmt: skip
     x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr = pointers
     x_ring, words_ring, scales_ring, full, empty = ring
+    STAGES: gl.constexpr = full.shape[0]
     N, K, K_VALID, N_VALID, grid = sizes
     word_strides, scale_strides = strides
     stride_xm, stride_we, stride_wp, stride_wn, stride_wc = word_strides
@@ -126,9 +134,9 @@ def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.c
             w_expert = w_ptr + expert * stride_we
             s_expert = ws_ptr + expert * stride_se
             for k in range(K // 128):
-                slot = count % _STAGES
+                slot = count % STAGES
                 # Both consumers released the slot's previous use (none in the first lap).
-                mbarrier.wait(empty.index(slot), (count // _STAGES + 1) & 1, pred=count >= _STAGES)
+                mbarrier.wait(empty.index(slot), (count // STAGES + 1) & 1, pred=count >= STAGES)
                 # A row ends at K_VALID (x's H, GEMM2's I); the weights' zero padding past it
                 # meets zeros.
                 mask = t_ok[:, None] & ((k * 128 + k_local) < K_VALID)[None, :]
@@ -163,8 +171,9 @@ def _epilogue(acc, epilogue, out_rows, swiglu_args, TOPK: gl.constexpr, SWIGLU: 
               HAS_BIAS: gl.constexpr, IN_SCALE: gl.constexpr, OUT_QUANT: gl.constexpr,
               COLS: gl.constexpr, mma: gl.constexpr):  # fmt: skip
     """The fragment kernel's epilogue for this consumer's [128 rows, COLS tokens]: GEMM1 bias
-    and SwiGLU into the intermediate's rows; GEMM2 bias and routing weight into float32 pair
-    rows."""
+    and SwiGLU into the intermediate's rows; GEMM2 bias and routing weight into its pair rows,
+    float32, or fp16 (out's type) with the elements not below the bound exact in `wide`
+    (pair_rows_store, through this consumer's stage)."""
     alpha, limit, out_scale = swiglu_args
     operands = epilogue_operands(
         epilogue, TOPK, SWIGLU, HAS_BIAS, False, 0, IN_SCALE, _WG_ROWS, COLS, mma
@@ -174,11 +183,20 @@ def _epilogue(acc, epilogue, out_rows, swiglu_args, TOPK: gl.constexpr, SWIGLU: 
         acc *= pre_factor[None, :]
     if HAS_BIAS:
         acc += bias[:, None]
-    out_ptr, N, n_valid, stride_om = out_rows
+    out_ptr, N, n_valid, stride_om, wide_ptr, wide_from_bits, stage = out_rows
     if SWIGLU:
         swiglu_store(
             (out_ptr, N, stride_om, rows, cols, col_ok), acc, alpha, limit, out_scale, _WG_ROWS,
             COLS, OUT_QUANT,
+        )  # fmt: skip
+    elif out_ptr.dtype.element_ty == gl.float16:
+        acc *= post_factor[None, :]  # the routing weight
+        pointers, expert, first_row, row_block, row_end, n_rows = epilogue
+        sorted_ptr = pointers[0]
+        pair_rows_store(
+            out_ptr, wide_ptr, acc, stage._reinterpret(gl.float16, [_WG_ROWS, COLS], _STAGE_SMEM),
+            wide_from_bits, sorted_ptr, (first_row, row_end), row_block, n_valid, stride_om,
+            _WG_ROWS, COLS, _PAIR_ROWS,
         )  # fmt: skip
     else:
         acc *= post_factor[None, :]  # the routing weight
@@ -195,10 +213,11 @@ def _tile(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
     """One consumer's work item: its 128 rows' product with the ring's first COLS activation
     rows over K, then the epilogue; returns the ring count past its steps."""
     x_ring, words_ring, scales_ring, full, empty = ring
+    STAGES: gl.constexpr = full.shape[0]
     acc = gl.zeros([_WG_ROWS, COLS], gl.float32, layout=mma)
     for _step in range(K // 128):
-        slot = count % _STAGES
-        mbarrier.wait(full.index(slot), (count // _STAGES) & 1)
+        slot = count % STAGES
+        mbarrier.wait(full.index(slot), (count // STAGES) & 1)
         # The producer's copies (generic proxy) before the wgmma reads them (async).
         fence_async_shared()
         frag = _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE, not SWIGLU, WG, dot_a)
@@ -222,9 +241,10 @@ def _pass(ring, count, K):
     or MMA (it would store nothing). Waiting for each slot to fill keeps its arrivals on
     `empty` in step with the other consumer's."""
     x_ring, words_ring, scales_ring, full, empty = ring
+    STAGES: gl.constexpr = full.shape[0]
     for _step in range(K // 128):
-        slot = count % _STAGES
-        mbarrier.wait(full.index(slot), (count // _STAGES) & 1)
+        slot = count % STAGES
+        mbarrier.wait(full.index(slot), (count // STAGES) & 1)
         mbarrier.arrive(empty.index(slot))
         count += 1
     return count
@@ -240,9 +260,10 @@ def _tile_96(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K
     x_ring, words_ring, scales_ring, full, empty = ring
     acc_a = gl.zeros([_WG_ROWS, 64], gl.float32, layout=_MMA_64)
     acc_b = gl.zeros([_WG_ROWS, 32], gl.float32, layout=_MMA_32)
+    STAGES: gl.constexpr = full.shape[0]
     for _step in range(K // 128):
-        slot = count % _STAGES
-        mbarrier.wait(full.index(slot), (count // _STAGES) & 1)
+        slot = count % STAGES
+        mbarrier.wait(full.index(slot), (count // STAGES) & 1)
         fence_async_shared()
         frag = _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE, not SWIGLU, WG, _DOT_A_64)
         x_rows = x_ring.index(slot)
@@ -267,15 +288,15 @@ def _tile_96(ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K
 
 @gluon.jit
 def _consumer(
-    pointers, ring, sizes, epilogue_args,
+    pointers, ring, sizes, epilogue_args, stage,
     TOPK: gl.constexpr, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr, NARROW_T: gl.constexpr,
     FIT_WIDTHS: gl.constexpr, SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr,
     OUT_QUANT: gl.constexpr, WG: gl.constexpr,
 ):  # fmt: skip
     (bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr,
-     in_scale_ptr) = pointers  # fmt: skip
+     in_scale_ptr, wide_ptr) = pointers  # fmt: skip
     N, K, K_VALID, N_VALID, grid = sizes
-    stride_be, stride_om, alpha, limit, in_scale, out_scale = epilogue_args
+    stride_be, stride_om, alpha, limit, in_scale, out_scale, wide_from_bits = epilogue_args
     num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
     num_w = gl.cdiv(N_VALID, _CTA_ROWS)
     lo_table = gl.load(table_ptr)
@@ -284,7 +305,7 @@ def _consumer(
     epilogue_ptrs = (
         sorted_ptr, route_w_ptr, bias_ptr, sorted_ptr, stride_be, in_scale_ptr, in_scale
     )  # fmt: skip
-    out_rows = (out_ptr, N, N_VALID, stride_om)
+    out_rows = (out_ptr, N, N_VALID, stride_om, wide_ptr, wide_from_bits, stage)
     swiglu_args = (alpha, limit, out_scale)
     count = 0
     for work in range(gl.program_id(0), num_tiles * num_w, grid):
@@ -322,11 +343,11 @@ def _consumer(
 @gluon.jit
 def _warp_specialized_kernel(
     x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr,
-    table_ptr, in_scale_ptr,
+    table_ptr, in_scale_ptr, wide_ptr,
     N, K, K_VALID, N_VALID, grid,
     stride_xm, stride_we, stride_wp, stride_wn, stride_wc, stride_se, stride_sp, stride_sn,
     stride_sc, stride_be, stride_om,
-    alpha, limit, in_scale, out_scale,
+    alpha, limit, in_scale, out_scale, wide_from_bits,
     TOPK: gl.constexpr, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr, NARROW_T: gl.constexpr,
     FIT_WIDTHS: gl.constexpr, SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr,
     OUT_QUANT: gl.constexpr, PDL: gl.constexpr,
@@ -339,24 +360,31 @@ def _warp_specialized_kernel(
         # narrow tiles') starts as SMs free up.
         gdc_wait()
         gdc_launch_dependents()
-    x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [_STAGES, _TOKENS, 128], _X_SMEM)
+    # GEMM2 into fp16 pair rows (wgmma_gemm_sm90.fragment_gemm's half_rows) stages each
+    # consumer's output tile: a ring step fewer for the two stages.
+    HALF_ROWS: gl.constexpr = not SWIGLU and out_ptr.dtype.element_ty == gl.float16
+    STAGES: gl.constexpr = _HALF_ROWS_STAGES if HALF_ROWS else _RING_STAGES
+    STAGE_ROWS: gl.constexpr = _WG_ROWS if HALF_ROWS else 8
+    x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, _TOKENS, 128], _X_SMEM)
     # Plain row-major slots (a layout of a slot's rank).
     words_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     scales_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    words_ring = gl.allocate_shared_memory(gl.int32, [_STAGES, _CTA_ROWS, 16], words_smem)
-    scales_ring = gl.allocate_shared_memory(gl.int32, [_STAGES, _CTA_ROWS], scales_smem)
-    full = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(_STAGES):
+    words_ring = gl.allocate_shared_memory(gl.int32, [STAGES, _CTA_ROWS, 16], words_smem)
+    scales_ring = gl.allocate_shared_memory(gl.int32, [STAGES, _CTA_ROWS], scales_smem)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    first_stage = gl.allocate_shared_memory(gl.float16, [STAGE_ROWS, STAGE_ROWS], _STAGE_SMEM)
+    second_stage = gl.allocate_shared_memory(gl.float16, [STAGE_ROWS, STAGE_ROWS], _STAGE_SMEM)
+    for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=128)  # the producer warpgroup's threads
         mbarrier.init(empty.index(s), count=2)  # the two consumers
     ring = (x_ring, words_ring, scales_ring, full, empty)
     sizes = (N, K, K_VALID, N_VALID, grid)
     consumer_pointers = (
         bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr,
-        in_scale_ptr,
+        in_scale_ptr, wide_ptr,
     )  # fmt: skip
-    epilogue_args = (stride_be, stride_om, alpha, limit, in_scale, out_scale)
+    epilogue_args = (stride_be, stride_om, alpha, limit, in_scale, out_scale, wide_from_bits)
     producer_pointers = (x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr)
     strides = (
         (stride_xm, stride_we, stride_wp, stride_wn, stride_wc),
@@ -366,10 +394,12 @@ def _warp_specialized_kernel(
     # a tuple built here they would reach the partition as run-time values).
     gl.warp_specialize(
         [
-            (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, SWIGLU, HAS_BIAS,
-                         NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _FIRST)),
-            (_consumer, (consumer_pointers, ring, sizes, epilogue_args, TOPK, SWIGLU, HAS_BIAS,
-                         NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, _SECOND)),
+            (_consumer, (consumer_pointers, ring, sizes, epilogue_args, first_stage, TOPK,
+                         SWIGLU, HAS_BIAS, NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE,
+                         OUT_QUANT, _FIRST)),
+            (_consumer, (consumer_pointers, ring, sizes, epilogue_args, second_stage, TOPK,
+                         SWIGLU, HAS_BIAS, NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE,
+                         OUT_QUANT, _SECOND)),
             (_producer, (producer_pointers, ring, sizes, strides, TOPK, NARROW_T, SWIGLU)),
         ],
         [4, 4],
@@ -392,16 +422,16 @@ def warp_specialized_fits(
     n_valid: int,
     *,
     split_k: int = 1,
-    half_rows: bool = False,
     scaled: bool = False,
 ) -> bool:
     """Whether the warp-specialized kernel takes this call's full tiles: config.warp_specialized
     and 32-bit copy offsets, and for GEMM1 bf16 x in whole 256-row blocks of the padded rows,
-    for GEMM2 config.warp_specialized_gemm2, fp16 SwiGLU rows, no K splits, float32 pair rows
-    and no fp8 scales (scaled: the rows hold e4m3 values). A GEMM1 consumer whose rows start
-    below n_valid stores them all (the SwiGLU epilogue masks no rows): those past n_valid are
-    the zero padding, whose zeros land in the intermediate's padded channels, which GEMM2 never
-    reads (its k_valid), as the fragment kernel's 128-row blocks do past an odd 2I / 128.
+    for GEMM2 config.warp_specialized_gemm2, fp16 SwiGLU rows, no K splits and no fp8 scales
+    (scaled: the rows hold e4m3 values); its pair rows float32 or fp16. A GEMM1 consumer whose
+    rows start below n_valid stores them all (the SwiGLU epilogue masks no rows): those past
+    n_valid are the zero padding, whose zeros land in the intermediate's padded channels, which
+    GEMM2 never reads (its k_valid), as the fragment kernel's 128-row blocks do past an odd
+    2I / 128.
     GEMM2's epilogue stores only rows below n_valid, and its copies reread the last row past the
     padded ones."""
     if not (config.warp_specialized and a.numel() < 2**31 and w.numel() // w.shape[0] < 2**31):
@@ -410,18 +440,14 @@ def warp_specialized_fits(
         padded_rows = w.shape[1] * w.shape[2]
         return a.dtype == torch.bfloat16 and padded_rows % CTA_ROWS == 0 and n_valid <= padded_rows
     return (
-        config.warp_specialized_gemm2
-        and a.dtype == torch.float16
-        and split_k == 1
-        and not half_rows
-        and not scaled
+        config.warp_specialized_gemm2 and a.dtype == torch.float16 and split_k == 1 and not scaled
     )
 
 
 def warp_specialized_gemm(
-    a, w, scale_words, bias, out, routing, table, in_scale, *, gemm1: bool, k_valid: int,
-    n_valid: int, alpha: float, limit: float, out_scale: float | None, config,
-    constexprs: dict,
+    a, w, scale_words, bias, out, routing, table, in_scale, wide, *, gemm1: bool, k_valid: int,
+    n_valid: int, alpha: float, limit: float, out_scale: float | None, wide_from_bits: int,
+    config, constexprs: dict,
 ) -> None:  # fmt: skip
     """GEMM1 + bias + SwiGLU, or GEMM2 + bias and routing weight, over the routing tiles of more
     than config.narrow_t tokens, as wgmma_gemm_sm90.fragment_gemm computes them (its checked
@@ -433,11 +459,12 @@ def warp_specialized_gemm(
         a, w, scale_words, bias if bias is not None else scale_words, out, topk_weights,
         sorted_pairs, tiles, num_tiles, table,
         in_scale if isinstance(in_scale, torch.Tensor) else num_tiles,
+        wide if wide is not None else num_tiles,
         N, K, k_valid, n_valid, grid,
         a.stride(0), *w.stride()[:4], *scale_words.stride(),
         bias.stride(0) if bias is not None else 0, out.stride(0),
         alpha, limit, in_scale if isinstance(in_scale, float) else 1.0,
-        out_scale if out_scale is not None else 1.0,
+        out_scale if out_scale is not None else 1.0, wide_from_bits,
         TOPK=top_k, SWIGLU=gemm1, HAS_BIAS=bias is not None, NARROW_T=config.narrow_t,
         FIT_WIDTHS=config.fit_widths,
         SHIFT_DECODE=constexprs["SHIFT_DECODE"], IN_SCALE=constexprs["IN_SCALE"],

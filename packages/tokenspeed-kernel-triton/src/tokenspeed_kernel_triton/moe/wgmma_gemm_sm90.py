@@ -545,12 +545,13 @@ def fragment_gemm(
         E4M3=e4m3,
     )
     # With narrow_t, the tiles of at most narrow_t tokens run in a launch of their own.
-    fits = dict(split_k=split_k, half_rows=half_rows, scaled=in_scale is not None)
+    fits = dict(split_k=split_k, scaled=in_scale is not None)
     if warp_specialized_fits(config, a, w, gemm1, n_valid, **fits):
         warp_specialized_gemm(
             a, w, scale_words, bias, out, routing, _lookup_tables(a.device), in_scale,
-            gemm1=gemm1, k_valid=k_valid, n_valid=n_valid, alpha=alpha, limit=limit,
-            out_scale=out_scale, config=config, constexprs=constexprs,
+            wide if half_rows else None, gemm1=gemm1, k_valid=k_valid, n_valid=n_valid,
+            alpha=alpha, limit=limit, out_scale=out_scale, wide_from_bits=args[-1],
+            config=config, constexprs=constexprs,
         )  # fmt: skip
     else:
         _fragment_gemm_kernel[grid](*args, **constexprs, **_config_constexprs(config, False, e4m3))
