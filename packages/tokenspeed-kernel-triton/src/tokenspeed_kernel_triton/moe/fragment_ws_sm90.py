@@ -45,7 +45,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .._launch import bind_launches
 from .fragment_epilogue_sm90 import epilogue_operands, pair_rows_store, swiglu_store
 from .fragment_layout_sm90 import PANEL_ROWS, kernel_layouts
-from .fragment_steps_sm90 import decode_fragment, e4m3_fragment
+from .fragment_steps_sm90 import decode_fragment
 from .replay import recordable
 
 RING_STAGES = 4
@@ -78,14 +78,6 @@ _WORDS = gl.constexpr(_BASE["words_layout"])
 # bf16's swizzle, which fp16 (GEMM2's rows) shares: both are 16-bit.
 _X_SMEM = gl.constexpr(_BASE["smem_layout"])
 _X_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
-# GEMM2 on e4m3 rows against e4m3 fragments (w2 for fp8 activations, e4m3_fragments_sm90): k32
-# FP8 MMAs, the 4-D words layout, 16 e4m3 a thread per copy.
-_E4M3 = kernel_layouts(WG_ROWS, 128, 4, e4m3=True)
-_MMA_E4M3 = gl.constexpr(_E4M3["mma"])
-_DOT_A_E4M3 = gl.constexpr(_E4M3["dot_a"])
-_WORDS_E4M3 = gl.constexpr(_E4M3["words_layout"])
-_X_SMEM_E4M3 = gl.constexpr(_E4M3["smem_layout"])
-_X_COPY_E4M3 = gl.constexpr(_E4M3["copy_layout"])
 _WORDS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
 _SCALES_COPY = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 _STAGE_SMEM = gl.constexpr(_BASE["stage_layout"])
@@ -103,7 +95,7 @@ def _work_item(work, num_w, tiles_ptr):
 
 @gluon.jit
 def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.constexpr,
-              SWIGLU: gl.constexpr, X_COPY: gl.constexpr):  # fmt: skip
+              SWIGLU: gl.constexpr):  # fmt: skip
     x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr = pointers
     x_ring, words_ring, scales_ring, full, empty = ring
     STAGES: gl.constexpr = full.shape[0]
@@ -113,8 +105,8 @@ def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.c
     stride_se, stride_sp, stride_sn, stride_sc = scale_strides
     num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
     num_w = gl.cdiv(N_VALID, _CTA_ROWS)
-    t_local = gl.arange(0, _TOKENS, layout=gl.SliceLayout(1, X_COPY))
-    k_local = gl.arange(0, 128, layout=gl.SliceLayout(0, X_COPY))
+    t_local = gl.arange(0, _TOKENS, layout=gl.SliceLayout(1, _X_COPY))
+    k_local = gl.arange(0, 128, layout=gl.SliceLayout(0, _X_COPY))
     w_local = gl.arange(0, _CTA_ROWS, layout=gl.SliceLayout(1, _WORDS_COPY))
     wj = gl.arange(0, 16, layout=gl.SliceLayout(0, _WORDS_COPY))
     s_local = gl.arange(0, _CTA_ROWS, layout=_SCALES_COPY)
@@ -164,27 +156,14 @@ def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.c
 @gluon.jit
 def _fragment(ring, slot, lo_table, hi_table, SHIFT_DECODE: gl.constexpr, F16: gl.constexpr,
               WG: gl.constexpr, dot_a: gl.constexpr):  # fmt: skip
-    """This consumer's decoded [128 rows, 128 K] fragment of the ring's slot, once it is full:
-    e4m3 against e4m3 rows (the words in K order, the scale words the blocks' table bytes)."""
+    """This consumer's decoded [128 rows, 128 K] fragment of the ring's slot, once it is full."""
     x_ring, words_ring, scales_ring, full, empty = ring
-    if x_ring.dtype == gl.float8e4nv:
-        L3: gl.constexpr = gl.SliceLayout(3, _WORDS_E4M3)
-        quads = words_ring._reinterpret(
-            gl.int32, [words_ring.shape[0], _CTA_ROWS, 4, 4],
-            gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]),
-        )  # fmt: skip
-        words = quads.index(slot).slice(WG * _WG_ROWS, _WG_ROWS).load(L3)
-        table = scales_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS)
-        table = table.load(gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-        frag = e4m3_fragment(words, table, _WORDS_E4M3, dot_a)
-    else:
-        words = words_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS).load(_WORDS)
-        scales = scales_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS)
-        scales = scales.load(gl.SliceLayout(1, _WORDS))
-        frag = decode_fragment(
-            words, scales, lo_table, hi_table, dot_a, _WG_ROWS, SHIFT_DECODE, F16, False
-        )
-    return frag
+    words = words_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS).load(_WORDS)
+    scales = scales_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS)
+    scales = scales.load(gl.SliceLayout(1, _WORDS))
+    return decode_fragment(
+        words, scales, lo_table, hi_table, dot_a, _WG_ROWS, SHIFT_DECODE, F16, False
+    )
 
 
 @gluon.jit
@@ -200,15 +179,11 @@ def _epilogue(acc, epilogue, out_rows, swiglu_args, TOPK: gl.constexpr, SWIGLU: 
         epilogue, TOPK, SWIGLU, HAS_BIAS, False, 0, IN_SCALE, _WG_ROWS, COLS, mma
     )
     rows, cols, col_ok, pair, bias, pre_factor, post_factor = operands
-    out_ptr, N, n_valid, stride_om, wide_ptr, wide_from_bits, stage, row_scale_ptr = out_rows
-    if mma == _MMA_E4M3:
-        # Each weight row's power of two (its e4m3 blocks decode relative to its largest).
-        expert = epilogue[1]
-        acc *= gl.load(row_scale_ptr + expert * N + rows, mask=rows < N, other=0.0)[:, None]
     if IN_SCALE != 0:
         acc *= pre_factor[None, :]
     if HAS_BIAS:
         acc += bias[:, None]
+    out_ptr, N, n_valid, stride_om, wide_ptr, wide_from_bits, stage = out_rows
     if SWIGLU:
         swiglu_store(
             (out_ptr, N, stride_om, rows, cols, col_ok), acc, alpha, limit, out_scale, _WG_ROWS,
@@ -319,7 +294,7 @@ def _consumer(
     OUT_QUANT: gl.constexpr, WG: gl.constexpr,
 ):  # fmt: skip
     (bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr,
-     in_scale_ptr, wide_ptr, row_scale_ptr) = pointers  # fmt: skip
+     in_scale_ptr, wide_ptr) = pointers  # fmt: skip
     N, K, K_VALID, N_VALID, grid = sizes
     stride_be, stride_om, alpha, limit, in_scale, out_scale, wide_from_bits = epilogue_args
     num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
@@ -330,11 +305,7 @@ def _consumer(
     epilogue_ptrs = (
         sorted_ptr, route_w_ptr, bias_ptr, sorted_ptr, stride_be, in_scale_ptr, in_scale
     )  # fmt: skip
-    out_rows = (out_ptr, N, N_VALID, stride_om, wide_ptr, wide_from_bits, stage, row_scale_ptr)
-    x_ring = ring[0]
-    E4M3: gl.constexpr = x_ring.dtype == gl.float8e4nv
-    MMA: gl.constexpr = _MMA_E4M3 if E4M3 else _MMA
-    DOT_A: gl.constexpr = _DOT_A_E4M3 if E4M3 else _DOT_A
+    out_rows = (out_ptr, N, N_VALID, stride_om, wide_ptr, wide_from_bits, stage)
     swiglu_args = (alpha, limit, out_scale)
     count = 0
     for work in range(gl.program_id(0), num_tiles * num_w, grid):
@@ -351,8 +322,8 @@ def _consumer(
             elif not FIT_WIDTHS or n > 96:
                 count = _tile(
                     ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
-                    TOPK, SWIGLU, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, _TOKENS, MMA,
-                    DOT_A,
+                    TOPK, SWIGLU, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, _TOKENS, _MMA,
+                    _DOT_A,
                 )  # fmt: skip
             elif n > 64:
                 count = _tile_96(
@@ -372,7 +343,7 @@ def _consumer(
 @gluon.jit
 def _warp_specialized_kernel(
     x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr,
-    table_ptr, in_scale_ptr, wide_ptr, row_scale_ptr,
+    table_ptr, in_scale_ptr, wide_ptr,
     N, K, K_VALID, N_VALID, grid,
     stride_xm, stride_we, stride_wp, stride_wn, stride_wc, stride_se, stride_sp, stride_sn,
     stride_sc, stride_be, stride_om,
@@ -382,10 +353,7 @@ def _warp_specialized_kernel(
     OUT_QUANT: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     # GEMM2's activation rows are fp16 (its weights decode to fp16; fragment_gemm checks).
-    # or e4m3 against e4m3 fragments (warp_specialized_fits).
-    E4M3: gl.constexpr = x_ptr.dtype.element_ty == gl.float8e4nv
-    gl.static_assert(SWIGLU or E4M3 or x_ptr.dtype.element_ty == gl.float16)
-    gl.static_assert(not (E4M3 and FIT_WIDTHS))
+    gl.static_assert(SWIGLU or x_ptr.dtype.element_ty == gl.float16)
     if PDL:
         # The kernel before is complete past the wait (GEMM1: the routing outputs; GEMM2: all
         # of GEMM1, whose narrow launch waits for its full tiles); the launch after (the
@@ -397,9 +365,7 @@ def _warp_specialized_kernel(
     HALF_ROWS: gl.constexpr = not SWIGLU and out_ptr.dtype.element_ty == gl.float16
     STAGES: gl.constexpr = _HALF_ROWS_STAGES if HALF_ROWS else _RING_STAGES
     STAGE_ROWS: gl.constexpr = _WG_ROWS if HALF_ROWS else 8
-    X_SMEM: gl.constexpr = _X_SMEM_E4M3 if E4M3 else _X_SMEM
-    X_COPY: gl.constexpr = _X_COPY_E4M3 if E4M3 else _X_COPY
-    x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, _TOKENS, 128], X_SMEM)
+    x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, _TOKENS, 128], _X_SMEM)
     # Plain row-major slots (a layout of a slot's rank).
     words_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     scales_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -416,7 +382,7 @@ def _warp_specialized_kernel(
     sizes = (N, K, K_VALID, N_VALID, grid)
     consumer_pointers = (
         bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr,
-        in_scale_ptr, wide_ptr, row_scale_ptr,
+        in_scale_ptr, wide_ptr,
     )  # fmt: skip
     epilogue_args = (stride_be, stride_om, alpha, limit, in_scale, out_scale, wide_from_bits)
     producer_pointers = (x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr)
@@ -434,8 +400,7 @@ def _warp_specialized_kernel(
             (_consumer, (consumer_pointers, ring, sizes, epilogue_args, second_stage, TOPK,
                          SWIGLU, HAS_BIAS, NARROW_T, FIT_WIDTHS, SHIFT_DECODE, IN_SCALE,
                          OUT_QUANT, _SECOND)),
-            (_producer, (producer_pointers, ring, sizes, strides, TOPK, NARROW_T, SWIGLU,
-                         X_COPY)),
+            (_producer, (producer_pointers, ring, sizes, strides, TOPK, NARROW_T, SWIGLU)),
         ],
         [4, 4],
         [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -461,13 +426,12 @@ def warp_specialized_fits(
 ) -> bool:
     """Whether the warp-specialized kernel takes this call's full tiles: config.warp_specialized
     and 32-bit copy offsets, and for GEMM1 bf16 x in whole 256-row blocks of the padded rows,
-    for GEMM2 config.warp_specialized_gemm2 and no K splits, on fp16 SwiGLU rows without fp8
-    scales (scaled: the rows hold e4m3 values in fp16) or on e4m3 rows (against e4m3
-    fragments, wgmma_gemm_sm90.fragment_gemm checks; any scale); its pair rows float32 or fp16.
-    A GEMM1 consumer whose rows start below n_valid stores them all (the SwiGLU epilogue masks
-    no rows): those past n_valid are the zero padding, whose zeros land in the intermediate's
-    padded channels, which GEMM2 never reads (its k_valid), as the fragment kernel's 128-row
-    blocks do past an odd 2I / 128.
+    for GEMM2 config.warp_specialized_gemm2, fp16 SwiGLU rows, no K splits and no fp8 scales
+    (scaled: the rows hold e4m3 values); its pair rows float32 or fp16. A GEMM1 consumer whose
+    rows start below n_valid stores them all (the SwiGLU epilogue masks no rows): those past
+    n_valid are the zero padding, whose zeros land in the intermediate's padded channels, which
+    GEMM2 never reads (its k_valid), as the fragment kernel's 128-row blocks do past an odd
+    2I / 128.
     GEMM2's epilogue stores only rows below n_valid, and its copies reread the last row past the
     padded ones."""
     if not (config.warp_specialized and a.numel() < 2**31 and w.numel() // w.shape[0] < 2**31):
@@ -475,14 +439,15 @@ def warp_specialized_fits(
     if gemm1:
         padded_rows = w.shape[1] * w.shape[2]
         return a.dtype == torch.bfloat16 and padded_rows % CTA_ROWS == 0 and n_valid <= padded_rows
-    rows_fit = a.dtype == torch.float8_e4m3fn or (a.dtype == torch.float16 and not scaled)
-    return config.warp_specialized_gemm2 and split_k == 1 and rows_fit
+    return (
+        config.warp_specialized_gemm2 and a.dtype == torch.float16 and split_k == 1 and not scaled
+    )
 
 
 def warp_specialized_gemm(
-    a, w, scale_words, bias, out, routing, table, in_scale, wide, row_scale, *, gemm1: bool,
-    k_valid: int, n_valid: int, alpha: float, limit: float, out_scale: float | None,
-    wide_from_bits: int, config, constexprs: dict,
+    a, w, scale_words, bias, out, routing, table, in_scale, wide, *, gemm1: bool, k_valid: int,
+    n_valid: int, alpha: float, limit: float, out_scale: float | None, wide_from_bits: int,
+    config, constexprs: dict,
 ) -> None:  # fmt: skip
     """GEMM1 + bias + SwiGLU, or GEMM2 + bias and routing weight, over the routing tiles of more
     than config.narrow_t tokens, as wgmma_gemm_sm90.fragment_gemm computes them (its checked
@@ -495,15 +460,13 @@ def warp_specialized_gemm(
         sorted_pairs, tiles, num_tiles, table,
         in_scale if isinstance(in_scale, torch.Tensor) else num_tiles,
         wide if wide is not None else num_tiles,
-        row_scale if row_scale is not None else num_tiles,
         N, K, k_valid, n_valid, grid,
         a.stride(0), *w.stride()[:4], *scale_words.stride(),
         bias.stride(0) if bias is not None else 0, out.stride(0),
         alpha, limit, in_scale if isinstance(in_scale, float) else 1.0,
         out_scale if out_scale is not None else 1.0, wide_from_bits,
         TOPK=top_k, SWIGLU=gemm1, HAS_BIAS=bias is not None, NARROW_T=config.narrow_t,
-        # e4m3 rows multiply 128 columns (their fragments have no narrower form here).
-        FIT_WIDTHS=config.fit_widths and a.dtype != torch.float8_e4m3fn,
+        FIT_WIDTHS=config.fit_widths,
         SHIFT_DECODE=constexprs["SHIFT_DECODE"], IN_SCALE=constexprs["IN_SCALE"],
         OUT_QUANT=constexprs["OUT_QUANT"], PDL=config.pdl, num_warps=4, launch_pdl=config.pdl,
     )  # fmt: skip

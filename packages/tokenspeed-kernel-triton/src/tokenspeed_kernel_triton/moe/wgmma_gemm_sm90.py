@@ -549,7 +549,7 @@ def fragment_gemm(
     if warp_specialized_fits(config, a, w, gemm1, n_valid, **fits):
         warp_specialized_gemm(
             a, w, scale_words, bias, out, routing, _lookup_tables(a.device), in_scale,
-            wide if half_rows else None, row_scale, gemm1=gemm1, k_valid=k_valid, n_valid=n_valid,
+            wide if half_rows else None, gemm1=gemm1, k_valid=k_valid, n_valid=n_valid,
             alpha=alpha, limit=limit, out_scale=out_scale, wide_from_bits=args[-1],
             config=config, constexprs=constexprs,
         )  # fmt: skip
