@@ -50,7 +50,7 @@ from .replay import recordable
 
 RING_STAGES = 4
 # fp16 pair rows stage each consumer's output tile through 32 KB of its own: one ring step
-# fewer leaves room for both (3 x 51 KB + 64 KB of 227 KB).
+# fewer leaves room for both (3 x 49 KB + 64 KB of 227 KB).
 HALF_ROWS_STAGES = 3
 WG_ROWS = 128
 CTA_ROWS = 2 * WG_ROWS
