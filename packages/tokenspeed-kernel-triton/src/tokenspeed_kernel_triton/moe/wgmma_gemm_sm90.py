@@ -497,6 +497,7 @@ def fragment_gemm(
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
     # A row's four e8m0 bytes of one 128-element K chunk, as one int32: [E, N / 64, 64, K / 128].
     scale_words = w_scale.view(torch.int32)[..., 0]
+    wide_from_bits = fp16_wide_threshold_bits(half_bound) if half_rows else 0
     grid = (max_tiles * -(-n_valid // config.block_w) * split_k,)
     args = (
         a,
@@ -529,7 +530,7 @@ def fragment_gemm(
         limit,
         in_scale if isinstance(in_scale, float) else 1.0,
         out_scale if out_scale is not None else 1.0,
-        fp16_wide_threshold_bits(half_bound) if half_rows else 0,
+        wide_from_bits,
     )
     constexprs = dict(
         TOPK=top_k,
@@ -550,7 +551,7 @@ def fragment_gemm(
         warp_specialized_gemm(
             a, w, scale_words, bias, out, routing, _lookup_tables(a.device), in_scale,
             wide if half_rows else None, gemm1=gemm1, k_valid=k_valid, n_valid=n_valid,
-            alpha=alpha, limit=limit, out_scale=out_scale, wide_from_bits=args[-1],
+            alpha=alpha, limit=limit, out_scale=out_scale, wide_from_bits=wide_from_bits,
             config=config, constexprs=constexprs,
         )  # fmt: skip
     else:
