@@ -12,9 +12,11 @@ in the round (H200, 2026-11-28, the pick against the same config pinned, M = 115
 the whole layer and TP=2/4/8 shards: -0.4% to 2.3%, median 0.6%). Prints per config its median
 and range over the rounds, its time over the pick's, vLLM's time over it, and its largest
 difference from the pick's output (0 where it computes the pick's function bit for bit; the
-pick's own accuracy is what bench_moe.py checks). --config takes a Python expression over
-FragmentConfig and dataclasses (e.g. `dataclasses.replace(CONFIGS[-1][1], fit_widths=False)`);
-none leaves the pick against vLLM alone.
+pick's own accuracy is what bench_moe.py checks). Each of those two calls starts on scratch
+buffers filled with NaN: a config that leaves a row unwritten differs by NaN, where it would
+otherwise read back the pick's row. --config takes a Python expression over FragmentConfig and
+dataclasses (e.g. `dataclasses.replace(CONFIGS[-1][1], fit_widths=False)`); none leaves the
+pick against vLLM alone.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from tokenspeed_kernel import (
 )
 from tokenspeed_kernel.tools import peers
 from tokenspeed_kernel.tuning import pin_config
-from tokenspeed_kernel_triton.moe import moe_sm90
+from tokenspeed_kernel_triton.moe import moe_sm90, workspace
 from tokenspeed_kernel_triton.moe.fragment_config_sm90 import CONFIGS, FragmentConfig
 
 
@@ -78,11 +80,15 @@ def compare(
         with pin_config(moe_sm90.KERNEL_NAME, config):
             return bench.time_layers(forward, len(ours))
 
+    # Each call starts on poisoned scratch, so that rows a config leaves unwritten show up as
+    # NaN differences rather than the previous call's rows read back.
     picked = torch.empty_like(out)
+    workspace.poison_scratch()
     apply(ours[0], picked)
     differences = []
     for config in configs[1:]:
         tiled = torch.empty_like(out)
+        workspace.poison_scratch()
         with pin_config(moe_sm90.KERNEL_NAME, config):
             apply(ours[0], tiled)
         differences.append((tiled.float() - picked.float()).abs().max().item())

@@ -92,3 +92,30 @@ def test_rounds_interleave_and_report_medians_ratios_and_differences(ab, monkeyp
         ": 230.0 µs [220.0-230.0], x1.095 the pick's, vLLM / it 1.35, max |config - pick| 0.000e+00"
     )
     assert lines[3].endswith("vLLM / it 1.63, max |config - pick| 5.000e-01")
+
+
+def test_a_config_that_leaves_scratch_rows_unwritten_differs_by_nan(ab, monkeypatch, capsys):
+    """The pick and each config run on poisoned scratch: a config that reads back rows it never
+    wrote (here: skips its write, as a kernel skipping a tile would) cannot inherit the pick's."""
+    from tokenspeed_kernel_triton.moe import workspace
+
+    lazy = FragmentConfig(128, 64, 4, 4)
+
+    class Impl:
+        @staticmethod
+        def apply(plan, x, prepared, out, **routing):
+            rows = workspace.scratch("test-ab-rows", tuple(out.shape), torch.float32, out.device)
+            if pinned(moe_sm90.KERNEL_NAME) != lazy:
+                rows.fill_(1.0)
+            out.copy_(rows)
+
+    class Plan:
+        impl = Impl
+
+    monkeypatch.setattr(ab.bench, "time_layers", lambda fn, layers: fn() or 100.0)
+    monkeypatch.setattr(
+        ab.bench, "token_inputs", lambda m, skew: (torch.zeros(m, 4),) * 2 + (torch.zeros(m, 4),)
+    )
+    peer = [lambda x, logits, out: None]
+    ab.compare("whole", 3, [None, lazy], Plan(), ["layer"], peer, rounds=1, skew=0.0)
+    assert capsys.readouterr().out.splitlines()[2].endswith("max |config - pick| nan")

@@ -38,3 +38,11 @@ def test_generation_counts_allocations_only():
     assert workspace.generation == start + 1
     scratch("test-generation", (9,), torch.int32, "cpu")
     assert workspace.generation == start + 2
+
+
+def test_poison_fills_floating_buffers_with_nan_and_leaves_integer_ones():
+    rows = scratch("test-poison-rows", (4,), torch.float16, "cpu").fill_(1.0)
+    table = scratch("test-poison-table", (4,), torch.int32, "cpu").fill_(7)
+    workspace.poison_scratch()
+    assert rows.isnan().all()
+    assert table.tolist() == [7, 7, 7, 7]

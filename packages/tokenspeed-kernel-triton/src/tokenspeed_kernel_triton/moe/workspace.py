@@ -39,3 +39,12 @@ def scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> to
         _buffers[key] = buffer
         generation += 1
     return buffer[:numel].view(shape)
+
+
+def poison_scratch() -> None:
+    """Fill every floating-point scratch buffer with NaN, so that a comparison of two calls'
+    outputs (benchmarks/ab_moe_configs.py) also sees rows the second call never wrote rather
+    than the first call's values left in the shared buffers."""
+    for buffer in _buffers.values():
+        if buffer.is_floating_point():
+            buffer.fill_(float("nan"))
