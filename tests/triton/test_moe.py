@@ -34,6 +34,7 @@ from tokenspeed_kernel.testing import (
 )
 from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_weights
 from tokenspeed_kernel.tuning import pin_config
+from tokenspeed_kernel_triton.moe import workspace
 from tokenspeed_kernel_triton.moe.fragment_config_sm90 import FragmentConfig
 from tokenspeed_kernel_triton.moe.moe import MoETileConfig
 from tokenspeed_kernel_triton.moe.moe_sm90 import moe_forward_sm90
@@ -655,7 +656,8 @@ def test_wgmma_warp_specialized_gemms_change_nothing():
     consumer's rows half real, half padding), an expert-parallel rank (local experts 32-63) and
     fp8 activations with a static scale (GEMM1 quantizes its own rows) and per-row scales
     (float32 rows for the pass); M=5 leaves most persistent CTAs without work, M=300 with
-    narrow_t 32 leaves every tile to the narrow launch. With fit_widths its tiles of up to 64
+    narrow_t 32 leaves every tile to the narrow launch. Each variant starts on NaN-filled
+    scratch. With fit_widths its tiles of up to 64
     and 96 tokens (33, 64, 65 here) multiply 64 and 64 + 32 columns, bit for bit the same.
     GEMM2 warp-specialized (on fp16 rows: here every layer but the fp8 ones, whose GEMM2 stays
     on the fragment kernel) covers H = 2880 rows in 11.25 blocks, the TP=8 shards' three K
@@ -706,6 +708,9 @@ def test_wgmma_warp_specialized_gemms_change_nothing():
                             half_pair_rows=half,
                         )  # fmt: skip
                         outs = [torch.empty_like(x) for x in xs]
+                        # NaN in every scratch buffer: a variant that left rows unwritten
+                        # cannot pass on the rows the variant before it left there.
+                        workspace.poison_scratch()
                         with pin_config(HOPPER, tile):
                             for x, lg, out in zip(xs, logits, outs, strict=True):
                                 spec.fn.apply(plan, x, prepared, router_logits=lg, out=out)
