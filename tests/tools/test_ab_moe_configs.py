@@ -113,9 +113,11 @@ def test_a_config_that_leaves_scratch_rows_unwritten_differs_by_nan(ab, monkeypa
         impl = Impl
 
     monkeypatch.setattr(ab.bench, "time_layers", lambda fn, layers: fn() or 100.0)
-    monkeypatch.setattr(
-        ab.bench, "token_inputs", lambda m, skew: (torch.zeros(m, 4),) * 2 + (torch.zeros(m, 4),)
-    )
+
+    def token_inputs(m, skew):
+        return torch.zeros(m, 4), torch.zeros(m, 8), torch.zeros(m, 4)
+
+    monkeypatch.setattr(ab.bench, "token_inputs", token_inputs)
     peer = [lambda x, logits, out: None]
     ab.compare("whole", 3, [None, lazy], Plan(), ["layer"], peer, rounds=1, skew=0.0)
     assert capsys.readouterr().out.splitlines()[2].endswith("max |config - pick| nan")

@@ -657,8 +657,8 @@ def test_wgmma_warp_specialized_gemms_change_nothing():
     fp8 activations with a static scale (GEMM1 quantizes its own rows) and per-row scales
     (float32 rows for the pass); M=5 leaves most persistent CTAs without work, M=300 with
     narrow_t 32 leaves every tile to the narrow launch. Each variant starts on NaN-filled
-    scratch. With fit_widths its tiles of up to 64
-    and 96 tokens (33, 64, 65 here) multiply 64 and 64 + 32 columns, bit for bit the same.
+    scratch. With fit_widths its tiles of up to 64 and 96 tokens (33, 64, 65 here) multiply 64
+    and 64 + 32 columns, bit for bit the same.
     GEMM2 warp-specialized (on fp16 rows: here every layer but the fp8 ones, whose GEMM2 stays
     on the fragment kernel) covers H = 2880 rows in 11.25 blocks, the TP=8 shards' three K
     chunks and the whole layer's 23, into float32 pair rows, and with half_pair_rows into the
