@@ -3,7 +3,8 @@
     python3 benchmarks/ab_moe_configs.py --shards whole,tp8 --sizes 3072,6144 \
         --config "FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=32, warp_specialized=True)"
 
-GPT-OSS-120B weights as bench_moe.py builds them (a TP shard: rank 0's). Each round times
+GPT-OSS-120B weights as bench_moe.py builds them (a TP shard: rank 0's; --model gpt-oss-20b: its
+32 experts). Each round times
 vLLM's path (OpenAI triton_kernels on PYTHONPATH, as bench_moe.py), the pick and each --config
 in turn, CUDA-graph replayed over --layers distinct weight copies (bench_moe.time_layers), so
 that a machine's drift during the run falls on all of them alike; the order turns by one each
@@ -14,9 +15,10 @@ and range over the rounds, its time over the pick's, vLLM's time over it, and it
 difference from the pick's output (0 where it computes the pick's function bit for bit; the
 pick's own accuracy is what bench_moe.py checks). Each of those two calls starts on scratch
 buffers filled with NaN: a config that leaves a row unwritten differs by NaN, where it would
-otherwise read back the pick's row. --config takes a Python expression over FragmentConfig and
-dataclasses (e.g. `dataclasses.replace(CONFIGS[-1][1], fit_widths=False)`); none leaves the
-pick against vLLM alone.
+otherwise read back the pick's row. --config takes a Python expression over FragmentConfig,
+CONFIGS, dataclasses, first_match and the size m (e.g. `dataclasses.replace(CONFIGS[-1][1],
+fit_widths=False)`, or `first_match(CONFIGS, 16 * m)`: the tile 128 experts would take at four
+times the pairs), evaluated per size; none leaves the pick against vLLM alone.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tokenspeed_kernel import (
     tensor_parallel_shard,
 )
 from tokenspeed_kernel.tools import peers
-from tokenspeed_kernel.tuning import pin_config
+from tokenspeed_kernel.tuning import first_match, pin_config
 from tokenspeed_kernel_triton.moe import moe_sm90, workspace
 from tokenspeed_kernel_triton.moe.fragment_config_sm90 import CONFIGS, FragmentConfig
 
@@ -50,9 +52,16 @@ def layer(shard: str, weights):
     return split(bench.CONFIG, weights, rank=0, world_size=int(shard[2:]))
 
 
-def parse_configs(texts: list[str]) -> list[FragmentConfig]:
-    """--config expressions, over FragmentConfig, CONFIGS and dataclasses -> the configs."""
-    names = dict(FragmentConfig=FragmentConfig, CONFIGS=CONFIGS, dataclasses=dataclasses)
+def parse_configs(texts: list[str], m: int) -> list[FragmentConfig]:
+    """--config expressions at size m, over FragmentConfig, CONFIGS, dataclasses and
+    first_match -> the configs."""
+    names = dict(
+        FragmentConfig=FragmentConfig,
+        CONFIGS=CONFIGS,
+        dataclasses=dataclasses,
+        first_match=first_match,
+        m=m,
+    )
     configs = [eval(text, names) for text in texts]  # a developer's own expressions
     for config in configs:
         if not isinstance(config, FragmentConfig):
@@ -135,9 +144,12 @@ def main() -> None:
     parser.add_argument(
         "--skew", type=float, default=0.0, help="routing skew (bench_moe.token_inputs)"
     )
+    parser.add_argument("--model", default=bench.MODEL, choices=bench.MODELS)
     args = parser.parse_args()
-    configs = [None] + parse_configs(args.config)
+    bench.use_model(args.model)
     sizes = [int(m) for m in args.sizes.split(",")]
+    for m in sizes:
+        parse_configs(args.config, m)  # bad expressions fail before any GPU work
     weights = bench.checkpoint_weights()
     for shard in args.shards.split(","):
         config, shard_weights = layer(shard, weights)
@@ -145,6 +157,7 @@ def main() -> None:
         ours = [moe_prepare_weights(plan, shard_weights) for _ in range(args.layers)]
         peer = [peers.TritonKernelsMoE(config, shard_weights) for _ in range(args.layers)]
         for m in sizes:
+            configs = [None] + parse_configs(args.config, m)
             compare(shard, m, configs, plan, ours, peer, args.rounds, args.skew)
         del ours, peer
         torch.cuda.empty_cache()

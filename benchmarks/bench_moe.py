@@ -1,7 +1,8 @@
-"""moe_apply on GPT-OSS-120B shapes (E=128, top-4, H=I=2880, MXFP4 weights with e8m0 scales)
-side by side with vLLM 0.26's own GPT-OSS MoE on Hopper (peer:vllm.triton_kernels, OpenAI's
-triton_kernels as vLLM vendors it; tokenspeed_kernel/tools/peers.py), and optionally each
-Triton kernel variant; rewrites benchmarks/results/moe_<gpu>.md.
+"""moe_apply on GPT-OSS-120B shapes (E=128, top-4, H=I=2880, MXFP4 weights with e8m0 scales),
+or with --model gpt-oss-20b on its 32 experts, side by side with vLLM 0.26's own GPT-OSS MoE on
+Hopper (peer:vllm.triton_kernels, OpenAI's triton_kernels as vLLM vendors it;
+tokenspeed_kernel/tools/peers.py), and optionally each Triton kernel variant; rewrites the
+model's section of benchmarks/results/moe_<gpu>.md.
 
 Floors and ceilings are measured in the same run:
 - decode (small M) is bound by reading the distinct selected experts' weights once
@@ -19,8 +20,8 @@ before the top-k sum) and so misses it by more than that tolerance, against an e
 own rounding (tools/peers.py `compare_to_emulation`). Each side's error against the reference
 is recorded.
 
-    PYTHONPATH=.carry/peers python3 benchmarks/bench_moe.py [--sizes 1,4] [--no-peer]
-        [--variants sm90,portable-bf16,...] [--sweep] [--profile] [--no-record]
+    PYTHONPATH=.carry/peers python3 benchmarks/bench_moe.py [--model gpt-oss-20b] [--sizes 1,4]
+        [--no-peer] [--variants sm90,portable-bf16,...] [--sweep] [--profile] [--no-record]
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tokenspeed_kernel import (
     tensor_parallel_shard,
 )
 from tokenspeed_kernel.ops.moe.types import MoEConfig, MoEWeights
+from tokenspeed_kernel.presets import get_preset
 from tokenspeed_kernel.registry import get_kernel
 from tokenspeed_kernel.testing import compare, moe_plan_for, tolerance
 from tokenspeed_kernel.tools import peers
@@ -50,8 +52,12 @@ from tokenspeed_kernel_triton.moe.fragment_config_sm90 import FragmentConfig
 from tokenspeed_kernel_triton.moe.layout import prepare_weights
 from tokenspeed_kernel_triton.moe.moe import MoETileConfig
 
+# The GPT-OSS models share every MoE shape but their experts' count (tokenspeed_kernel.presets);
+# use_model switches E, CONFIG and the shard tables' degrees between them: each model's tensor-
+# and expert-parallel degree as it is served on several GPUs (120B on 8, 20B on 2).
+MODELS = {"gpt-oss-120b": ("GPT-OSS-120B", 8), "gpt-oss-20b": ("GPT-OSS-20B", 2)}
+MODEL = "gpt-oss-120b"
 E, TOP_K, H, I = 128, 4, 2880, 2880  # noqa: E741
-# The tensor- and expert-parallel degrees of the shard tables: GPT-OSS-120B on 8 GPUs.
 TP = EP = 8
 
 
@@ -80,8 +86,8 @@ def bf16_matmul_rate() -> float:
 
 
 def checkpoint_weights() -> MoEWeights:
-    """GPT-OSS-120B checkpoint-layout weights: random e2m1 codes, e8m0 scales 119..121 (entries
-    near 1/sqrt(2880)), fp32 biases (1.7 GB on the GPU)."""
+    """GPT-OSS checkpoint-layout weights of E experts: random e2m1 codes, e8m0 scales 119..121
+    (entries near 1/sqrt(2880)), fp32 biases (1.7 GB on the GPU at E=128)."""
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def mx(rows, cols):
@@ -199,6 +205,21 @@ CHECK_SIZES = (1, 64, 256, 1024)
 SKEW = 0.25
 SKEW_SIZES = (16, 64, 256, 1024, 3072, 8192)
 CONFIG = MoEConfig(E, TOP_K, H, I, weight_format="mxfp4", activation_format="bf16")
+
+
+def use_model(name: str) -> None:
+    """Benchmark `name`'s MoE layer (one of MODELS) from here on: its experts' count E, CONFIG
+    and the shard tables' degrees TP and EP."""
+    global MODEL, E, CONFIG, TP, EP
+    if name not in MODELS:
+        raise SystemExit(f"--model: {name!r} is not one of {', '.join(MODELS)}")
+    preset = get_preset(name)
+    assert (preset.top_k, preset.hidden_size, preset.intermediate_size) == (TOP_K, H, I)
+    MODEL, E = name, preset.num_experts
+    TP = EP = MODELS[name][1]
+    CONFIG = MoEConfig(E, TOP_K, H, I, weight_format="mxfp4", activation_format="bf16")
+
+
 PEER_COLUMNS = [
     "M",
     "distinct experts",
@@ -653,8 +674,10 @@ def main() -> int:
     parser.add_argument(
         "--no-skew", action="store_true", help="skip the side-by-side tables with skewed routing"
     )
+    parser.add_argument("--model", default=MODEL, choices=MODELS)
     record.add_record_argument(parser)
     args = parser.parse_args()
+    use_model(args.model)
     started = time.monotonic()
     torch.backends.cuda.matmul.allow_tf32 = False
     name = torch.cuda.get_device_name()
@@ -687,9 +710,10 @@ def main() -> int:
             torch.cuda.empty_cache()
         body += record.table(COLUMNS, sorted(rows, key=lambda row: row[0])) + extra
     peer_versions = {} if args.no_peer else {peers.MOE_PEER: origin}
-    lines = record.header(f"MoE (moe_apply), GPT-OSS-120B shapes, {name}", name, peer_versions)
+    title = f"MoE (moe_apply), {MODELS[MODEL][0]} shapes, {name}"
+    lines = record.header(title, name, peer_versions)
     lines += body + ["", f"Whole run: {time.monotonic() - started:.0f} s."]
-    record.write("moe", lines, device=name, record=not args.no_record)
+    record.write("moe", lines, device=name, record=not args.no_record, section=MODEL)
     return 0
 
 

@@ -143,14 +143,44 @@ def add_record_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def write(op: str, lines: Sequence[str], *, device: str, record: bool = True) -> Path | None:
-    """Print the results and, with `record`, rewrite benchmarks/results/<op>_<gpu kind>.md."""
+SECTION_MARK = "<!-- section: {} -->"
+
+
+def write(
+    op: str,
+    lines: Sequence[str],
+    *,
+    device: str,
+    record: bool = True,
+    section: str | None = None,
+) -> Path | None:
+    """Print the results and, with `record`, rewrite benchmarks/results/<op>_<gpu kind>.md.
+    With `section` (one model's run, say) the file holds one section per name, each headed by
+    its own run's lines: this run replaces its section and keeps the others as they were."""
     text = "\n".join(lines).rstrip() + "\n"
     print(text)
     if not record:
         return None
     path = RESULTS / f"{op}_{gpu_kind(device)}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
+    if section is not None:
+        sections = _sections(path.read_text()) if path.exists() else {}
+        sections[section] = text
+        text = "\n".join(
+            SECTION_MARK.format(name) + "\n\n" + body for name, body in sections.items()
+        )
     path.write_text(text)
     print(f"wrote {path.relative_to(REPO)}")
     return path
+
+
+def _sections(text: str) -> dict[str, str]:
+    """A results file's sections by name, in file order; a file without section marks holds
+    none worth keeping (it was written whole)."""
+    pattern = re.compile("^" + re.escape(SECTION_MARK).replace(r"\{\}", "(.+?)") + "$", re.M)
+    marks = list(pattern.finditer(text))
+    sections = {}
+    for mark, after in zip(marks, marks[1:] + [None], strict=True):
+        body = text[mark.end() : after.start() if after else len(text)]
+        sections[mark.group(1)] = body.strip("\n") + "\n"
+    return sections

@@ -17,18 +17,34 @@ def ab(import_benchmark):
     return import_benchmark("ab_moe_configs")
 
 
-def test_configs_are_fragment_config_expressions(ab):
-    plain, changed = ab.parse_configs(
+def test_configs_are_fragment_config_expressions_of_the_size(ab):
+    plain, changed, at_size = ab.parse_configs(
         [
             "FragmentConfig(128, 128, 4, 2, pdl=True, warp_specialized=True)",
             "dataclasses.replace(CONFIGS[-1][1], fit_widths=False)",
-        ]
+            "first_match(CONFIGS, 16 * m)",
+        ],
+        m=64,
     )
     assert plain == FragmentConfig(128, 128, 4, 2, pdl=True, warp_specialized=True)
     assert not changed.fit_widths and CONFIGS[-1][1].fit_widths
+    assert at_size == moe_sm90.pick_config(1024) != moe_sm90.pick_config(256)
     for bad in ("1", "CONFIGS[-1]"):
         with pytest.raises(SystemExit, match="not a FragmentConfig"):
-            ab.parse_configs([bad])
+            ab.parse_configs([bad], m=1)
+
+
+def test_models_differ_in_their_experts_only(ab):
+    bench = ab.bench
+    try:
+        bench.use_model("gpt-oss-20b")
+        assert (bench.E, bench.CONFIG.num_experts, bench.CONFIG.num_local_experts) == (32, 32, 32)
+        assert (bench.CONFIG.top_k, bench.CONFIG.hidden_size) == (4, 2880)
+        with pytest.raises(SystemExit, match="--model"):
+            bench.use_model("tiny")
+    finally:
+        bench.use_model("gpt-oss-120b")
+    assert (bench.E, bench.CONFIG.num_experts, bench.MODEL) == (128, 128, "gpt-oss-120b")
 
 
 def test_shards_are_whole_tp_n_or_ep_n(ab, monkeypatch):

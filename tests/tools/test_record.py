@@ -73,3 +73,22 @@ def test_header_leaves_the_gpu_out_where_nvidia_smi_cannot_say(
 def test_no_gpu_line_without_a_cuda_gpu(record, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert record.gpu_state() is None
+
+
+def test_a_section_replaces_its_own_and_keeps_the_others(record, monkeypatch, tmp_path):
+    monkeypatch.setattr(record, "RESULTS", tmp_path)
+    monkeypatch.setattr(record, "REPO", tmp_path)
+    path = tmp_path / "moe_h200.md"
+    path.write_text("# written whole, before sections\n")
+    record.write("moe", ["# 120B", "", "| a |"], device="NVIDIA H200", section="gpt-oss-120b")
+    record.write("moe", ["# 20B", "old"], device="NVIDIA H200", section="gpt-oss-20b")
+    record.write("moe", ["# 20B", "new"], device="NVIDIA H200", section="gpt-oss-20b")
+    assert path.read_text() == (
+        "<!-- section: gpt-oss-120b -->\n\n# 120B\n\n| a |\n\n"
+        "<!-- section: gpt-oss-20b -->\n\n# 20B\nnew\n"
+    )
+    record.write("moe", ["# 120B", "again"], device="NVIDIA H200", section="gpt-oss-120b")
+    assert path.read_text().startswith("<!-- section: gpt-oss-120b -->\n\n# 120B\nagain\n\n")
+    assert path.read_text().endswith("<!-- section: gpt-oss-20b -->\n\n# 20B\nnew\n")
+    record.write("moe", ["# whole"], device="NVIDIA H200", record=False, section="gpt-oss-20b")
+    assert "# whole" not in path.read_text()

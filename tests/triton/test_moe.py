@@ -369,9 +369,10 @@ def test_hopper_selects_the_wgmma_kernel_where_it_applies(act, hidden, expected)
 GPT_OSS_120B = dict(num_experts=128, top_k=4, hidden_size=2880, intermediate_size=2880)
 
 
-def gpt_oss_weights(activation_format="bf16", static=False, seed=0, device="cuda"):
-    """GPT-OSS-120B MXFP4 expert weights built on the GPU from random bytes (1.7 GB)."""
-    E, H, I = 128, 2880, 2880  # noqa: E741
+def gpt_oss_weights(activation_format="bf16", static=False, seed=0, device="cuda", experts=128):
+    """GPT-OSS-120B MXFP4 expert weights built on the GPU from random bytes (1.7 GB); with
+    experts=32 GPT-OSS-20B's."""
+    E, H, I = experts, 2880, 2880  # noqa: E741
     g = torch.Generator(device=device).manual_seed(seed)
 
     def mx(rows, cols):
@@ -467,6 +468,33 @@ def test_gpt_oss_120b_shapes(kernel, act):
         expected = torch.empty_like(x)
         reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
         assert_close(out, expected, dtype=dtype, name=f"out (M={m}, {act})")
+
+
+@pytest.mark.gpu
+def test_gpt_oss_20b_shapes():
+    """GPT-OSS-20B's 32 experts hold four times 120B's tokens each at the same M, so from M=8
+    triton.moe_apply.sm90 runs the tiles 120B runs at four times the M
+    (moe_sm90.selection_pairs): every tile regime, down to the decode tiles at M <= 4, against
+    the reference."""
+    config = MoEConfig(**dict(GPT_OSS_120B, num_experts=32), weight_format="mxfp4")
+    spec = get_kernel("moe_apply", HOPPER)
+    if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
+        pytest.skip("no wgmma on this GPU")
+    weights = gpt_oss_weights(experts=32)
+    plan = moe_plan_for(spec, config, 2048, "cuda")
+    prepared = spec.fn.prepare_weights(plan, weights)
+    reference = get_kernel("moe_apply", "reference.moe_apply")
+    ref_plan = moe_plan_for(reference, config, 2048, "cuda")
+    ref_prepared = reference.fn.prepare_weights(ref_plan, weights)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for m in (1, 4, 8, 16, 64, 128, 512, 1024, 2048):
+        x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
+        logits = torch.randn(m, 32, generator=g, device="cuda")
+        out = torch.empty_like(x)
+        spec.fn.apply(plan, x, prepared, router_logits=logits, out=out)
+        expected = torch.empty_like(x)
+        reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
+        assert_close(out, expected, dtype=torch.bfloat16, name=f"out (M={m}, GPT-OSS-20B)")
 
 
 def _wgmma_gpt_oss_layer():

@@ -325,14 +325,15 @@ print(json.dumps([l.constexprs[(l.fn.arg_names.index("BLOCK_T"),)] for l in gemm
 
 
 def test_tp_shards_launch_the_narrow_tiles_from_their_intermediate_size():
-    """At M=256 each GEMM of a TP=4 shard (736 channels, 768 padded) runs its 8-token tiles in
-    a launch of their own; a TP=8 shard's (384) runs one launch per GEMM. The launches as
-    moe_apply makes them for sm_90, in a subprocess without TRITON_INTERPRET: the AOT launch
-    capture cannot take the interpreted kernels these tests run."""
+    """At 8 tokens an expert (GPT-OSS-120B's M=256; here M=16 over 8 experts) each GEMM of a
+    TP=4 shard (736 channels, 768 padded) runs its 8-token tiles in a launch of their own; a
+    TP=8 shard's (384) runs one launch per GEMM. The launches as moe_apply makes them for
+    sm_90, in a subprocess without TRITON_INTERPRET: the AOT launch capture cannot take the
+    interpreted kernels these tests run."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     widths = {}
     for intermediate in (736, 384):
-        command = [sys.executable, "-c", _GEMM_WIDTHS, str(intermediate), "256"]
+        command = [sys.executable, "-c", _GEMM_WIDTHS, str(intermediate), "16"]
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-4000:]
         widths[intermediate] = json.loads(run.stdout.strip().splitlines()[-1])
@@ -758,6 +759,25 @@ def test_expert_parallel_ranks_pick_decode_tiles_by_their_share_of_the_pairs():
     assert pick_fragment_config(key(12, 4, 16, 128)) == CONFIGS[1][1]
 
 
+def test_fewer_experts_pick_tiles_by_tokens_per_expert():
+    """Past the decode tiles the key is the pairs 128 experts would hold at the same tokens per
+    expert: GPT-OSS-20B's 32 experts hold four times GPT-OSS-120B's at the same M, and run the
+    tiles 120B runs at four times the M. Its M <= 4 keep the decode tiles of their own pairs,
+    and no key past the one-program router's pairs reaches a decode tile (they need it)."""
+    key = moe_sm90.selection_pairs
+    assert [key(m, 4, 32, 32) for m in (1, 4)] == [4, 16]
+    assert [key(m, 4, 32, 32) for m in (8, 16, 64, 1024)] == [128, 256, 1024, 16384]
+    for m in (64, 256, 2048):
+        assert pick_fragment_config(key(m, 4, 32, 32)) == pick_fragment_config(
+            key(4 * m, 4, 128, 128)
+        )
+    assert [key(m, 4, 8, 32) for m in (1, 4, 8, 64)] == [1, 4, 128, 1024]  # 20B at EP=4
+    # 256 experts hold half 128's tokens each: M=16 keeps the decode key, M=17 is past the
+    # one-program router (68 pairs) and keys on 65, not a decode tile's 34.
+    assert [key(m, 4, 256, 256) for m in (16, 17, 64)] == [64, 65, 128]
+    assert not pick_fragment_config(key(17, 4, 256, 256)).tile_ready
+
+
 def test_prefill_picks_warp_specialize_both_gemms():
     """From M > 2048 both GEMMs' full tiles run warp-specialized on every shard: into float32
     pair rows on the whole layer, TP=2 and TP=4 shards to M=2816 (fitted widths, giving up
@@ -785,7 +805,9 @@ class _Picked(Exception):
     [
         ("logits", None, 4),  # the router's width: 128 experts
         ("ids", 128, 4),  # the plan's count, passed by the kernel object
-        ("ids", None, 32),  # precomputed ids and no count: the prepared experts
+        # Precomputed ids and no count: a layer of the 16 prepared experts, 2 tokens each,
+        # keyed on the pairs 128 experts would hold at that load.
+        ("ids", None, 256),
     ],
 )
 def test_the_forward_keys_its_pick_on_the_ranks_pairs(monkeypatch, routing, num_experts, want):
