@@ -52,17 +52,14 @@ def layer(shard: str, weights):
     return split(bench.CONFIG, weights, rank=0, world_size=int(shard[2:]))
 
 
+# What a --config expression may name, beside the size m.
+CONFIG_NAMES = dict(FragmentConfig=FragmentConfig, CONFIGS=CONFIGS, dataclasses=dataclasses)
+CONFIG_NAMES.update(first_match=first_match)
+
+
 def parse_configs(texts: list[str], m: int) -> list[FragmentConfig]:
-    """--config expressions at size m, over FragmentConfig, CONFIGS, dataclasses and
-    first_match -> the configs."""
-    names = dict(
-        FragmentConfig=FragmentConfig,
-        CONFIGS=CONFIGS,
-        dataclasses=dataclasses,
-        first_match=first_match,
-        m=m,
-    )
-    configs = [eval(text, names) for text in texts]  # a developer's own expressions
+    """--config expressions at size m (over CONFIG_NAMES) -> the configs."""
+    configs = [eval(text, {**CONFIG_NAMES, "m": m}) for text in texts]  # a developer's own
     for config in configs:
         if not isinstance(config, FragmentConfig):
             raise SystemExit(f"--config: {config!r} is not a FragmentConfig")

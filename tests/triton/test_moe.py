@@ -453,21 +453,29 @@ def test_gpt_oss_120b_shapes(kernel, act):
         elif activation_format == "fp8":
             expected = ("bf16", "e4m3")
         assert (prepared.tensors["w13_decode"], prepared.tensors["w2_decode"]) == expected
-    reference = get_kernel("moe_apply", "reference.moe_apply")
-    ref_plan = moe_plan_for(reference, config, 4096, "cuda")
-    ref_prepared = reference.fn.prepare_weights(ref_plan, weights)
     dtype = torch.float8_e4m3fn if activation_format == "fp8" else torch.bfloat16
-    g = torch.Generator(device="cuda").manual_seed(1)
     # 1 and 4 take the decode tiles, 16 (tile counters), 64, 256 and 384 the serving ones
     # (sm90), 4096 and 4500 (18000 pairs) the prefill.
-    for m in (1, 4, 16, 64, 256, 384, 4096, 4500):
-        x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
-        logits = torch.randn(m, 128, generator=g, device="cuda")
+    sizes = (1, 4, 16, 64, 256, 384, 4096, 4500)
+    _assert_matches_reference(spec, plan, prepared, weights, sizes, dtype, act, seed=1)
+
+
+def _assert_matches_reference(spec, plan, prepared, weights, sizes, dtype, label, seed):
+    """`spec`'s layer (plan, prepared from `weights`) against the reference's at each M of
+    `sizes` (inputs seeded by `seed`), within `dtype`'s tolerance."""
+    config = plan.config
+    reference = get_kernel("moe_apply", "reference.moe_apply")
+    ref_plan = moe_plan_for(reference, config, max(sizes), "cuda")
+    ref_prepared = reference.fn.prepare_weights(ref_plan, weights)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for m in sizes:
+        x = torch.randn(m, config.hidden_size, generator=g, device="cuda").to(torch.bfloat16)
+        logits = torch.randn(m, config.num_experts, generator=g, device="cuda")
         out = torch.empty_like(x)
         spec.fn.apply(plan, x, prepared, router_logits=logits, out=out)
         expected = torch.empty_like(x)
         reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
-        assert_close(out, expected, dtype=dtype, name=f"out (M={m}, {act})")
+        assert_close(out, expected, dtype=dtype, name=f"out (M={m}, {label})")
 
 
 @pytest.mark.gpu
@@ -483,18 +491,8 @@ def test_gpt_oss_20b_shapes():
     weights = gpt_oss_weights(experts=32)
     plan = moe_plan_for(spec, config, 2048, "cuda")
     prepared = spec.fn.prepare_weights(plan, weights)
-    reference = get_kernel("moe_apply", "reference.moe_apply")
-    ref_plan = moe_plan_for(reference, config, 2048, "cuda")
-    ref_prepared = reference.fn.prepare_weights(ref_plan, weights)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    for m in (1, 4, 8, 16, 64, 128, 512, 1024, 2048):
-        x = torch.randn(m, 2880, generator=g, device="cuda").to(torch.bfloat16)
-        logits = torch.randn(m, 32, generator=g, device="cuda")
-        out = torch.empty_like(x)
-        spec.fn.apply(plan, x, prepared, router_logits=logits, out=out)
-        expected = torch.empty_like(x)
-        reference.fn.apply(ref_plan, x, ref_prepared, router_logits=logits, out=expected)
-        assert_close(out, expected, dtype=torch.bfloat16, name=f"out (M={m}, GPT-OSS-20B)")
+    sizes = (1, 4, 8, 16, 64, 128, 512, 1024, 2048)
+    _assert_matches_reference(spec, plan, prepared, weights, sizes, torch.bfloat16, "20B", seed=2)
 
 
 def _wgmma_gpt_oss_layer():
