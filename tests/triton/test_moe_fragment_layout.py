@@ -316,7 +316,7 @@ from tokenspeed_kernel.registry import kernels
 from tokenspeed_kernel.tools import aot
 
 spec = next(s for s in kernels("moe_apply") if s.name == "triton.moe_apply.sm90")
-case = dict(num_experts=8, top_k=4, hidden_size=2880, intermediate_size=int(sys.argv[1]),
+case = dict(num_experts=16, top_k=4, hidden_size=2880, intermediate_size=int(sys.argv[1]),
             num_tokens=int(sys.argv[2]))
 launches = aot.run_case_launches(spec, case, "sm_90")
 gemms = [l for l in launches if l.fn.__name__ == "_fragment_gemm_kernel"]
@@ -325,7 +325,7 @@ print(json.dumps([l.constexprs[(l.fn.arg_names.index("BLOCK_T"),)] for l in gemm
 
 
 def test_tp_shards_launch_the_narrow_tiles_from_their_intermediate_size():
-    """At 8 tokens an expert (GPT-OSS-120B's M=256; here M=16 over 8 experts) each GEMM of a
+    """At 8 tokens an expert (GPT-OSS-120B's M=256; here M=32 over 16 experts) each GEMM of a
     TP=4 shard (736 channels, 768 padded) runs its 8-token tiles in a launch of their own; a
     TP=8 shard's (384) runs one launch per GEMM. The launches as moe_apply makes them for
     sm_90, in a subprocess without TRITON_INTERPRET: the AOT launch capture cannot take the
@@ -333,7 +333,7 @@ def test_tp_shards_launch_the_narrow_tiles_from_their_intermediate_size():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     widths = {}
     for intermediate in (736, 384):
-        command = [sys.executable, "-c", _GEMM_WIDTHS, str(intermediate), "16"]
+        command = [sys.executable, "-c", _GEMM_WIDTHS, str(intermediate), "32"]
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-4000:]
         widths[intermediate] = json.loads(run.stdout.strip().splitlines()[-1])
@@ -762,18 +762,18 @@ def test_expert_parallel_ranks_pick_decode_tiles_by_their_share_of_the_pairs():
 def test_fewer_experts_pick_tiles_by_tokens_per_expert():
     """Past the decode tiles the key is the pairs 128 experts would hold at the same tokens per
     expert: GPT-OSS-20B's 32 experts hold four times GPT-OSS-120B's at the same M, and run the
-    tiles 120B runs at four times the M. Its M <= 4 keep the decode tiles of their own pairs,
+    tiles 120B runs at four times the M. Its decode sizes (M <= 16) keep their own decode keys,
     and no key past the one-program router's pairs reaches a decode tile (they need it)."""
     key = moe_sm90.selection_pairs
-    assert [key(m, 4, 32, 32) for m in (1, 4)] == [4, 16]
-    assert [key(m, 4, 32, 32) for m in (8, 16, 64, 1024)] == [128, 256, 1024, 16384]
+    assert [key(m, 4, 32, 32) for m in (1, 4, 8, 16)] == [4, 16, 32, 64]
+    assert [key(m, 4, 32, 32) for m in (17, 64, 1024)] == [272, 1024, 16384]
     for m in (64, 256, 2048):
         assert pick_fragment_config(key(m, 4, 32, 32)) == pick_fragment_config(
             key(4 * m, 4, 128, 128)
         )
-    assert [key(m, 4, 8, 32) for m in (1, 4, 8, 64)] == [1, 4, 128, 1024]  # 20B at EP=4
-    # 256 experts hold half 128's tokens each: M=16 keeps the decode key, M=17 is past the
-    # one-program router (68 pairs) and keys on 65, not a decode tile's 34.
+    assert [key(m, 4, 8, 32) for m in (1, 4, 8, 64)] == [1, 4, 8, 1024]  # 20B at EP=4
+    # 256 experts hold half 128's tokens each: M=17 is past the one-program router (68
+    # pairs) and keys on 65, not a decode tile's 34.
     assert [key(m, 4, 256, 256) for m in (16, 17, 64)] == [64, 65, 128]
     assert not pick_fragment_config(key(17, 4, 256, 256)).tile_ready
 
@@ -805,9 +805,7 @@ class _Picked(Exception):
     [
         ("logits", None, 4),  # the router's width: 128 experts
         ("ids", 128, 4),  # the plan's count, passed by the kernel object
-        # Precomputed ids and no count: a layer of the 16 prepared experts, 2 tokens each,
-        # keyed on the pairs 128 experts would hold at that load.
-        ("ids", None, 256),
+        ("ids", None, 32),  # precomputed ids and no count: the prepared experts
     ],
 )
 def test_the_forward_keys_its_pick_on_the_ranks_pairs(monkeypatch, routing, num_experts, want):
