@@ -480,10 +480,9 @@ def _assert_matches_reference(spec, plan, prepared, weights, sizes, dtype, label
 
 @pytest.mark.gpu
 def test_gpt_oss_20b_shapes():
-    """GPT-OSS-20B's 32 experts hold four times 120B's tokens each at the same M, so from M=8
-    triton.moe_apply.sm90 runs the tiles 120B runs at four times the M
-    (moe_sm90.selection_pairs): every tile regime, down to the decode tiles at M <= 4, against
-    the reference."""
+    """GPT-OSS-20B's 32 experts hold four times 120B's tokens each at the same M, so past the
+    decode tiles (M > 16) triton.moe_apply.sm90 runs the tiles 120B runs at four times the M
+    (moe_sm90.selection_pairs): every tile regime against the reference."""
     config = MoEConfig(**dict(GPT_OSS_120B, num_experts=32), weight_format="mxfp4")
     spec = get_kernel("moe_apply", HOPPER)
     if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
