@@ -179,8 +179,8 @@ def _sections(text: str) -> dict[str, str]:
     none worth keeping (it was written whole)."""
     pattern = re.compile("^" + re.escape(SECTION_MARK).replace(r"\{\}", "(.+?)") + "$", re.M)
     marks = list(pattern.finditer(text))
-    sections = {}
-    for mark, after in zip(marks, marks[1:] + [None], strict=True):
-        body = text[mark.end() : after.start() if after else len(text)]
-        sections[mark.group(1)] = body.strip("\n") + "\n"
-    return sections
+    ends = [mark.start() for mark in marks[1:]] + [len(text)]
+    return {
+        mark.group(1): text[mark.end() : end].strip("\n") + "\n"
+        for mark, end in zip(marks, ends[: len(marks)], strict=True)
+    }
