@@ -179,8 +179,8 @@ def _sections(text: str) -> dict[str, str]:
     none worth keeping (it was written whole)."""
     pattern = re.compile("^" + re.escape(SECTION_MARK).replace(r"\{\}", "(.+?)") + "$", re.M)
     marks = list(pattern.finditer(text))
-    ends = [mark.start() for mark in marks[1:]] + [len(text)]
-    return {
-        mark.group(1): text[mark.end() : end].strip("\n") + "\n"
-        for mark, end in zip(marks, ends[: len(marks)], strict=True)
-    }
+    sections = {}
+    for i, mark in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
+        sections[mark.group(1)] = text[mark.end() : end].strip("\n") + "\n"
+    return sections
