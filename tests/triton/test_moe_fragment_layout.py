@@ -27,7 +27,7 @@ from tokenspeed_kernel_triton.moe.combine import combine
 from tokenspeed_kernel_triton.moe.fragment_config_sm90 import (
     CONFIGS,
     FragmentConfig,
-    for_intermediate,
+    for_layer,
     gemm2_splits,
     half_pair_rows,
     half_pair_rows_bound,
@@ -249,19 +249,19 @@ def test_shards_run_the_config_below_their_intermediate_size():
     the pick at M=13 runs its 4-step ring on the whole layer and TP=2 only."""
     short = FragmentConfig(128, 16, 4, 4, pdl=True)
     config = FragmentConfig(128, 16, 4, 4, pdl=True, narrow_t=8, below_intermediate=(768, short))
-    assert for_intermediate(config, 384) is short
-    assert for_intermediate(config, 768) is config
-    assert for_intermediate(config, 2944) is config
+    assert for_layer(config, 384, 128) is short
+    assert for_layer(config, 768, 128) is config
+    assert for_layer(config, 2944, 128) is config
     chained = dataclasses.replace(config, stages=3, below_intermediate=(2048, config))
-    assert [for_intermediate(chained, i) for i in (384, 1536, 2944)] == [short, config, chained]
+    assert [for_layer(chained, i, 128) for i in (384, 1536, 2944)] == [short, config, chained]
     plain = FragmentConfig(128, 64, 4, 4, pdl=True, narrow_t=32)
-    assert for_intermediate(plain, 128) is plain
+    assert for_layer(plain, 128, 128) is plain
     pick = pick_fragment_config(256 * 4)
-    assert pick.narrow_t == 8 and for_intermediate(pick, 384).narrow_t == 0
+    assert pick.narrow_t == 8 and for_layer(pick, 384, 128).narrow_t == 0
     # Fitted MMA widths on the whole layer and TP=2 shards, TP=4 to M=2816 (H200 measurements).
     fitted = {
         m: [
-            for_intermediate(pick_fragment_config(m * 4), i).fit_widths
+            for_layer(pick_fragment_config(m * 4), i, 128).fit_widths
             for i in (384, 768, 1536, 2944)
         ]
         for m in (2049, 2816, 2817, 8192)
@@ -273,12 +273,16 @@ def test_shards_run_the_config_below_their_intermediate_size():
         8192: [False, False, True, True],
     }
     # M = 1025 to 2048: the narrow launch to M=1280 on the long intermediates, then one
-    # launch of 64-token tiles to M=1664, then 128-token tiles whose 64-token narrow tiles
-    # have a 4-step ring (H200 measurements).
+    # launch of 64-token tiles to M=1664, then on TP=8 shards 128-token tiles whose 64-token
+    # narrow tiles have a 4-step ring, on the others the warp-specialized kernel (H200
+    # measurements).
     shapes = {}
     for m in (1024, 1152, 1280, 1536, 1664, 1792, 2048):
-        picked = [for_intermediate(pick_fragment_config(m * 4), i) for i in (384, 768, 1536, 2944)]
-        shapes[m] = [(c.block_t, c.stages, c.narrow_t, c.narrow_stages) for c in picked]
+        picked = [for_layer(pick_fragment_config(m * 4), i, 128) for i in (384, 768, 1536, 2944)]
+        shapes[m] = [
+            "ws" if c.warp_specialized else (c.block_t, c.stages, c.narrow_t, c.narrow_stages)
+            for c in picked
+        ]
     narrow_32, tile_64, tile_128 = (64, 4, 32, 0), (64, 4, 0, 0), (128, 2, 64, 4)
     assert shapes == {
         1024: [narrow_32] * 4,
@@ -286,14 +290,14 @@ def test_shards_run_the_config_below_their_intermediate_size():
         1280: [tile_64, tile_64, narrow_32, narrow_32],
         1536: [tile_64] * 4,
         1664: [tile_64] * 4,
-        1792: [tile_128] * 4,
-        2048: [tile_128] * 4,
+        1792: [tile_128, "ws", "ws", "ws"],
+        2048: [tile_128, "ws", "ws", "ws"],
     }
     # M = 257 to 512: 32-token tiles with a 16-token narrow launch; TP=8 shards one launch
     # of 16-token tiles to M=384, of 32-token ones beyond (H200 measurements).
     shapes = {}
     for m in (256, 257, 384, 385, 512, 513):
-        picked = [for_intermediate(pick_fragment_config(m * 4), i) for i in (384, 768, 2944)]
+        picked = [for_layer(pick_fragment_config(m * 4), i, 128) for i in (384, 768, 2944)]
         shapes[m] = [(c.block_t, c.narrow_t) for c in picked]
     assert shapes == {
         256: [(16, 0), (16, 8), (16, 8)],
@@ -304,10 +308,54 @@ def test_shards_run_the_config_below_their_intermediate_size():
         513: [(64, 32)] * 3,
     }
     decode = pick_fragment_config(13 * 4)
-    assert [for_intermediate(decode, i).stages for i in (384, 768, 1536, 2944)] == [3, 3, 4, 4]
+    assert [for_layer(decode, i, 128).stages for i in (384, 768, 1536, 2944)] == [3, 3, 4, 4]
     for bad in ((0, short), (-1, short), (768, "short"), 768, (768,)):
         with pytest.raises(ValueError, match="below_intermediate"):
             FragmentConfig(128, 16, 4, 4, below_intermediate=bad)
+        with pytest.raises(ValueError, match="below_expert_channels"):
+            FragmentConfig(128, 16, 4, 4, below_expert_channels=bad)
+
+
+def test_few_local_channels_keep_the_fragment_kernel_at_m_2048():
+    """At ~52-64 tokens per expert the warp-specialized kernel runs where the local experts'
+    padded channels together reach 64 K, the 128-token fragment tile where they do not: TP=8
+    shards, EP=8 ranks, GPT-OSS-20B's TP=2 shard and EP=2 rank (H200 measurements). The rule
+    resolves before the intermediate size's, and the sizes around keep their picks."""
+    layers = {
+        "120B whole": (2944, 128),
+        "120B TP=2": (1472, 128),
+        "120B TP=4": (768, 128),
+        "120B TP=8": (384, 128),
+        "120B EP=2": (2944, 64),
+        "120B EP=4": (2944, 32),
+        "120B EP=8": (2944, 16),
+        "20B whole": (2944, 32),
+        "20B TP=2": (1472, 32),
+        "20B EP=2": (2944, 16),
+    }
+    few = {"120B TP=8", "120B EP=8", "20B TP=2", "20B EP=2"}
+    for num_experts, m in ((128, 1792), (128, 2048), (32, 448), (32, 512)):
+        for name, (intermediate, local) in layers.items():
+            if (num_experts == 32) != name.startswith("20B"):
+                continue
+            pairs = moe_sm90.selection_pairs(m, 4, local, num_experts)
+            config = for_layer(pick_fragment_config(pairs), intermediate, local)
+            assert config.warp_specialized == (name not in few), (name, m)
+            if not config.warp_specialized:
+                assert (config.block_t, config.narrow_t, config.narrow_stages) == (128, 64, 4)
+            else:
+                assert config.fit_widths and config.warp_specialized_gemm2, (name, m)
+    # The TP=4 shard takes the float32 pair rows' form below 1024 channels.
+    tp4 = for_layer(pick_fragment_config(2048 * 4), 768, 128)
+    assert not half_pair_rows(tp4, 768, 1)
+    for m in (1664, 2049):
+        assert for_layer(pick_fragment_config(m * 4), 2944, 16) == for_layer(
+            pick_fragment_config(m * 4), 2944, 128
+        )
+    fallback = FragmentConfig(128, 64, 4, 4)
+    config = FragmentConfig(128, 16, 4, 4, below_expert_channels=(65536, fallback))
+    assert for_layer(config, 384, 170) is fallback
+    assert for_layer(config, 384, 171) is config  # 65664 channels
 
 
 _GEMM_WIDTHS = """
@@ -784,7 +832,7 @@ def test_prefill_picks_warp_specialize_both_gemms():
     fp16 pair rows), into fp16 pair rows on TP=8 shards and TP=4 beyond (128 columns)."""
 
     def gemm2_form(m, padded_intermediate):
-        config = for_intermediate(pick_fragment_config(m * 4), padded_intermediate)
+        config = for_layer(pick_fragment_config(m * 4), padded_intermediate, 128)
         assert config.warp_specialized and config.warp_specialized_gemm2, (m, padded_intermediate)
         return half_pair_rows(config, padded_intermediate, 1), config.fit_widths
 
@@ -793,7 +841,9 @@ def test_prefill_picks_warp_specialize_both_gemms():
         assert gemm2_form(m, 1472) == (False, True)  # TP=2
         assert gemm2_form(m, 768) == ((True, False) if m > 2816 else (False, True))  # TP=4
         assert gemm2_form(m, 384) == (True, False)  # TP=8
-    assert not pick_fragment_config(2048 * 4).warp_specialized_gemm2
+    # Below M=2049 only where the local experts' channels are many (the next test).
+    assert not for_layer(pick_fragment_config(2048 * 4), 384, 128).warp_specialized
+    assert not pick_fragment_config(1664 * 4).warp_specialized
 
 
 class _Picked(Exception):

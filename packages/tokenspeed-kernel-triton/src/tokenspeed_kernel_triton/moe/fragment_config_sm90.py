@@ -31,8 +31,11 @@ class FragmentConfig:
     steps (0: `stages`; a narrow tile's ring takes less shared memory, so it affords more
     steps at the same CTAs per SM); below_intermediate =
     (channels, config): the config that runs instead where the padded intermediate size is
-    under `channels` (for_intermediate: a TP shard's short GEMMs can pay more for a second
-    launch than its narrower MMAs save); half_pair_rows: GEMM2 may
+    under `channels` (for_layer: a TP shard's short GEMMs can pay more for a second
+    launch than its narrower MMAs save); below_expert_channels = (channels, config): the config
+    that runs instead where the local experts' padded intermediate channels together (experts x
+    padded intermediate) are under `channels` (for_layer: few experts or short shards leave a
+    persistent kernel few work items per SM); half_pair_rows: GEMM2 may
     store its pair rows in fp16 (half the bytes written and read back by the combine), the
     elements not below half_pair_rows_bound() in magnitude exact in float32, where
     half_pair_rows() says; warp_specialized: the full tiles run in the warp-specialized
@@ -55,6 +58,7 @@ class FragmentConfig:
     narrow_t: int = 0
     narrow_stages: int = 0
     below_intermediate: tuple[int, FragmentConfig] | None = None
+    below_expert_channels: tuple[int, FragmentConfig] | None = None
     half_pair_rows: bool = False
     warp_specialized: bool = False
     warp_specialized_gemm2: bool = False
@@ -84,18 +88,18 @@ class FragmentConfig:
                 f"FragmentConfig: narrow_stages {self.narrow_stages} needs narrow_t and at "
                 f"least 2 steps"
             )
-        below = self.below_intermediate
-        if below is not None and not (
-            isinstance(below, tuple)
-            and len(below) == 2
-            and isinstance(below[0], int)
-            and below[0] > 0
-            and isinstance(below[1], FragmentConfig)
-        ):
-            raise ValueError(
-                f"FragmentConfig: below_intermediate {below!r} is not "
-                f"(channels > 0, FragmentConfig)"
-            )
+        for field in ("below_intermediate", "below_expert_channels"):
+            below = getattr(self, field)
+            if below is not None and not (
+                isinstance(below, tuple)
+                and len(below) == 2
+                and isinstance(below[0], int)
+                and below[0] > 0
+                and isinstance(below[1], FragmentConfig)
+            ):
+                raise ValueError(
+                    f"FragmentConfig: {field} {below!r} is not (channels > 0, FragmentConfig)"
+                )
         if self.warp_specialized and (
             (self.block_w, self.block_t, self.num_warps, self.chunks) != (128, 128, 4, 1)
             or self.post_scale
@@ -137,6 +141,23 @@ _PREFILL_WS = FragmentConfig(
 )
 # Both GEMMs' full tiles warp-specialized, at 128 columns: the TP shards' prefill tile.
 _PREFILL_WS_BOTH = dataclasses.replace(_PREFILL_WS, warp_specialized_gemm2=True)
+# Both warp-specialized at fitted widths into float32 pair rows, fp16 rows on TP=4 shards at 128
+# columns: M = 1665 to 2816 (CONFIGS).
+_PREFILL_WS_FITTED = dataclasses.replace(
+    _PREFILL_WS,
+    fit_widths=True,
+    warp_specialized_gemm2=True,
+    below_intermediate=(
+        1024,
+        dataclasses.replace(
+            _PREFILL_WS,
+            fit_widths=True,
+            warp_specialized_gemm2=True,
+            half_pair_rows=False,
+            below_intermediate=(512, _PREFILL_WS_BOTH),
+        ),
+    ),
+)
 
 # (max tokens x top_k, config), first match wins. Timings: H200, GPT-OSS-120B, shift decode,
 # fp16 SwiGLU intermediate, CUDA-graph timed end to end over 4 layers' weights (L2-cold) for
@@ -301,7 +322,8 @@ CONFIGS = (
     # 182.9 / 208.4 / - / 203.7, M=1664 185.8 / - / 194.2 / 207.0.
     (5120, dataclasses.replace(_TILE_64_NARROW_32, below_intermediate=(1024, _TILE_64))),
     (6656, _TILE_64),
-    # M = 1665 to 2048, ~52 to 64 rows per expert: 128-token tiles whose experts of at most
+    # M = 1665 to 2048, ~52 to 64 rows per expert, where the local experts' channels are few
+    # (the next paragraph): 128-token tiles whose experts of at most
     # 64 rows run as 128x64 tiles in the narrow launch, and those of 65 to 128 as one
     # 128-token tile rather than two 64-token ones (H200, µs, this with a 2-step narrow
     # ring / 64-token tiles / vLLM:
@@ -311,9 +333,32 @@ CONFIGS = (
     # 4 / 2 steps / vLLM: whole layer M=1792 1174.3 / 1193.5 / 1255.5, M=2048 1337.6 / 1335.0
     # / 1585.2; TP=2 M=1792 622.3 / 639.0 / 686.2; TP=4 M=1792 345.4 / 354.5 / 375.8; TP=8
     # M=1792 215.0 / 221.7 / 243.0, M=2048 242.1 / 246.2 / 293.9 (3 steps 215.2 and 242.6).
+    # Where the local experts' channels are many (GPT-OSS-120B's whole layer, TP=2 and TP=4
+    # shards, EP=2 and EP=4 ranks), both GEMMs warp-specialized at fitted widths, as from M >
+    # 2048 (below); where few (TP=8 shards, EP=8 ranks, GPT-OSS-20B's TP=2 shard and EP=2
+    # rank: 47-49 K channels against 94 K and more), whose persistent kernel would have 2-3
+    # GEMM1 work items an SM, the 128-token tile. H200 (GPU-4c23b9da), 2026-11-29,
+    # `benchmarks/ab_moe_configs.py`, graph-timed over 4 layers, outputs bit for bit the same,
+    # µs, the 128-token tile / warp-specialized / vLLM: whole layer M=1792 1174.1 / 1148.7 /
+    # 1250.9, M=2048 1335.6 / 1220.3 / 1550.1; TP=2 M=1792 640.1 / 630.6 / 685.4, M=2048 736.2 /
+    # 687.8 / 839.6; TP=4 M=1792 353.9 / 356.9 / 375.7, M=2048 405.4 / 392.9 / 464.9; EP=2 M=1792
+    # 619.4 / 604.4 / 826.6, M=2048 668.3 / 640.1 / 826.8; EP=4 M=1792 332.7 / 328.6 / 420.1,
+    # M=2048 344.1 / 331.5 / 422.9; TP=8 M=1792 217.6 / 251.1 / 244.4, M=2048 243.1 / 254.6 /
+    # 294.0; EP=8 M=1792 182.8 / 196.7 / 240.9, M=2048 195.5 / 209.1 / 241.6. GPT-OSS-20B at
+    # the same tokens per expert: whole layer (94 K channels) M=448 307.3 / 309.4 / 337.5,
+    # M=512 344.8 / 333.5 / 375.2; TP=2 M=448 173.7 / 186.8 / 202.1, M=512 192.2 / 189.1 /
+    # 205.8; EP=2 M=448 170.6 / 184.4 / 231.7, M=512 189.6 / 200.8 / 230.3.
     (
         8192,
-        FragmentConfig(128, 128, 4, 2, pdl=True, narrow_t=64, narrow_stages=4, half_pair_rows=True),
+        dataclasses.replace(
+            _PREFILL_WS_FITTED,
+            below_expert_channels=(
+                65536,
+                FragmentConfig(
+                    128, 128, 4, 2, pdl=True, narrow_t=64, narrow_stages=4, half_pair_rows=True
+                ),
+            ),
+        ),
     ),
     # From ~128 rows per expert: 128 tokens per tile halve the weight decode per MMA, and a
     # two-step ring keeps shared memory for two independent 4-warp CTAs per SM (255
@@ -381,24 +426,7 @@ CONFIGS = (
     # 964.3 / 934.2 / 959.1 / 952.0, M=8192 1120.6 / 1105.8 / - / 1180.0; TP=4, float32 rows
     # fitted (the pick then) / fp16 rows warp-specialized / vLLM: M=2304 420.3 / 440.5 / 474.3,
     # M=2816 457.0 / 464.2 / 483.5, M=3072 479.3 / 459.0 / 483.9.
-    (
-        11264,
-        dataclasses.replace(
-            _PREFILL_WS,
-            fit_widths=True,
-            warp_specialized_gemm2=True,
-            below_intermediate=(
-                1024,
-                dataclasses.replace(
-                    _PREFILL_WS,
-                    fit_widths=True,
-                    warp_specialized_gemm2=True,
-                    half_pair_rows=False,
-                    below_intermediate=(512, _PREFILL_WS_BOTH),
-                ),
-            ),
-        ),
-    ),
+    (11264, _PREFILL_WS_FITTED),
     (
         None,
         dataclasses.replace(
@@ -418,15 +446,21 @@ def scaled_fragments(config: FragmentConfig) -> FragmentConfig:
     return dataclasses.replace(config, post_scale=False, block_t=8)
 
 
-def for_intermediate(config: FragmentConfig, padded_intermediate: int) -> FragmentConfig:
-    """The config as it runs at `padded_intermediate` channels: below_intermediate's where
-    there are fewer (in turn). Every moe_apply asks: a field read where nothing changes."""
-    while config.below_intermediate is not None:
-        channels, other = config.below_intermediate
-        if padded_intermediate >= channels:
-            break
-        config = other
-    return config
+def for_layer(
+    config: FragmentConfig, padded_intermediate: int, local_experts: int
+) -> FragmentConfig:
+    """The config as it runs on `local_experts` experts of `padded_intermediate` channels:
+    below_expert_channels' where their channels together are fewer, below_intermediate's where
+    the intermediate is shorter (in turn). Every moe_apply asks: field reads where nothing
+    changes."""
+    while True:
+        by_experts, by_intermediate = config.below_expert_channels, config.below_intermediate
+        if by_experts is not None and local_experts * padded_intermediate < by_experts[0]:
+            config = by_experts[1]
+        elif by_intermediate is not None and padded_intermediate < by_intermediate[0]:
+            config = by_intermediate[1]
+        else:
+            return config
 
 
 @functools.cache

@@ -19,7 +19,7 @@ from .combine import combine
 from .fragment_config_sm90 import (
     CONFIGS,
     FragmentConfig,
-    for_intermediate,
+    for_layer,
     gemm2_splits,
     grid_wait,
     half_pair_rows,
@@ -132,7 +132,7 @@ def moe_forward_sm90(
     if num_experts is None:
         num_experts = layer_experts(prepared, routing_inputs.get("router_logits"), expert_offset)
     pairs = selection_pairs(M, top_k, prepared["num_experts"], num_experts)
-    config = for_intermediate(pick_config(pairs, post_scalable), Ip)
+    config = for_layer(pick_config(pairs, post_scalable), Ip, prepared["num_experts"])
     routing_inputs = dict(routing_inputs, expert_offset=expert_offset)
     # With a static intermediate scale GEMM1 quantizes its own SwiGLU rows; per-row scales
     # need whole rows, which a pass quantizes between the GEMMs (GEMM2 then waits for it,
