@@ -273,9 +273,9 @@ def test_shards_run_the_config_below_their_intermediate_size():
         8192: [False, False, True, True],
     }
     # M = 1025 to 2048: the narrow launch to M=1280 on the long intermediates, then one
-    # launch of 64-token tiles to M=1664, then on TP=8 shards 128-token tiles whose 64-token
-    # narrow tiles have a 4-step ring, on the others the warp-specialized kernel (H200
-    # measurements).
+    # launch of 64-token tiles to M=1664, then on TP=8 shards (and TP=4 to M=1792) 128-token
+    # tiles whose 64-token narrow tiles have a 4-step ring, on the others the warp-specialized
+    # kernel (H200 measurements).
     shapes = {}
     for m in (1024, 1152, 1280, 1536, 1664, 1792, 2048):
         picked = [for_layer(pick_fragment_config(m * 4), i, 128) for i in (384, 768, 1536, 2944)]
@@ -290,7 +290,7 @@ def test_shards_run_the_config_below_their_intermediate_size():
         1280: [tile_64, tile_64, narrow_32, narrow_32],
         1536: [tile_64] * 4,
         1664: [tile_64] * 4,
-        1792: [tile_128, "ws", "ws", "ws"],
+        1792: [tile_128, tile_128, "ws", "ws"],
         2048: [tile_128, "ws", "ws", "ws"],
     }
     # M = 257 to 512: 32-token tiles with a 16-token narrow launch; TP=8 shards one launch
@@ -317,10 +317,11 @@ def test_shards_run_the_config_below_their_intermediate_size():
 
 
 def test_few_local_channels_keep_the_fragment_kernel_at_m_2048():
-    """At ~52-64 tokens per expert the warp-specialized kernel runs where the local experts'
+    """At ~57-64 tokens per expert the warp-specialized kernel runs where the local experts'
     padded channels together reach 64 K, the 128-token fragment tile where they do not: TP=8
-    shards, EP=8 ranks, GPT-OSS-20B's TP=2 shard and EP=2 rank (H200 measurements). The rule
-    resolves before the intermediate size's, and the sizes around keep their picks."""
+    shards, EP=8 ranks, GPT-OSS-20B's TP=2 shard and EP=2 rank; at ~52-56 from 128 K, which
+    leaves the TP=4 shard, EP=4 rank and 20B's whole layer the tile too (H200 measurements).
+    The rule resolves before the intermediate size's, and the sizes around keep their picks."""
     layers = {
         "120B whole": (2944, 128),
         "120B TP=2": (1472, 128),
@@ -334,13 +335,15 @@ def test_few_local_channels_keep_the_fragment_kernel_at_m_2048():
         "20B EP=2": (2944, 16),
     }
     few = {"120B TP=8", "120B EP=8", "20B TP=2", "20B EP=2"}
-    for num_experts, m in ((128, 1792), (128, 2048), (32, 448), (32, 512)):
+    fewer_at_56 = few | {"120B TP=4", "120B EP=4", "20B whole"}
+    for num_experts, m in ((128, 1792), (128, 1793), (128, 2048), (32, 448), (32, 449)):
         for name, (intermediate, local) in layers.items():
             if (num_experts == 32) != name.startswith("20B"):
                 continue
             pairs = moe_sm90.selection_pairs(m, 4, local, num_experts)
             config = for_layer(pick_fragment_config(pairs), intermediate, local)
-            assert config.warp_specialized == (name not in few), (name, m)
+            tile = fewer_at_56 if m in (1792, 448) else few
+            assert config.warp_specialized == (name not in tile), (name, m)
             if not config.warp_specialized:
                 assert (config.block_t, config.narrow_t, config.narrow_stages) == (128, 64, 4)
             else:

@@ -141,6 +141,11 @@ _PREFILL_WS = FragmentConfig(
 )
 # Both GEMMs' full tiles warp-specialized, at 128 columns: the TP shards' prefill tile.
 _PREFILL_WS_BOTH = dataclasses.replace(_PREFILL_WS, warp_specialized_gemm2=True)
+# 128-token tiles whose tiles of at most 64 tokens run as 128x64 on a 4-step ring: M = 1665
+# to 2048 where the local experts' channels are few (CONFIGS).
+_TILE_128 = FragmentConfig(
+    128, 128, 4, 2, pdl=True, narrow_t=64, narrow_stages=4, half_pair_rows=True
+)
 # Both warp-specialized at fitted widths into float32 pair rows, fp16 rows on TP=4 shards at 128
 # columns: M = 1665 to 2816 (CONFIGS).
 _PREFILL_WS_FITTED = dataclasses.replace(
@@ -348,18 +353,13 @@ CONFIGS = (
     # the same tokens per expert: whole layer (94 K channels) M=448 307.3 / 309.4 / 337.5,
     # M=512 344.8 / 333.5 / 375.2; TP=2 M=448 173.7 / 186.8 / 202.1, M=512 192.2 / 189.1 /
     # 205.8; EP=2 M=448 170.6 / 184.4 / 231.7, M=512 189.6 / 200.8 / 230.3.
-    (
-        8192,
-        dataclasses.replace(
-            _PREFILL_WS_FITTED,
-            below_expert_channels=(
-                65536,
-                FragmentConfig(
-                    128, 128, 4, 2, pdl=True, narrow_t=64, narrow_stages=4, half_pair_rows=True
-                ),
-            ),
-        ),
-    ),
+    # At M=1792 (56 tokens per expert) the TP=4 shard and the 94 K channels beside it lose or
+    # sit level: there the warp-specialized kernel takes from 128 K channels (another H200 the
+    # same day, same method, µs, the 128-token tile / warp-specialized / vLLM: whole layer
+    # M=1792 1190.5 / 1166.8 / 1258.5, M=2048 1350.8 / 1238.9 / 1597.9; TP=4 M=1792 351.5 /
+    # 362.4 / 378.4, M=2048 404.1 / 399.0 / 468.4).
+    (7168, dataclasses.replace(_PREFILL_WS_FITTED, below_expert_channels=(131072, _TILE_128))),
+    (8192, dataclasses.replace(_PREFILL_WS_FITTED, below_expert_channels=(65536, _TILE_128))),
     # From ~128 rows per expert: 128 tokens per tile halve the weight decode per MMA, and a
     # two-step ring keeps shared memory for two independent 4-warp CTAs per SM (255
     # registers), which interleave one's decode with the other's wgmmas. One 8-warp CTA of two
