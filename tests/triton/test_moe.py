@@ -11,6 +11,8 @@ the bits before the cast. Compiled kernels use the hardware paths; no tolerance 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -34,6 +36,7 @@ from tokenspeed_kernel.testing import (
 )
 from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_weights
 from tokenspeed_kernel.tuning import pin_config
+from tokenspeed_kernel_triton.moe import moe as moe_module
 from tokenspeed_kernel_triton.moe import workspace
 from tokenspeed_kernel_triton.moe.fragment_config_sm90 import FragmentConfig
 from tokenspeed_kernel_triton.moe.moe import MoETileConfig
@@ -320,6 +323,54 @@ def test_scale_bytes_beyond_kernel_range_are_refused():
         get_kernel("moe_apply", KERNEL).fn.prepare_weights(plan, bad)
 
 
+class _Picked(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "vendor,experts,tokens,want_block_m",
+    [
+        ("nvidia", 128, 2048, 64),  # GPT-OSS-120B: 64 tokens an expert
+        ("nvidia", 32, 2048, 128),  # GPT-OSS-20B: 256, as 120B's M=8192
+        ("nvidia", 32, 1024, 64),  # 128 an expert, as 120B's M=4096
+        ("nvidia", 32, 16, 16),  # the decode tiles keep their pairs
+        ("amd", 32, 512, 64),  # AMD's table: pairs (measured on 128 experts only)
+    ],
+)
+def test_the_portable_tiles_follow_tokens_per_expert_on_nvidia(
+    monkeypatch, vendor, experts, tokens, want_block_m
+):
+    """The portable kernel's NVIDIA table was measured on 128 experts' pairs; fewer experts
+    hold more tokens each and read it at the pairs 128 would hold (the H200 measurements in
+    moe.py). AMD's keeps tokens x top_k."""
+    picked = []
+    real_pick = moe_module.pick_config
+
+    def pick(key, platform_vendor):
+        picked.append(real_pick(key, platform_vendor))
+        raise _Picked
+
+    monkeypatch.setattr(moe_module, "pick_config", pick)
+    monkeypatch.setattr(moe_module, "platform_of", lambda device: SimpleNamespace(vendor=vendor))
+    x = torch.zeros(tokens, 64, dtype=torch.bfloat16)
+    prepared = dict(num_experts=experts)
+    with pytest.raises(_Picked):
+        moe_module.moe_forward(
+            x,
+            prepared,
+            top_k=4,
+            out=torch.empty_like(x),
+            router_logits=torch.zeros(tokens, experts),
+        )
+    assert picked[0].block_m == want_block_m
+    # The registered kernel passes the plan's expert count (an expert-parallel rank's layer).
+    config = MoEConfig(128, 4, 64, 96, num_local_experts=16)
+    options = moe_module.TritonMoE().forward_options(
+        config, dict(w13_input_scale=None, w2_input_scale=None)
+    )
+    assert options["num_experts"] == 128
+
+
 def test_pinned_config_gives_the_same_result():
     """Every tile config is an exact reorganization: a pinned 32-row config (two experts'
     rows padded differently) reproduces the default's output bit for bit."""
@@ -482,7 +533,7 @@ def _assert_matches_reference(spec, plan, prepared, weights, sizes, dtype, label
 def test_gpt_oss_20b_shapes():
     """GPT-OSS-20B's 32 experts hold four times 120B's tokens each at the same M, so past the
     decode tiles (M > 16) triton.moe_apply.sm90 runs the tiles 120B runs at four times the M
-    (moe_sm90.selection_pairs): every tile regime against the reference."""
+    (_common.selection_pairs): every tile regime against the reference."""
     config = MoEConfig(**dict(GPT_OSS_120B, num_experts=32), weight_format="mxfp4")
     spec = get_kernel("moe_apply", HOPPER)
     if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):

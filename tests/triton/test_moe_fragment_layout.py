@@ -20,7 +20,7 @@ import torch
 
 from tokenspeed_kernel.ops.moe.types import MoEConfig
 from tokenspeed_kernel.tuning import pin_config
-from tokenspeed_kernel_triton.moe import moe_sm90
+from tokenspeed_kernel_triton.moe import _common, moe_sm90
 from tokenspeed_kernel_triton.moe import shift_words_sm90 as shift_words
 from tokenspeed_kernel_triton.moe._common import swiglu_fits_f16
 from tokenspeed_kernel_triton.moe.combine import combine
@@ -340,7 +340,7 @@ def test_few_local_channels_keep_the_fragment_kernel_at_m_2048():
         for name, (intermediate, local) in layers.items():
             if (num_experts == 32) != name.startswith("20B"):
                 continue
-            pairs = moe_sm90.selection_pairs(m, 4, local, num_experts)
+            pairs = _common.selection_pairs(m, 4, local, num_experts)
             config = for_layer(pick_fragment_config(pairs), intermediate, local)
             tile = fewer_at_56 if m in (1792, 448) else few
             assert config.warp_specialized == (name not in tile), (name, m)
@@ -800,7 +800,7 @@ def test_post_scaled_gemms_refuse_weights_they_cannot_scale():
 def test_expert_parallel_ranks_pick_decode_tiles_by_their_share_of_the_pairs():
     """Up to the one-program router's pairs (M <= 16 at top-4) a rank keys its tiles on the
     pairs its experts expect; beyond, on tokens x top_k, as the whole layer does."""
-    key = moe_sm90.selection_pairs
+    key = _common.selection_pairs
     assert [key(m, 4, 16, 128) for m in (1, 4, 5, 8, 12, 16)] == [1, 2, 3, 4, 6, 8]
     assert [key(m, 4, 16, 128) for m in (17, 64, 3072)] == [68, 256, 12288]
     assert [key(m, 4, 128, 128) for m in (1, 8, 16)] == [4, 32, 64]  # whole layer, TP shards
@@ -815,7 +815,7 @@ def test_fewer_experts_pick_tiles_by_tokens_per_expert():
     expert: GPT-OSS-20B's 32 experts hold four times GPT-OSS-120B's at the same M, and run the
     tiles 120B runs at four times the M. Its decode sizes (M <= 16) keep their own decode keys,
     and no key past the one-program router's pairs reaches a decode tile (they need it)."""
-    key = moe_sm90.selection_pairs
+    key = _common.selection_pairs
     assert [key(m, 4, 32, 32) for m in (1, 4, 8, 16)] == [4, 16, 32, 64]
     assert [key(m, 4, 32, 32) for m in (17, 64, 1024)] == [272, 1024, 16384]
     for m in (64, 256, 2048):

@@ -331,7 +331,7 @@ def test_gpt_oss_120b_shards_sum_to_one_gpu(
 ):
     """TP shards (1440 x 2; 736 x 3 + 672; 384 x 7 + 192) and EP blocks (64/32/16 experts), each
     prepared, run and freed in turn at M = 1, 12, 64, 1024, 3072 (at 12 an EP rank runs the
-    decode tiles of its share of the pairs, moe_sm90.selection_pairs; at 3072 both GEMMs run
+    decode tiles of its share of the pairs, _common.selection_pairs; at 3072 both GEMMs run
     warp-specialized where GEMM2 writes float32 pair rows, TP=2 and the EP ranks): every shard
     matches the reference on that shard at the bf16 tolerance, and their sum matches the
     unsharded layer on the same kernel within `sum_allowance` (one GPU's result against N ranks'

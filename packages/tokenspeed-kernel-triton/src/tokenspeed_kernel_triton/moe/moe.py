@@ -14,7 +14,13 @@ from tokenspeed_kernel.platform import interpreting, platform_of
 from tokenspeed_kernel.registry import Support, register_kernel
 from tokenspeed_kernel.tuning import first_match, pinned_config
 
-from ._common import WEIGHT_FORMAT_CODES, has_ptx_decode, route_for_gemms
+from ._common import (
+    WEIGHT_FORMAT_CODES,
+    has_ptx_decode,
+    layer_experts,
+    route_for_gemms,
+    selection_pairs,
+)
 from .combine import combine
 from .grouped_gemm import grouped_gemm
 from .layout import PaddedMoEKernel
@@ -44,9 +50,12 @@ _NVIDIA = (
     # CTAs per GEMM at M=1, and 6 stages of 4 KB weight loads hide HBM latency (measured on
     # H200: 97 us at M=1 vs 108 us with BLOCK_K 256 x 4 stages).
     (64, MoETileConfig(16, 64, 64, 128, 4, 6)),
-    # Mid batches, up to 4096 tokens x top-4 (~128 rows per GPT-OSS expert): 64-row tiles with
-    # 4 warps; measured on H200 at M=4096: 4.04 ms vs 4.22 ms with the 128-row tile below,
-    # which wins from M=8192 (6.97 vs 7.16 ms).
+    # Mid batches, up to 4096 tokens x top-4 (~128 rows per GPT-OSS-120B expert): 64-row
+    # tiles with 4 warps; measured on H200 at M=4096: 4.04 ms vs 4.22 ms with the 128-row tile
+    # below, which wins from M=8192 (6.97 vs 7.16 ms). Read by tokens per expert
+    # (selection_pairs), as GPT-OSS-20B's 32 experts showed (H200 GPU-1303392a, 2026-11-29,
+    # µs, 64-row / 128-row tiles: M=1024 1057.6 / 1116.9 graph-timed over 4 layers, M=2048
+    # 1831.3 / 1802.4 and M=4096 3404.7 / 3226.4 eager).
     (16384, MoETileConfig(64, 128, 128, 64, 4, 4)),
     # Prefill: matmul-bound; 128x128 wgmma tiles with 8 warps, 3 stages fit shared memory
     # together with the in-register dequantized weight tile.
@@ -63,8 +72,9 @@ _INTERPRETER = ((None, MoETileConfig(16, 64, 64, 128, 4, 1)),)
 
 
 def pick_config(num_pairs: int, vendor: str) -> MoETileConfig:
-    """The tile config for `num_pairs` = tokens x top_k on a `vendor` device (or the pinned
-    one, `tuning.pin_config(KERNEL_NAME, config)`)."""
+    """The tile config for `num_pairs` (the table's key: tokens x top_k, or on NVIDIA
+    selection_pairs) on a `vendor` device (or the pinned one, `tuning.pin_config(KERNEL_NAME,
+    config)`)."""
     pinned = pinned_config(KERNEL_NAME)
     if pinned is not None:
         return pinned
@@ -83,6 +93,7 @@ def moe_forward(
     alpha: float = 1.702,
     limit: float = 7.0,
     expert_offset: int = 0,
+    num_experts: int | None = None,
     **routing_inputs,
 ) -> torch.Tensor:
     """out [M, H] = sum_e r_e (W2[e] swiglu(W13[e] x + b13[e]) + b2[e]) for x [M, H] bf16.
@@ -93,12 +104,20 @@ def moe_forward(
     prepared weights are global experts expert_offset .. (ids stay global; pairs of experts
     not held here contribute nothing). FP8 activations: static
     per-tensor input scales when given, else dynamic per-token (per pair for the second GEMM).
+    num_experts: the layer's experts across all ranks (None: `layer_experts`), by which the
+    NVIDIA table is read.
     """
     M = x.shape[0]
     if M == 0:
         return out
     platform = platform_of(x.device)
-    config = pick_config(M * top_k, platform.vendor)
+    if num_experts is None:
+        num_experts = layer_experts(prepared, routing_inputs.get("router_logits"), expert_offset)
+    key = M * top_k
+    # AMD's table was measured on 128 experts' pairs only (no other expert count).
+    if platform.vendor != "amd":
+        key = selection_pairs(M, top_k, prepared["num_experts"], num_experts)
+    config = pick_config(key, platform.vendor)
     routing, ids_to_check = route_for_gemms(
         prepared, top_k, config.block_m, expert_offset=expert_offset, **routing_inputs
     )
@@ -153,6 +172,7 @@ class TritonMoE(PaddedMoEKernel):
 
     def forward_options(self, config, tensors: dict) -> dict:
         return dict(
+            num_experts=config.num_experts,
             activation_format=config.activation_format,
             w13_input_scale=tensors["w13_input_scale"],
             w2_input_scale=tensors["w2_input_scale"],

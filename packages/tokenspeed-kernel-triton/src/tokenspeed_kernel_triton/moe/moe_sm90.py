@@ -14,7 +14,7 @@ from tokenspeed_kernel.registry import Support, register_kernel
 from tokenspeed_kernel.toolchain import triton_support
 from tokenspeed_kernel.tuning import first_match, pinned_config
 
-from ._common import layer_experts, route_for_gemms, swiglu_fits_f16
+from ._common import layer_experts, route_for_gemms, selection_pairs, swiglu_fits_f16
 from .combine import combine
 from .fragment_config_sm90 import (
     CONFIGS,
@@ -28,7 +28,7 @@ from .fragment_config_sm90 import (
 )
 from .layout import PaddedMoEKernel
 from .quant import quantize_rows
-from .routing import FUSED_MAX_PAIRS, max_tiles
+from .routing import max_tiles
 from .wgmma_gemm_sm90 import fragment_gemm
 from .workspace import scratch
 
@@ -47,36 +47,6 @@ def pick_config(num_pairs: int, post_scalable: bool = True) -> FragmentConfig:
     if config.post_scale and not post_scalable:
         return scaled_fragments(config)
     return config
-
-
-# CONFIGS' bounds are pairs over GPT-OSS-120B's 128 experts, on which they were measured.
-TABLE_EXPERTS = 128
-
-
-def selection_pairs(num_tokens: int, top_k: int, num_local_experts: int, num_experts: int) -> int:
-    """pick_config's key. The decode tiles (pairs that fit the one-program router) are picked by
-    how many experts a batch selects: tokens x top_k, or on an expert-parallel rank the pairs
-    its experts expect under uniform routing (rounded up): rank 0 of EP=8 at M=8 holds about 2
-    of the 27 experts a whole layer would, as at the whole layer's M=1 (H200, 2026-11-29,
-    graph-timed over 4 layers beside vLLM's path, µs, the whole layer's M=8 pick (128x8) / the
-    M=1 pick / the M=4 pick / vLLM: M=8 33.6 / 20.3 / 20.9 / 65.5, M=12 45.4 / 31.4 / 28.4 /
-    69.3, M=16 45.6 / 33.4 / 30.2 / 73.6). Past them, by tokens per selected expert, which
-    expert parallelism leaves as it is: the pairs TABLE_EXPERTS experts would hold at this
-    load. GPT-OSS-20B's 32 experts hold four times GPT-OSS-120B's tokens each, and keyed on its
-    own pairs it ran tiles too narrow and lost to vLLM's path from M=64 to 512 (H200
-    GPU-deebdeeb, 2026-11-29, `benchmarks/ab_moe_configs.py --model gpt-oss-20b`, µs, keyed on
-    pairs / on 128 experts' pairs / vLLM: M=64 196.7 / 155.2 / 189.9, M=128 310.3 / 185.2 /
-    280.5, M=256 354.8 / 241.9 / 324.4, M=512 436.9 / 348.5 / 383.5, M=1024 640.6 / 587.3 /
-    645.1). Its decode sizes keep the decode keys (another H200 the same day, µs, decode key /
-    128 experts' pairs / vLLM: whole M=8 77.6 / 82.6 / 131.9, M=16 108.3 / 109.2 / 170.8; EP=2
-    M=8 38.9 / 61.3 / 76.4; TP=2 M=16 60.2 / 69.1 / 108.9)."""
-    pairs = num_tokens * top_k
-    if pairs <= FUSED_MAX_PAIRS:
-        if num_local_experts < num_experts:
-            return max(1, -(-pairs * num_local_experts // num_experts))
-        return pairs
-    # Never a decode tile's key: those need the one-program router's pairs.
-    return max(FUSED_MAX_PAIRS + 1, -(-pairs * TABLE_EXPERTS // num_experts))
 
 
 def moe_forward_sm90(
