@@ -146,8 +146,8 @@ _PREFILL_WS_BOTH = dataclasses.replace(_PREFILL_WS, warp_specialized_gemm2=True)
 _TILE_128 = FragmentConfig(
     128, 128, 4, 2, pdl=True, narrow_t=64, narrow_stages=4, half_pair_rows=True
 )
-# Both warp-specialized at fitted widths into float32 pair rows, fp16 rows on TP=4 shards at 128
-# columns: M = 1665 to 2816 (CONFIGS).
+# Both warp-specialized at fitted widths into float32 pair rows (TP=4 shards' too), TP=8 shards'
+# into fp16 pair rows at 128 columns: M = 1665 to 2816 (CONFIGS).
 _PREFILL_WS_FITTED = dataclasses.replace(
     _PREFILL_WS,
     fit_widths=True,
