@@ -111,11 +111,12 @@ def moe_forward(
     if M == 0:
         return out
     platform = platform_of(x.device)
-    if num_experts is None:
-        num_experts = layer_experts(prepared, routing_inputs.get("router_logits"), expert_offset)
     key = M * top_k
     # AMD's table was measured on 128 experts' pairs only (no other expert count).
     if platform.vendor != "amd":
+        if num_experts is None:
+            logits = routing_inputs.get("router_logits")
+            num_experts = layer_experts(prepared, logits, expert_offset)
         key = selection_pairs(M, top_k, prepared["num_experts"], num_experts)
     config = pick_config(key, platform.vendor)
     routing, ids_to_check = route_for_gemms(
