@@ -738,7 +738,9 @@ def test_wgmma_warp_specialized_gemms_change_nothing():
     GEMM2 warp-specialized (on fp16 rows: here every layer but the fp8 ones, whose GEMM2 stays
     on the fragment kernel) covers H = 2880 rows in 11.25 blocks, the TP=8 shards' three K
     chunks and the whole layer's 23, into float32 pair rows, and with half_pair_rows into the
-    TP=4 and TP=8 shards' fp16 ones (each consumer staging its tile, a 3-step ring)."""
+    TP=4 and TP=8 shards' fp16 ones (each consumer staging its tile, a 3-step ring). On 132
+    SMs GEMM2's 12 blocks and the TP shards' GEMM1 blocks turn by the tile across the
+    persistent CTAs (rotates_row_blocks); the whole layer's 23 GEMM1 blocks do not."""
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
     spec = get_kernel("moe_apply", HOPPER)
     if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):

@@ -429,6 +429,22 @@ def test_warp_specialized_kernel_takes_what_its_config_and_operands_allow():
         dataclasses.replace(both, gemm2_split_k=2)
 
 
+def test_persistent_items_turn_row_blocks_only_where_the_grid_stride_pins_them():
+    from tokenspeed_kernel_triton.moe.fragment_ws_sm90 import rotates_row_blocks
+
+    # 132 SMs (H100, H200): H = 2880 (GEMM2) and the TP=2 shard's 2I = 2880 in 12 blocks, the
+    # TP=4 shard's 2I = 1344 in 6 and the TP=8 shard's 720 in 3 share factors with the grid.
+    for row_blocks in (12, 6, 3):
+        assert rotates_row_blocks(132, row_blocks)
+    # The whole layer's 2I = 5760 in 23 blocks: the stride already turns them; one block
+    # has nothing to turn.
+    assert not rotates_row_blocks(132, 23)
+    assert not rotates_row_blocks(132, 1)
+    # A grid cut to the work there is (five tiles' blocks) pins every CTA to one block.
+    assert rotates_row_blocks(23 * 5, 23)
+    assert not rotates_row_blocks(23 * 5 + 1, 23)
+
+
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 HALF_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # The factor each layout multiplies by: 2^(s - 127) times 2^126 (bf16) or 2^14 (fp16).
