@@ -41,7 +41,7 @@ from tokenspeed_kernel_triton.moe import workspace
 from tokenspeed_kernel_triton.moe.fragment_config_sm90 import FragmentConfig
 from tokenspeed_kernel_triton.moe.moe import MoETileConfig
 from tokenspeed_kernel_triton.moe.moe_sm90 import moe_forward_sm90
-from tokenspeed_kernel_triton.moe.routing import FUSED_MAX_PAIRS, route
+from tokenspeed_kernel_triton.moe.routing import FUSED_MAX_PAIRS, max_tiles, route
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -160,11 +160,17 @@ def test_routing_refuses_ready_counters_it_cannot_clear():
 
 
 def test_routing_refuses_narrow_tiles_it_cannot_write():
-    """The narrow tiles' buffer holds an int32 per local expert, and narrow_t is below the
-    tile: anything else is refused before a launch."""
+    """The narrow tiles' buffer holds an int32 per local expert, narrow_t is below the tile,
+    and the full tiles' list holds an int32 count and one per tile of the bound: anything
+    else is refused before a launch."""
     logits = torch.randn(70, 16, generator=generator("moe-narrow", 70)).to(DEVICE)
     fits = torch.empty(16, dtype=torch.int32, device=DEVICE)
-    for narrow in ((fits[:15], 4), (fits.float(), 4), (fits, 0), (fits, 8)):
+    listed = torch.empty(1 + max_tiles(280, 16, 8), dtype=torch.int32, device=DEVICE)
+    route(logits, None, None, top_k=4, num_experts=16, block_m=8, narrow=(fits, 4, listed))
+    for narrow in (
+        (fits[:15], 4, listed), (fits.float(), 4, listed), (fits, 0, listed), (fits, 8, listed),
+        (fits, 4, listed[:-1]), (fits, 4, listed.float()), (fits, 4, listed.repeat(2)[::2]),
+    ):  # fmt: skip
         with pytest.raises(ValueError, match="narrow"):
             route(logits, None, None, top_k=4, num_experts=16, block_m=8, narrow=narrow)
 
@@ -174,7 +180,8 @@ def test_routing_refuses_narrow_tiles_it_cannot_write():
 def test_routing_writes_each_local_experts_narrow_tile(tokens, expert_offset):
     """narrow_tiles[e]: local expert e's last tile if it holds at most narrow_t rows, else -1
     (no rows: -1), whatever the buffer held; the GEMMs' narrow launches run these tiles and
-    no others."""
+    no others. full_tiles: the count of the other tiles, then their indices in order, which
+    the warp-specialized kernel shares out."""
     experts, local, top_k, block_m, narrow_t = 16, 8, 2, 8, 4
     # Local experts with one tile of 6 rows, of 3, of 1 and none; at 70 tokens also last
     # tiles of 8 and 3 rows; the other pairs go to expert 12, on no rank's local range here.
@@ -184,9 +191,11 @@ def test_routing_writes_each_local_experts_narrow_tile(tokens, expert_offset):
     ids = torch.tensor(ids, dtype=torch.int32).reshape(tokens, top_k).to(DEVICE)
     weights = torch.full((tokens, top_k), 0.5, device=DEVICE)
     narrow = torch.full((local,), 77, dtype=torch.int32, device=DEVICE)
+    bound = max_tiles(tokens * top_k, local, block_m)
+    listed = torch.full((1 + bound,), 77, dtype=torch.int32, device=DEVICE)
     _, _, _, tiles, num_tiles, _ = route(
         None, weights, ids, top_k=top_k, num_experts=experts, block_m=block_m,
-        expert_offset=expert_offset, num_local_experts=local, narrow=(narrow, narrow_t),
+        expert_offset=expert_offset, num_local_experts=local, narrow=(narrow, narrow_t, listed),
     )  # fmt: skip
     expected = [-1] * local
     for t in range(int(num_tiles)):
@@ -196,6 +205,8 @@ def test_routing_writes_each_local_experts_narrow_tile(tokens, expert_offset):
             expected[expert] = t
     assert any(e >= 0 for e in expected) and any(e < 0 for e in expected)
     assert narrow.tolist() == expected
+    full = [t for t in range(int(num_tiles)) if t not in expected]
+    assert full and listed[: 1 + len(full)].tolist() == [len(full), *full]
 
 
 def test_router_prescales_rows_exactly():

@@ -19,7 +19,7 @@ from tokenspeed_kernel.testing.inputs import MoEShape, generator, moe_inputs, mo
 from tokenspeed_kernel.tuning import pin_config
 from tokenspeed_kernel_triton.moe import routing as triton_routing
 from tokenspeed_kernel_triton.moe.moe import MoETileConfig
-from tokenspeed_kernel_triton.moe.routing import route
+from tokenspeed_kernel_triton.moe.routing import max_tiles, route
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -148,14 +148,16 @@ def test_routing_groups_only_the_local_experts(
         given, logits = (given_w, given_ids), None
 
     narrow_tiles = torch.empty(6, dtype=torch.int32, device=DEVICE)
+    full_tiles = torch.empty(1 + max_tiles(tokens * top_k, 6, 4), dtype=torch.int32, device=DEVICE)
 
     def routed():
         return route(
             logits, *given, top_k=top_k, num_experts=16, block_m=4, expert_offset=5,
-            num_local_experts=6, narrow=(narrow_tiles, 2),
+            num_local_experts=6, narrow=(narrow_tiles, 2, full_tiles),
         )  # fmt: skip
 
-    for buffer in (*routed()[2:4], narrow_tiles):  # sorted pairs, tiles, narrow tiles
+    # sorted pairs, tiles, narrow tiles, full tiles
+    for buffer in (*routed()[2:4], narrow_tiles, full_tiles):
         buffer.fill_(-7)
     weights, ids, sorted_pairs, tiles, num_tiles, bound = routed()
     assert (sorted_pairs != -7).all() and (tiles != -7).all()
@@ -165,6 +167,8 @@ def test_routing_groups_only_the_local_experts(
         last_tiles[expert] = (t, row_end - 4 * t)
     narrow = [last_tiles[e][0] if last_tiles.get(e, (0, 4))[1] <= 2 else -1 for e in range(6)]
     assert narrow_tiles.cpu().tolist() == narrow
+    full = [t for t in range(int(num_tiles)) if t not in narrow]
+    assert full_tiles[: 1 + len(full)].cpu().tolist() == [len(full), *full]
     flat = ids.reshape(-1).long().cpu() - 5
     local = torch.nonzero((flat >= 0) & (flat < 6)).reshape(-1).tolist()
     seen, last = [], -1

@@ -2,9 +2,11 @@
 (warp_specialized_gemm2), warp-specialized and persistent (wgmma_gemm_sm90.fragment_gemm launches
 it in place of the fragment kernel's full-tile launch).
 
-One CTA per SM walks the (routing tile, 256-row block) work items. A producer warpgroup copies
-each K chunk's activation rows [128 tokens, 128] (GEMM1: x gathered by token; GEMM2: the tile's
-fp16 SwiGLU rows) and the block's weight words and scales into a ring of
+One CTA per SM walks the (routing tile, 256-row block) work items by grid stride, over the
+tiles past narrow_t rows that routing lists (full_tiles; the narrow launch takes the rest),
+each tile's blocks turned where the grid would pin them (rotates_row_blocks). A producer
+warpgroup copies each K chunk's activation rows [128 tokens, 128] (GEMM1: x gathered by token;
+GEMM2: the tile's fp16 SwiGLU rows) and the block's weight words and scales into a ring of
 STAGES slots (cp.async; each producer thread's arrival on the slot's `full` mbarrier lands when
 its copies have). Two consumer warpgroups, 128 of the block's rows each, decode their words into
 wgmma fragments, multiply them by the shared x rows and release the slot on its `empty`
@@ -86,13 +88,32 @@ _PAIR_ROWS = gl.constexpr(_BASE["pair_rows_layout"])
 
 
 @gluon.jit
-def _work_item(work, num_w, tiles_ptr, ROTATE_BLOCKS: gl.constexpr):
-    tile = work // num_w
+def _num_items(num_tiles_ptr, full_ptr, num_w, NARROW_T: gl.constexpr):
+    """The launch's work items: (routing tile, 256-row block) pairs, over the tiles past
+    NARROW_T rows (routing's full_tiles) where a narrow launch takes the others, so that the
+    grid stride shares out only items with work. Skipped in place, a narrow tile's items
+    would leave each CTA the real items its sample of the tiles holds, some CTAs several
+    more than the mean (H200, EP=8 M=4096: 18% of the layer; docs/decisions.md)."""
+    if NARROW_T:
+        tiles = gl.load(full_ptr, cache_modifier=".cg")
+    else:
+        tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
+    return tiles * num_w
+
+
+@gluon.jit
+def _work_item(work, num_w, tiles_ptr, full_ptr, NARROW_T: gl.constexpr,
+               ROTATE_BLOCKS: gl.constexpr):  # fmt: skip
+    ordinal = work // num_w
     pid_w = work % num_w
     if ROTATE_BLOCKS:
         # Each tile's blocks start one further on (rotates_row_blocks says why); the grid's
         # consecutive items still cover the same tiles' blocks, which share x rows and weights.
-        pid_w = (pid_w + tile) % num_w
+        pid_w = (pid_w + ordinal) % num_w
+    if NARROW_T:
+        tile = gl.load(full_ptr + 1 + ordinal, cache_modifier=".cg")
+    else:
+        tile = ordinal
     expert = gl.load(tiles_ptr + 2 * tile, cache_modifier=".cg").to(gl.int64)
     row_end = gl.load(tiles_ptr + 2 * tile + 1, cache_modifier=".cg")
     return tile, pid_w, expert, row_end
@@ -101,61 +122,62 @@ def _work_item(work, num_w, tiles_ptr, ROTATE_BLOCKS: gl.constexpr):
 @gluon.jit
 def _producer(pointers, ring, sizes, strides, TOPK: gl.constexpr, NARROW_T: gl.constexpr,
               SWIGLU: gl.constexpr, ROTATE_BLOCKS: gl.constexpr):  # fmt: skip
-    x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr = pointers
+    x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, full_tiles_ptr = pointers
     x_ring, words_ring, scales_ring, full, empty = ring
     STAGES: gl.constexpr = full.shape[0]
     N, K, K_VALID, N_VALID, grid = sizes
     word_strides, scale_strides = strides
     stride_xm, stride_we, stride_wp, stride_wn, stride_wc = word_strides
     stride_se, stride_sp, stride_sn, stride_sc = scale_strides
-    num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
     num_w = gl.cdiv(N_VALID, _CTA_ROWS)
+    num_items = _num_items(num_tiles_ptr, full_tiles_ptr, num_w, NARROW_T)
     t_local = gl.arange(0, _TOKENS, layout=gl.SliceLayout(1, _X_COPY))
     k_local = gl.arange(0, 128, layout=gl.SliceLayout(0, _X_COPY))
     w_local = gl.arange(0, _CTA_ROWS, layout=gl.SliceLayout(1, _WORDS_COPY))
     wj = gl.arange(0, 16, layout=gl.SliceLayout(0, _WORDS_COPY))
     s_local = gl.arange(0, _CTA_ROWS, layout=_SCALES_COPY)
     count = 0
-    for work in range(gl.program_id(0), num_tiles * num_w, grid):
-        tile, pid_w, expert, row_end = _work_item(work, num_w, tiles_ptr, ROTATE_BLOCKS)
+    for work in range(gl.program_id(0), num_items, grid):
+        tile, pid_w, expert, row_end = _work_item(
+            work, num_w, tiles_ptr, full_tiles_ptr, NARROW_T, ROTATE_BLOCKS
+        )
         first_row = tile * _TOKENS
-        if row_end - first_row > NARROW_T:
-            # Loop-invariant 32-bit offsets (the host checks their range) from per-step scalar
-            # bases keep the producer within its registers.
-            offs_t = first_row + t_local
-            t_ok = offs_t < row_end
-            if SWIGLU:
-                pair = gl.load(sorted_ptr + offs_t, mask=t_ok, other=0, cache_modifier=".cg")
-                x_rows = pair // TOPK
-            else:
-                x_rows = offs_t
-            x_offs = (x_rows * stride_xm)[:, None] + k_local[None, :]
-            # Rows past N (a block overhanging the padded rows) reread row N - 1.
-            wr = gl.minimum(pid_w * _CTA_ROWS + w_local, N - 1)
-            w_offs = (wr // _PANEL_ROWS * stride_wp + wr % _PANEL_ROWS * stride_wn)[:, None]
-            w_offs = w_offs + wj[None, :]
-            sr = gl.minimum(pid_w * _CTA_ROWS + s_local, N - 1)
-            s_offs = sr // _PANEL_ROWS * stride_sp + sr % _PANEL_ROWS * stride_sn
-            w_expert = w_ptr + expert * stride_we
-            s_expert = ws_ptr + expert * stride_se
-            for k in range(K // 128):
-                slot = count % STAGES
-                # Both consumers released the slot's previous use (none in the first lap).
-                mbarrier.wait(empty.index(slot), (count // STAGES + 1) & 1, pred=count >= STAGES)
-                # A row ends at K_VALID (x's H, GEMM2's I); the weights' zero padding past it
-                # meets zeros.
-                mask = t_ok[:, None] & ((k * 128 + k_local) < K_VALID)[None, :]
-                async_copy.async_copy_global_to_shared(
-                    x_ring.index(slot), x_ptr + k * 128 + x_offs, mask=mask
-                )
-                async_copy.async_copy_global_to_shared(
-                    words_ring.index(slot), w_expert + k * stride_wc + w_offs
-                )
-                async_copy.async_copy_global_to_shared(
-                    scales_ring.index(slot), s_expert + k * stride_sc + s_offs
-                )
-                async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
-                count += 1
+        # Loop-invariant 32-bit offsets (the host checks their range) from per-step scalar
+        # bases keep the producer within its registers.
+        offs_t = first_row + t_local
+        t_ok = offs_t < row_end
+        if SWIGLU:
+            pair = gl.load(sorted_ptr + offs_t, mask=t_ok, other=0, cache_modifier=".cg")
+            x_rows = pair // TOPK
+        else:
+            x_rows = offs_t
+        x_offs = (x_rows * stride_xm)[:, None] + k_local[None, :]
+        # Rows past N (a block overhanging the padded rows) reread row N - 1.
+        wr = gl.minimum(pid_w * _CTA_ROWS + w_local, N - 1)
+        w_offs = (wr // _PANEL_ROWS * stride_wp + wr % _PANEL_ROWS * stride_wn)[:, None]
+        w_offs = w_offs + wj[None, :]
+        sr = gl.minimum(pid_w * _CTA_ROWS + s_local, N - 1)
+        s_offs = sr // _PANEL_ROWS * stride_sp + sr % _PANEL_ROWS * stride_sn
+        w_expert = w_ptr + expert * stride_we
+        s_expert = ws_ptr + expert * stride_se
+        for k in range(K // 128):
+            slot = count % STAGES
+            # Both consumers released the slot's previous use (none in the first lap).
+            mbarrier.wait(empty.index(slot), (count // STAGES + 1) & 1, pred=count >= STAGES)
+            # A row ends at K_VALID (x's H, GEMM2's I); the weights' zero padding past it
+            # meets zeros.
+            mask = t_ok[:, None] & ((k * 128 + k_local) < K_VALID)[None, :]
+            async_copy.async_copy_global_to_shared(
+                x_ring.index(slot), x_ptr + k * 128 + x_offs, mask=mask
+            )
+            async_copy.async_copy_global_to_shared(
+                words_ring.index(slot), w_expert + k * stride_wc + w_offs
+            )
+            async_copy.async_copy_global_to_shared(
+                scales_ring.index(slot), s_expert + k * stride_sc + s_offs
+            )
+            async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
+            count += 1
 
 
 @gluon.jit
@@ -298,12 +320,12 @@ def _consumer(
     FIT_WIDTHS: gl.constexpr, SHIFT_DECODE: gl.constexpr, IN_SCALE: gl.constexpr,
     OUT_QUANT: gl.constexpr, WG: gl.constexpr, ROTATE_BLOCKS: gl.constexpr,
 ):  # fmt: skip
-    (bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr,
-     in_scale_ptr, wide_ptr) = pointers  # fmt: skip
+    (bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, full_tiles_ptr,
+     table_ptr, in_scale_ptr, wide_ptr) = pointers  # fmt: skip
     N, K, K_VALID, N_VALID, grid = sizes
     stride_be, stride_om, alpha, limit, in_scale, out_scale, wide_from_bits = epilogue_args
-    num_tiles = gl.load(num_tiles_ptr, cache_modifier=".cg")
     num_w = gl.cdiv(N_VALID, _CTA_ROWS)
+    num_items = _num_items(num_tiles_ptr, full_tiles_ptr, num_w, NARROW_T)
     lo_table = gl.load(table_ptr)
     hi_table = gl.load(table_ptr + 1)
     # x's exponents are not these tiles' (unscaled x): a placeholder.
@@ -313,34 +335,35 @@ def _consumer(
     out_rows = (out_ptr, N, N_VALID, stride_om, wide_ptr, wide_from_bits, stage)
     swiglu_args = (alpha, limit, out_scale)
     count = 0
-    for work in range(gl.program_id(0), num_tiles * num_w, grid):
-        tile, pid_w, expert, row_end = _work_item(work, num_w, tiles_ptr, ROTATE_BLOCKS)
+    for work in range(gl.program_id(0), num_items, grid):
+        tile, pid_w, expert, row_end = _work_item(
+            work, num_w, tiles_ptr, full_tiles_ptr, NARROW_T, ROTATE_BLOCKS
+        )
         first_row = tile * _TOKENS
         row_block = 2 * pid_w + WG
         epilogue = (epilogue_ptrs, expert, first_row, row_block, row_end, N_VALID)
         n = row_end - first_row
-        if n > NARROW_T:
-            # A consumer wholly past the real rows (the last block where 2I or H is not a
-            # multiple of 256) would store nothing: it only keeps the ring going.
-            if row_block * _WG_ROWS >= N_VALID:
-                count = _pass(ring, count, K)
-            elif not FIT_WIDTHS or n > 96:
-                count = _tile(
-                    ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
-                    TOPK, SWIGLU, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, _TOKENS, _MMA,
-                    _DOT_A,
-                )  # fmt: skip
-            elif n > 64:
-                count = _tile_96(
-                    ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
-                    TOPK, SWIGLU, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG,
-                )  # fmt: skip
-            else:
-                count = _tile(
-                    ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
-                    TOPK, SWIGLU, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, 64, _MMA_64,
-                    _DOT_A_64,
-                )  # fmt: skip
+        # A consumer wholly past the real rows (the last block where 2I or H is not a
+        # multiple of 256) would store nothing: it only keeps the ring going.
+        if row_block * _WG_ROWS >= N_VALID:
+            count = _pass(ring, count, K)
+        elif not FIT_WIDTHS or n > 96:
+            count = _tile(
+                ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
+                TOPK, SWIGLU, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, _TOKENS, _MMA,
+                _DOT_A,
+            )  # fmt: skip
+        elif n > 64:
+            count = _tile_96(
+                ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
+                TOPK, SWIGLU, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG,
+            )  # fmt: skip
+        else:
+            count = _tile(
+                ring, count, epilogue, lo_table, hi_table, out_rows, swiglu_args, K,
+                TOPK, SWIGLU, HAS_BIAS, SHIFT_DECODE, IN_SCALE, OUT_QUANT, WG, 64, _MMA_64,
+                _DOT_A_64,
+            )  # fmt: skip
 
 
 @recordable
@@ -348,7 +371,7 @@ def _consumer(
 @gluon.jit
 def _warp_specialized_kernel(
     x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr,
-    table_ptr, in_scale_ptr, wide_ptr,
+    full_tiles_ptr, table_ptr, in_scale_ptr, wide_ptr,
     N, K, K_VALID, N_VALID, grid,
     stride_xm, stride_we, stride_wp, stride_wn, stride_wc, stride_se, stride_sp, stride_sn,
     stride_sc, stride_be, stride_om,
@@ -386,11 +409,13 @@ def _warp_specialized_kernel(
     ring = (x_ring, words_ring, scales_ring, full, empty)
     sizes = (N, K, K_VALID, N_VALID, grid)
     consumer_pointers = (
-        bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, table_ptr,
-        in_scale_ptr, wide_ptr,
+        bias_ptr, out_ptr, route_w_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, full_tiles_ptr,
+        table_ptr, in_scale_ptr, wide_ptr,
     )  # fmt: skip
     epilogue_args = (stride_be, stride_om, alpha, limit, in_scale, out_scale, wide_from_bits)
-    producer_pointers = (x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr)
+    producer_pointers = (
+        x_ptr, w_ptr, ws_ptr, sorted_ptr, tiles_ptr, num_tiles_ptr, full_tiles_ptr
+    )  # fmt: skip
     strides = (
         (stride_xm, stride_we, stride_wp, stride_wn, stride_wc),
         (stride_se, stride_sp, stride_sn, stride_sc),
@@ -427,8 +452,8 @@ def rotates_row_blocks(grid: int, row_blocks: int) -> bool:
     2880's 12 blocks on 132 SMs give every CTA one block, and the 11 CTAs holding the last
     (a quarter real rows, its second consumer idle) run only those and end early while the
     others run full ones. Where they share none the stride already turns the blocks; turning
-    them again reshuffles the few items of expert-parallel ranks (H200, EP=8 M=4096: 3.4%
-    slower)."""
+    them again reshuffled the few items of expert-parallel ranks (H200, EP=8 M=4096, narrow
+    tiles' items then still skipped in place: 3.4% slower)."""
     return math.gcd(grid, row_blocks) > 1
 
 
@@ -463,19 +488,23 @@ def warp_specialized_fits(
 
 
 def warp_specialized_gemm(
-    a, w, scale_words, bias, out, routing, table, in_scale, wide, *, gemm1: bool, k_valid: int,
+    a, w, scale_words, bias, out, routing, full_tiles, table, in_scale, wide, *, gemm1: bool,
+    k_valid: int,
     n_valid: int, alpha: float, limit: float, out_scale: float | None, wide_from_bits: int,
     config, constexprs: dict,
 ) -> None:  # fmt: skip
     """GEMM1 + bias + SwiGLU, or GEMM2 + bias and routing weight, over the routing tiles of more
     than config.narrow_t tokens, as wgmma_gemm_sm90.fragment_gemm computes them (its checked
-    operands; `constexprs` its kernel's call-dependent ones)."""
+    operands; `constexprs` its kernel's call-dependent ones). With config.narrow_t,
+    full_tiles: routing.route's list of the tiles past it, whose items the CTAs share out."""
+    if config.narrow_t and full_tiles is None:
+        raise ValueError("warp_specialized_gemm: narrow_t needs routing's full_tiles")
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
     grid = min(_sm_count(a.device), max_tiles * -(-n_valid // CTA_ROWS))
     _warp_specialized_kernel[(grid,)](
         a, w, scale_words, bias if bias is not None else scale_words, out, topk_weights,
-        sorted_pairs, tiles, num_tiles, table,
+        sorted_pairs, tiles, num_tiles, full_tiles if config.narrow_t else num_tiles, table,
         in_scale if isinstance(in_scale, torch.Tensor) else num_tiles,
         wide if wide is not None else num_tiles,
         N, K, k_valid, n_valid, grid,

@@ -120,7 +120,7 @@ def moe_forward_sm90(
         else:
             x, x_scale = quantize_rows(x, w13_input_scale, "x", values_as=torch.bfloat16)
     quant = (w13_input_scale, None if w13_input_scale is not None else x_scale) if fp8 else None
-    routing, ids_to_check, ready, narrow_tiles, x_exp, x_in = _route(
+    routing, ids_to_check, ready, narrow, x_exp, x_in = _route(
         x, prepared, top_k, config, routing_inputs, quant
     )
     H, I = prepared["hidden_size"], prepared["intermediate_size"]  # noqa: E741
@@ -133,7 +133,7 @@ def moe_forward_sm90(
         act = scratch("act", (rows, 2 * Ip), torch.bfloat16, x.device)
     # For the pass GEMM1 writes float32 rows, quantized into act below.
     act32 = scratch("act32", (rows, Ip), torch.float32, x.device) if act_pass else act
-    common = dict(config=config, ready=ready, narrow_tiles=narrow_tiles)
+    common = dict(config=config, ready=ready, narrow_tiles=narrow[0], full_tiles=narrow[1])
     w13 = (prepared["w13"], prepared["w13_scale"], prepared["w13_bias"])
     # GEMM1 writes channels up to I; with e4m3 rows written in place (a static scale) it
     # computes the zero padding's rows too, whose zeros GEMM2's e4m3 copies read (a channel's
@@ -200,9 +200,10 @@ def moe_forward_sm90(
 
 
 def _route(x, prepared, top_k, config, routing_inputs: dict, quant=None):
-    """Routing for the fragment GEMMs: (routing, ids the combine checks, ready, narrow
-    tiles, x exponents, GEMM1's x). With config.narrow_t the router also writes each
-    expert's narrow tile (routing.route's narrow), which the narrow launches take. With
+    """Routing for the fragment GEMMs: (routing, ids the combine checks, ready, (narrow
+    tiles, full tiles), x exponents, GEMM1's x). With config.narrow_t the router also writes
+    each expert's narrow tile, which the narrow launches take, and the list of the other
+    tiles, which the warp-specialized kernel shares out (routing.route's narrow). With
     config.post_scale the router also writes x's rows scaled up by powers of two (GEMM1's x)
     and their exponents, with quant = (static scale, per-row scales) of their e4m3 values
     (routing.route's prescale); with config.tile_ready it zeroes the per-tile counters
@@ -219,10 +220,12 @@ def _route(x, prepared, top_k, config, routing_inputs: dict, quant=None):
     if config.tile_ready:
         bound = max_tiles(M * top_k, prepared["num_experts"], config.block_t)
         ready = scratch("ready", (bound,), torch.int32, x.device)
-    narrow_tiles = narrow = None
+    narrow_tiles = full_tiles = narrow = None
     if config.narrow_t:
         narrow_tiles = scratch("narrow_tiles", (prepared["num_experts"],), torch.int32, x.device)
-        narrow = (narrow_tiles, config.narrow_t)
+        bound = max_tiles(M * top_k, prepared["num_experts"], config.block_t)
+        full_tiles = scratch("full_tiles", (1 + bound,), torch.int32, x.device)
+        narrow = (narrow_tiles, config.narrow_t, full_tiles)
     routing, ids_to_check = route_for_gemms(
         prepared,
         top_k,
@@ -233,9 +236,10 @@ def _route(x, prepared, top_k, config, routing_inputs: dict, quant=None):
         prescale=prescale,
         narrow=narrow,
     )
+    lists = (narrow_tiles, full_tiles)
     if prescale is None:
-        return routing, ids_to_check, ready, narrow_tiles, None, x
-    return routing, ids_to_check, ready, narrow_tiles, prescale[2], prescale[1]
+        return routing, ids_to_check, ready, lists, None, x
+    return routing, ids_to_check, ready, lists, prescale[2], prescale[1]
 
 
 class TritonMoESm90(PaddedMoEKernel):

@@ -24,7 +24,10 @@ most narrow_t rows), either router also writes `narrow_tiles[e]`, local expert e
 if its last tile is one, else -1, so that the launch's grid covers the experts rather than every
 tile slot: CTAs of slots that hold no narrow tile start only as the full-tile launch's CTAs
 drain, and load and exit (H200, TP=8 shard at M=3072, where no tile is narrow: 285.4 against
-287.9 µs for a grid of 224 tile slots x 23 row blocks in GEMM2; docs/decisions.md).
+287.9 µs for a grid of 224 tile slots x 23 row blocks in GEMM2; docs/decisions.md). It also
+writes `full_tiles`: their count, then the indices of the other tiles in order, which the
+persistent kernel's CTAs share out (fragment_ws_sm90), so that no CTA takes a narrow tile's
+work items and holds none of them.
 
 Expert parallelism: the layer holds experts expert_offset .. expert_offset + E_local - 1 of the E
 the router ranks (ids stay global); tiles name the local expert (id - expert_offset), and the
@@ -216,14 +219,41 @@ def _store_tile_entries(
 
 
 @triton.jit
-def _store_narrow_tiles(narrow_ptr, counts, ntiles, tile_end, E_LOCAL, BLOCK_M: tl.constexpr,
+def _narrow_flags(counts, ntiles, BLOCK_M: tl.constexpr, NARROW_T: tl.constexpr):
+    """1 where an expert's last tile holds at most NARROW_T rows, else 0 (no tiles: 0)."""
+    last_rows = counts - (ntiles - 1) * BLOCK_M
+    return ((ntiles > 0) & (last_rows <= NARROW_T)).to(tl.int32)
+
+
+@triton.jit
+def _store_narrow_tiles(narrow, counts, ntiles, tile_end, E_LOCAL, BLOCK_M: tl.constexpr,
                         NARROW_T: tl.constexpr):  # fmt: skip
-    """narrow_tiles[e] for the local experts e < E_LOCAL (module doc); NARROW_T 0: none."""
+    """narrow_tiles[e] for the local experts e < E_LOCAL and the count of full_tiles (module
+    doc; narrow: their pointers); NARROW_T 0: none."""
     if NARROW_T:
+        narrow_ptr, full_ptr = narrow
         experts = tl.arange(0, counts.shape[0])
-        last_rows = counts - (ntiles - 1) * BLOCK_M
-        narrow = (ntiles > 0) & (last_rows <= NARROW_T)
-        tl.store(narrow_ptr + experts, tl.where(narrow, tile_end - 1, -1), mask=experts < E_LOCAL)
+        flags = _narrow_flags(counts, ntiles, BLOCK_M, NARROW_T)
+        tl.store(
+            narrow_ptr + experts, tl.where(flags > 0, tile_end - 1, -1), mask=experts < E_LOCAL
+        )
+        tl.store(full_ptr, tl.sum(ntiles - flags, 0))
+
+
+@triton.jit
+def _store_full_tiles(full_ptr, counts, ntiles, tile_end, f, max_tiles, BLOCK_M: tl.constexpr,
+                      NARROW_T: tl.constexpr):  # fmt: skip
+    """full_tiles' entries f (module doc): the f-th tile past NARROW_T rows is f plus the
+    narrow tiles of the experts before its own, each expert's narrow tile being its last."""
+    if NARROW_T:
+        flags = _narrow_flags(counts, ntiles, BLOCK_M, NARROW_T)
+        full = ntiles - flags
+        full_end = tl.cumsum(full, 0)
+        expert = _expert_of_tiles(full_end, f)
+        narrow_before = tile_end - ntiles - (full_end - full)
+        skipped = tl.gather(narrow_before, tl.minimum(expert, counts.shape[0] - 1), 0)
+        ok = (f < tl.sum(full, 0)) & (f < max_tiles)
+        tl.store(full_ptr + 1 + f, f + skipped, mask=ok)
 
 
 @triton.jit
@@ -247,8 +277,8 @@ def _write_expert_tiles(
 ):
     """Tile table from per-expert counts, in one program: each expert writes its own tiles'
     entries and its last tile's padding rows, then the tiles past the last are zeroed (every
-    entry written, as _store_tile_entries explains), and narrow_tiles (narrow: its pointer and
-    E_LOCAL). Returns each expert's first sorted row.
+    entry written, as _store_tile_entries explains), and narrow_tiles and full_tiles (narrow:
+    their pointers and E_LOCAL). Returns each expert's first sorted row.
     O(experts + tiles) work, where the multi-kernel router's [tiles, experts] compares
     (_expert_of_tiles) and [pairs, experts] counts would cost a decode step's router 8.7 µs
     against 4.7 (H200, 64 pairs over 128 experts)."""
@@ -258,7 +288,10 @@ def _write_expert_tiles(
     tile_begin = tile_end - ntiles
     total = tl.sum(ntiles, 0)
     tl.store(num_tiles_ptr, total)
-    _store_narrow_tiles(narrow[0], counts, ntiles, tile_end, narrow[1], BLOCK_M, NARROW_T)
+    narrow_ptr, full_ptr, E_LOCAL = narrow
+    _store_narrow_tiles(
+        (narrow_ptr, full_ptr), counts, ntiles, tile_end, E_LOCAL, BLOCK_M, NARROW_T
+    )
     row_begin = tile_begin * BLOCK_M
     row_end = row_begin + counts
     for j in range(0, tl.max(ntiles, 0)):
@@ -277,6 +310,7 @@ def _write_expert_tiles(
         tl.store(tiles_ptr + 2 * t + 1, tl.zeros([TILE_CHUNK], tl.int32), mask=past)
         rows = t[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         tl.store(sorted_ptr + rows, tl.zeros(rows.shape, tl.int32), mask=past[:, None])
+        _store_full_tiles(full_ptr, counts, ntiles, tile_end, t, max_tiles, BLOCK_M, NARROW_T)
     return row_begin
 
 
@@ -330,6 +364,7 @@ def _route_small_kernel(
     num_tiles_ptr,
     ready_ptr,
     narrow_ptr,
+    full_ptr,
     x_ptr,
     scaled_ptr,
     exp_ptr,
@@ -399,8 +434,8 @@ def _route_small_kernel(
     local = tl.where(valid, ids, 0)
     counts = tl.histogram(local, BLOCK_EL, mask=valid)
     row_begin = _write_expert_tiles(
-        tiles_ptr, num_tiles_ptr, sorted_ptr, counts, max_tiles, (narrow_ptr, E_LOCAL), BLOCK_M,
-        BLOCK_EL, TILE_CHUNK, NARROW_T,
+        tiles_ptr, num_tiles_ptr, sorted_ptr, counts, max_tiles, (narrow_ptr, full_ptr, E_LOCAL),
+        BLOCK_M, BLOCK_EL, TILE_CHUNK, NARROW_T,
     )  # fmt: skip
     # Stable rank within the expert: earlier pairs (lower index) of the same expert come first.
     same = (ids[:, None] == ids[None, :]) & valid[None, :] & (pairs[None, :] < pairs[:, None])
@@ -468,6 +503,7 @@ def _scatter_kernel(
     num_tiles_ptr,
     max_tiles,
     narrow_ptr,
+    full_ptr,
     PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -483,7 +519,8 @@ def _scatter_kernel(
     counts itself (a cumsum over BLOCK_E), where a launch of its own would cost more.
     SUM_BLOCKS (a power of two at least num_blocks, else 0): no align kernel ran; each
     program sums the blocks' counts (block_base_ptr) itself, the align kernel's sums.
-    NARROW_T: program 0 also writes narrow_tiles (module doc).
+    NARROW_T: program 0 also writes narrow_tiles and full_tiles' count, each program
+    TILE_CHUNK of its entries (module doc).
     PDL: launched with programmatic dependent launch behind the kernel before it."""
     _wait_then_launch_dependents(PDL)
     pid = tl.program_id(0)
@@ -502,7 +539,7 @@ def _scatter_kernel(
     total = tl.sum(ntiles, 0)
     if pid == 0:
         tl.store(num_tiles_ptr, total)
-        _store_narrow_tiles(narrow_ptr, counts, ntiles, tile_end, E, BLOCK_M, NARROW_T)
+        _store_narrow_tiles((narrow_ptr, full_ptr), counts, ntiles, tile_end, E, BLOCK_M, NARROW_T)
     if pid < num_blocks:
         lane = tl.arange(0, PAIRS)
         offs = pid * block_pairs + lane
@@ -525,6 +562,7 @@ def _scatter_kernel(
         # Tiles past the last (e = BLOCK_E) gather any row end: _store_tile_entries zeroes it.
         row_end = tl.gather(row_begin + counts, tl.minimum(e, BLOCK_E - 1), 0)
         _store_tile_entries(tiles_ptr, sorted_ptr, t, e, row_end, total, max_tiles, BLOCK_M)
+        _store_full_tiles(full_ptr, counts, ntiles, tile_end, t, max_tiles, BLOCK_M, NARROW_T)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -562,7 +600,8 @@ def route(
     router_logits [M, E] (or None with precomputed topk_weights [M, k] float32 and topk_ids [M, k]
     int32); num_experts = E (the logits' width), num_local_experts (None: E) of them from
     expert_offset on held here: only their pairs are grouped. narrow = (narrow_tiles int32
-    [num_local_experts], narrow_t): also write each local expert's narrow tile (module doc).
+    [num_local_experts], narrow_t, full_tiles int32 [1 + max_tiles(...)]): also write each
+    local expert's narrow tile and the list of the other tiles (module doc).
     Returns (topk_weights, topk_ids, sorted_pairs [max_tiles * block_m] int32, tiles
     [max_tiles, 2] int32 (expert, row_end), num_tiles [1] int32, max_tiles)."""
     has_logits = router_logits is not None
@@ -585,7 +624,7 @@ def route(
     # than the table itself (a decode step has a handful of tiles).
     tile_chunk = min(_TILE_CHUNK, triton.next_power_of_2(n_tiles))
     _check_one_program_options(num_pairs, n_tiles, ready, prescale)
-    narrow_tiles, narrow_t = _checked_narrow(narrow, local, block_m, num_tiles)
+    narrow_tiles, full_tiles, narrow_t = _checked_narrow(narrow, local, block_m, n_tiles, num_tiles)
     if num_pairs <= FUSED_MAX_PAIRS:
         block_t = triton.next_power_of_2(M)
         x, scaled, exponents = prescale[:3] if prescale is not None else (logits, logits, num_tiles)
@@ -601,6 +640,7 @@ def route(
             num_tiles,
             ready if ready is not None else num_tiles,
             narrow_tiles,
+            full_tiles,
             x,
             scaled,
             exponents,
@@ -633,7 +673,7 @@ def route(
             num_warps=_one_program_warps(num_pairs, block_t * block_k, quant),
         )
         return topk_weights, topk_ids, sorted_pairs, tiles, num_tiles, n_tiles
-    grouping = (sorted_pairs, tiles, num_tiles, n_tiles, narrow_tiles, narrow_t)
+    grouping = (sorted_pairs, tiles, num_tiles, n_tiles, (narrow_tiles, full_tiles), narrow_t)
     experts = (num_experts, expert_offset, local)
     _route_large(
         router_logits, topk_weights, topk_ids, grouping, top_k, block_m, experts, launch_dependents
@@ -664,11 +704,12 @@ def _check_one_program_options(num_pairs: int, n_tiles: int, ready, prescale) ->
         raise ValueError(f"route: prescale needs at most {FUSED_MAX_PAIRS} pairs, got {num_pairs}")
 
 
-def _checked_narrow(narrow, local: int, block_m: int, placeholder: torch.Tensor):
-    """route's narrow option -> (narrow_tiles or a placeholder, narrow_t or 0), checked."""
+def _checked_narrow(narrow, local: int, block_m: int, n_tiles: int, placeholder: torch.Tensor):
+    """route's narrow option -> (narrow_tiles, full_tiles, narrow_t), placeholders and 0 for
+    none, checked."""
     if narrow is None:
-        return placeholder, 0
-    narrow_tiles, narrow_t = narrow
+        return placeholder, placeholder, 0
+    narrow_tiles, narrow_t, full_tiles = narrow
     if (
         narrow_tiles.dtype != torch.int32
         or narrow_tiles.numel() < local
@@ -680,7 +721,16 @@ def _checked_narrow(narrow, local: int, block_m: int, placeholder: torch.Tensor)
             f"narrow_t in [1, {block_m}); got {narrow_tiles.dtype} x {narrow_tiles.numel()}, "
             f"narrow_t {narrow_t}"
         )
-    return narrow_tiles, narrow_t
+    if (
+        full_tiles.dtype != torch.int32
+        or full_tiles.numel() < 1 + n_tiles
+        or not full_tiles.is_contiguous()
+    ):
+        raise ValueError(
+            f"route: narrow needs int32 full_tiles of 1 + {n_tiles} entries (the count, then "
+            f"the tile bound's), contiguous; got {full_tiles.dtype} x {full_tiles.numel()}"
+        )
+    return narrow_tiles, full_tiles, narrow_t
 
 
 def _route_large(
@@ -689,11 +739,12 @@ def _route_large(
     """route beyond FUSED_MAX_PAIRS pairs: top-k over token blocks counting each block's pairs
     per expert (or, for precomputed ids, the count kernel over blocks of pairs), then the
     align kernel (beyond _SCATTER_SUMS_BLOCKS blocks) and the scatter. grouping:
-    (sorted_pairs, tiles, num_tiles, tile-count bound, narrow_tiles, narrow_t); experts: (E,
+    (sorted_pairs, tiles, num_tiles, tile-count bound, (narrow_tiles, full_tiles), narrow_t);
+    experts: (E,
     expert_offset, E_local).
     pdl (route's launch_dependents): each launch after the first, and the kernel after the
     router, start under programmatic dependent launch."""
-    sorted_pairs, tiles, num_tiles, n_tiles, narrow_tiles, narrow_t = grouping
+    sorted_pairs, tiles, num_tiles, n_tiles, (narrow_tiles, full_tiles), narrow_t = grouping
     num_experts, expert_offset, local = experts
     has_logits = router_logits is not None
     M, num_pairs = topk_ids.shape[0], topk_ids.shape[0] * top_k
@@ -774,6 +825,7 @@ def _route_large(
         num_tiles,
         n_tiles,
         narrow_tiles,
+        full_tiles,
         PAIRS=triton.next_power_of_2(block_pairs),
         BLOCK_M=block_m,
         BLOCK_E=block_el,

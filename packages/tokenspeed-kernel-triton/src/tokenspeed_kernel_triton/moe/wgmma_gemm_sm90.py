@@ -422,6 +422,7 @@ def fragment_gemm(
     half_bound: float = 0.0,
     row_scale: torch.Tensor | None = None,
     narrow_tiles: torch.Tensor | None = None,
+    full_tiles: torch.Tensor | None = None,
 ) -> None:
     """One grouped GEMM over the tiles of `routing` (routing.route with block_m = block_t).
 
@@ -459,7 +460,9 @@ def fragment_gemm(
     (fragment_epilogue_sm90.pair_rows_store).
 
     With config.narrow_t, narrow_tiles: routing.route's int32 [local experts], written with
-    the config's narrow_t; the launch of narrow tiles runs one CTA per expert and row block."""
+    the config's narrow_t; the launch of narrow tiles runs one CTA per expert and row block.
+    full_tiles (routing.route's, written with the same narrow_t): the other tiles, which the
+    warp-specialized kernel shares out where it runs."""
     if w.dim() == 3:
         w, w_scale = panel_view(w), panel_view(w_scale)
     if out_scale is not None and (not gemm1 or out.dtype == torch.float32):
@@ -479,6 +482,10 @@ def fragment_gemm(
         narrow_tiles is None or narrow_tiles.dtype != torch.int32 or narrow_tiles.dim() != 1
     ):
         raise ValueError("fragment_gemm: narrow_t needs narrow_tiles, int32 [local experts]")
+    if config.narrow_t and (
+        full_tiles is None or full_tiles.dtype != torch.int32 or full_tiles.dim() != 1
+    ):
+        raise ValueError("fragment_gemm: narrow_t needs full_tiles, int32 [1 + tile bound]")
     half_rows = not gemm1 and out.dtype == torch.float16
     if half_rows and (
         split_k != 1
@@ -549,8 +556,9 @@ def fragment_gemm(
     fits = dict(split_k=split_k, scaled=in_scale is not None)
     if warp_specialized_fits(config, a, w, gemm1, n_valid, **fits):
         warp_specialized_gemm(
-            a, w, scale_words, bias, out, routing, _lookup_tables(a.device), in_scale,
-            wide if half_rows else None, gemm1=gemm1, k_valid=k_valid, n_valid=n_valid,
+            a, w, scale_words, bias, out, routing, full_tiles if config.narrow_t else None,
+            _lookup_tables(a.device), in_scale, wide if half_rows else None, gemm1=gemm1,
+            k_valid=k_valid, n_valid=n_valid,
             alpha=alpha, limit=limit, out_scale=out_scale, wide_from_bits=wide_from_bits,
             config=config, constexprs=constexprs,
         )  # fmt: skip
