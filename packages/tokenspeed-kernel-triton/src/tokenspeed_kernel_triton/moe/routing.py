@@ -25,9 +25,9 @@ if its last tile is one, else -1, so that the launch's grid covers the experts r
 tile slot: CTAs of slots that hold no narrow tile start only as the full-tile launch's CTAs
 drain, and load and exit (H200, TP=8 shard at M=3072, where no tile is narrow: 285.4 against
 287.9 µs for a grid of 224 tile slots x 23 row blocks in GEMM2; docs/decisions.md). It also
-writes `full_tiles`: their count, then the indices of the other tiles in order, which the
-persistent kernel's CTAs share out (fragment_ws_sm90), so that no CTA takes a narrow tile's
-work items and holds none of them.
+writes `full_tiles`: the count of the other tiles, then their indices in order, which the
+persistent kernel's CTAs share out (fragment_ws_sm90): skipped in place among them, the
+narrow tiles' work items left the CTAs uneven shares of the real ones.
 
 Expert parallelism: the layer holds experts expert_offset .. expert_offset + E_local - 1 of the E
 the router ranks (ids stay global); tiles name the local expert (id - expert_offset), and the
