@@ -216,14 +216,13 @@ def _route(x, prepared, top_k, config, routing_inputs: dict, quant=None):
         prescale = (x, scaled, scratch("x_exponents", (M,), torch.int32, x.device))
         if quant is not None:
             prescale += (quant,)
+    bound = max_tiles(M * top_k, prepared["num_experts"], config.block_t)
     ready = None
     if config.tile_ready:
-        bound = max_tiles(M * top_k, prepared["num_experts"], config.block_t)
         ready = scratch("ready", (bound,), torch.int32, x.device)
     narrow_tiles = full_tiles = narrow = None
     if config.narrow_t:
         narrow_tiles = scratch("narrow_tiles", (prepared["num_experts"],), torch.int32, x.device)
-        bound = max_tiles(M * top_k, prepared["num_experts"], config.block_t)
         full_tiles = scratch("full_tiles", (1 + bound,), torch.int32, x.device)
         narrow = (narrow_tiles, config.narrow_t, full_tiles)
     routing, ids_to_check = route_for_gemms(

@@ -556,9 +556,8 @@ def fragment_gemm(
     fits = dict(split_k=split_k, scaled=in_scale is not None)
     if warp_specialized_fits(config, a, w, gemm1, n_valid, **fits):
         warp_specialized_gemm(
-            a, w, scale_words, bias, out, routing, full_tiles if config.narrow_t else None,
-            _lookup_tables(a.device), in_scale, wide if half_rows else None, gemm1=gemm1,
-            k_valid=k_valid, n_valid=n_valid,
+            a, w, scale_words, bias, out, routing, full_tiles, _lookup_tables(a.device),
+            in_scale, wide if half_rows else None, gemm1=gemm1, k_valid=k_valid, n_valid=n_valid,
             alpha=alpha, limit=limit, out_scale=out_scale, wide_from_bits=wide_from_bits,
             config=config, constexprs=constexprs,
         )  # fmt: skip
