@@ -751,7 +751,9 @@ def test_wgmma_warp_specialized_gemms_change_nothing():
     chunks and the whole layer's 23, into float32 pair rows, and with half_pair_rows into the
     TP=4 and TP=8 shards' fp16 ones (each consumer staging its tile, a 3-step ring). On 132
     SMs GEMM2's 12 blocks and the TP shards' GEMM1 blocks turn by the tile across the
-    persistent CTAs (rotates_row_blocks); the whole layer's 23 GEMM1 blocks do not."""
+    persistent CTAs (rotates_row_blocks); the whole layer's 23 GEMM1 blocks do not. With
+    narrow_t they stride over routing's list of the other tiles (full_tiles; at M=300 with
+    narrow_t 32 an empty one), without it over every tile."""
     config = MoEConfig(**GPT_OSS_120B, weight_format="mxfp4", activation_format="bf16")
     spec = get_kernel("moe_apply", HOPPER)
     if spec.platforms[0].mismatch(platform_of(torch.device("cuda"))):
