@@ -451,9 +451,9 @@ def rotates_row_blocks(grid: int, row_blocks: int) -> bool:
     the blocks of one residue class where the grid and a tile's blocks share a factor: H =
     2880's 12 blocks on 132 SMs give every CTA one block, and the 11 CTAs holding the last
     (a quarter real rows, its second consumer idle) run only those and end early while the
-    others run full ones. Where they share none the stride already turns the blocks; turning
-    them again reshuffled the few items of expert-parallel ranks (H200, EP=8 M=4096, narrow
-    tiles' items then still skipped in place: 3.4% slower)."""
+    others run full ones. Where they share none the stride already turns the blocks, and
+    turning them again only reshuffles expert-parallel ranks' few items (H200, EP=8 M=4096,
+    measured over every tile: 3.4% slower; docs/decisions.md)."""
     return math.gcd(grid, row_blocks) > 1
 
 
@@ -496,9 +496,8 @@ def warp_specialized_gemm(
     """GEMM1 + bias + SwiGLU, or GEMM2 + bias and routing weight, over the routing tiles of more
     than config.narrow_t tokens, as wgmma_gemm_sm90.fragment_gemm computes them (its checked
     operands; `constexprs` its kernel's call-dependent ones). With config.narrow_t,
-    full_tiles: routing.route's list of the tiles past it, whose items the CTAs share out."""
-    if config.narrow_t and full_tiles is None:
-        raise ValueError("warp_specialized_gemm: narrow_t needs routing's full_tiles")
+    full_tiles: routing.route's list of the tiles past it, whose items the CTAs share out
+    (fragment_gemm checks it)."""
     N, K = w.shape[1] * w.shape[2], w.shape[3] * 128
     topk_weights, sorted_pairs, tiles, num_tiles, max_tiles, top_k = routing
     grid = min(_sm_count(a.device), max_tiles * -(-n_valid // CTA_ROWS))
